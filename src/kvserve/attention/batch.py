@@ -1,0 +1,31 @@
+"""AttentionBatch: what one engine step tells every attention layer about its flat token batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """Tokens are packed flat: first one token per decoding sequence, then each prefill's tokens.
+
+    A prefill computes `query_lens[i]` new tokens on top of `context_lens[i] - query_lens[i]`
+    tokens already in the cache (a chunk of a long prompt, or nothing for a fresh prompt).
+    """
+
+    num_decodes: int
+    slot_mapping: torch.Tensor | None          # [tokens] cache slot of each new token; None: no cache
+    block_tables: torch.Tensor | None          # [seqs, max_blocks] page ids, padded with 0
+    context_lens: torch.Tensor                 # [seqs] tokens attended to, new ones included
+    query_lens: list[int]                      # [seqs] new tokens per sequence
+    context_lens_list: list[int]               # context_lens as Python ints (for shapes)
+    has_prefix: bool                           # some prefill attends to tokens cached earlier
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.query_lens) - self.num_decodes

@@ -1,0 +1,84 @@
+"""The default CPU path: torch SDPA over padded batches, reading K/V through the block tables."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.batch import AttentionBatch
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """K or V pages [blocks, block_size, KVH, D] of each sequence as [seqs, max_len, KVH, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    pages = cache[block_tables[:, :num_blocks]]                  # [seqs, nb, bs, KVH, D]
+    return pages.flatten(1, 2)[:, :max_len]
+
+
+def _pad(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Flat [T, H, D] -> [B, H, L, D], padded at the end of each sequence."""
+    if len(set(lens)) == 1:
+        return x.view(len(lens), lens[0], *x.shape[1:]).transpose(1, 2)
+    padded = torch.nn.utils.rnn.pad_sequence(list(x.split(lens)), batch_first=True)
+    return padded.transpose(1, 2)
+
+
+def _unpad(out: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """[B, H, L, D] -> flat [T, H, D]."""
+    out = out.transpose(1, 2)
+    if len(set(lens)) == 1:
+        return out.reshape(-1, *out.shape[2:])
+    return torch.cat([o[:n] for o, n in zip(out, lens)])
+
+
+class SdpaBackend:
+    """Decode: one query per sequence against its pages; prefill: causal SDPA, padded per batch."""
+
+    name = "sdpa"
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        nd = batch.num_decodes
+        parts = []
+        if nd:
+            parts.append(self._decode(q[:nd], k_cache, v_cache, batch, scale))
+        if batch.num_prefills:
+            if batch.has_prefix:
+                parts.append(self._prefill_paged(q[nd:], k_cache, v_cache, batch, scale))
+            else:
+                parts.append(self._prefill(q[nd:], k[nd:], v[nd:], batch.query_lens[nd:], scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        nd = batch.num_decodes
+        max_len = max(batch.context_lens_list[:nd])
+        tables, lens = batch.block_tables[:nd], batch.context_lens[:nd]
+        keys = gather_context(k_cache, tables, max_len).transpose(1, 2)     # [B, KVH, L, D]
+        values = gather_context(v_cache, tables, max_len).transpose(1, 2)
+        mask = (torch.arange(max_len, device=q.device) < lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                             scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k, v, lens: list[int], scale: float) -> torch.Tensor:
+        # Right padding keeps is_causal exact for every real query: it only sees earlier keys.
+        out = F.scaled_dot_product_attention(_pad(q, lens), _pad(k, lens), _pad(v, lens),
+                                             is_causal=True, scale=scale, enable_gqa=True)
+        return _unpad(out, lens)
+
+    @staticmethod
+    def _prefill_paged(q, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        nd = batch.num_decodes
+        q_lens, ctx = batch.query_lens[nd:], batch.context_lens_list[nd:]
+        tables = batch.block_tables[nd:]
+        max_len = max(ctx)
+        keys = gather_context(k_cache, tables, max_len).transpose(1, 2)
+        values = gather_context(v_cache, tables, max_len).transpose(1, 2)
+        qp = _pad(q, q_lens)
+        offsets = torch.tensor([c - n for c, n in zip(ctx, q_lens)], device=q.device)
+        q_pos = torch.arange(qp.shape[2], device=q.device)[None, :] + offsets[:, None]
+        mask = torch.arange(max_len, device=q.device)[None, None, :] <= q_pos[:, :, None]
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask[:, None],
+                                             scale=scale, enable_gqa=True)
+        return _unpad(out, q_lens)

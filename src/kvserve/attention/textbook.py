@@ -1,0 +1,38 @@
+"""The textbook recipe: materialize softmax(Q Kᵀ / √d) per sequence. The reference for every kernel."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.paged import gather_context
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           q_offset: int = 0) -> torch.Tensor:
+    """Causal attention of q [Lq, H, D] at positions q_offset.. over k, v [Lk, KVH, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()   # [H, Lk, D]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+    scores = q.transpose(0, 1).float() @ k.transpose(1, 2) * scale   # [H, Lq, Lk]: the L x L matrix
+    q_pos = torch.arange(q.shape[0], device=q.device)[:, None] + q_offset
+    k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+
+
+class TextbookBackend:
+    name = "textbook"
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens_list)):
+            end = start + q_len
+            if k_cache is None:
+                keys, values = k[start:end], v[start:end]
+            else:
+                keys = gather_context(k_cache, batch.block_tables[i:i + 1], ctx_len)[0]
+                values = gather_context(v_cache, batch.block_tables[i:i + 1], ctx_len)[0]
+            out[start:end] = attend(q[start:end], keys, values, scale, ctx_len - q_len)
+            start = end
+        return out

@@ -1,0 +1,85 @@
+"""The `kvserve` command: generate | bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The LLM(...) options, as flags shared by every subcommand that builds an engine."""
+    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the bundled demo model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="bytes, or a size such as 2GiB")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--cache-mode", default="paged", choices=CACHE_MODES)
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
+            "max_num_seqs", "max_num_batched_tokens", "cache_mode", "attention_backend"]
+    return {k: getattr(args, k) for k in keys}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed, stop=args.stop or None)
+    engine = llm.engine
+    engine.add_request("cli", args.prompt, params)
+    printed = 0
+    if args.stream:
+        sys.stdout.write(args.prompt)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if args.stream:
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+            elif out.finished:
+                sys.stdout.write(args.prompt + out.outputs[0].text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="A KV-cache-centric LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    from kvserve.bench import add_bench_parser
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from itertools import count
+
+import torch
+
+from kvserve.attention import get_backend
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.detokenizer import detokenize_step
+from kvserve.engine.runner import ModelRunner
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.sequence import Sequence
+from kvserve.kv import KVCacheManager, KVSpec, KVStorage
+from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling import Logprob, Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_config = mcfg = ModelConfig.from_path(self.model_path)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = choose_dtype(config.dtype, mcfg, self.device)
+        self.max_model_len = self._max_model_len(config, mcfg)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = self._eos_ids()
+        self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len)
+        self.kv_spec = KVSpec.from_model(mcfg, self.dtype)
+        self.cache_config, self.kv, storage = self._init_cache(config)
+        batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
+        if config.cache_mode == "none":
+            batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
+        self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark)
+        self.runner = ModelRunner(self.model, storage, self.kv.block_tables if self.kv else {},
+                                  get_backend(config.attention_backend, self.device), self.device)
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = count()
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
+        limit = mcfg.max_position_embeddings
+        if mcfg.sliding_window:   # past the window the model attends locally; we attend fully
+            limit = min(limit, mcfg.sliding_window)
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of "
+                             f"{limit} positions")
+        return config.max_model_len
+
+    def _init_cache(self, config: EngineConfig):
+        if config.cache_mode == "none":
+            return CacheConfig(cache_mode="none"), None, None
+        # contiguous: the same pool, with one block holding a whole max_model_len context
+        block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
+        cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
+        num_blocks = cache.num_kv_blocks
+        if num_blocks is None:
+            memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            num_blocks = self.kv_spec.num_blocks_for(memory, block_size)
+            if cache.kv_cache_memory is None:   # the default need not exceed what could ever be used
+                num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // block_size))
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} "
+                                 f"tokens ({self.kv_spec.bytes_per_block(block_size)} bytes)")
+        cache.num_kv_blocks = num_blocks
+        storage = KVStorage(self.kv_spec, num_blocks, block_size, self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
+                 storage.kv.numel() * storage.kv.element_size() / 2**20)
+        return cache, KVCacheManager(num_blocks, block_size), storage
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen = self.model_path / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set([eos] if isinstance(eos, int) else eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None) -> Sequence:
+        """Validate and queue one request; a bad request raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        self._check_fits(len(ids), max_tokens)
+        gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
+        seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(), gen)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        return text, ids
+
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        total = prompt_len + max_tokens
+        if max_tokens < 1 or total > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        if self.kv is not None and self.kv.blocks_for(total) > self.kv.num_blocks:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
+                             f"{self.kv.blocks_for(total)} KV blocks of {self.kv.block_size} tokens; "
+                             f"the whole pool has {self.kv.num_blocks}")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks return to the pool at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the requests that gained tokens."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        logits, rows = self.runner.run(sched)
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            if self.kv is not None:
+                seq.num_computed_tokens += n
+        seqs = [sched.seqs[r] for r in rows]
+        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        outputs = []
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            self._append(seq, token, lp)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if logprobs is not None:
+            seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                 for t, (lp, rank) in logprobs.items()})
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", token)
+        if token in p.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        delta = detokenize_step(self.tokenizer, seq)
+        if p.stop and delta and self._stop_string(seq, len(delta)):
+            return None
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _stop_string(self, seq: Sequence, delta_len: int) -> bool:
+        """Cut the text at the first stop string that the new text completes."""
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, len(seq.output_text) - delta_len - longest + 1)
+        hits = [(i, s) for s in seq.params.stop if (i := seq.output_text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        seq.output_text = seq.output_text[:i]
+        self._finish(seq, "stop", s)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason,
+                                      seq.logprobs, seq.stop_reason)
+        metrics = {"arrival_time": seq.arrival_time}
+        if seq.first_token_time is not None:
+            metrics["first_token_time"] = seq.first_token_time
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
+                             seq.is_finished, metrics=metrics)
+
+    def stats(self) -> dict:
+        kv = self.kv
+        return {
+            "cache_mode": self.cache_config.cache_mode,
+            "kv_blocks_total": kv.num_blocks if kv else 0,
+            "kv_blocks_free": kv.num_free_blocks if kv else 0,
+            "kv_block_size": kv.block_size if kv else 0,
+            "kv_bytes_per_token": self.kv_spec.bytes_per_token,
+            "kv_cache_bytes": kv.num_blocks * self.kv_spec.bytes_per_block(kv.block_size) if kv else 0,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "max_model_len": self.max_model_len,
+        }

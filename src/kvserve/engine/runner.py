@@ -1,0 +1,78 @@
+"""ModelRunner: turns a scheduled step into flat tensors, runs the model, returns last-token logits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention import AttentionBatch
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kv.storage import KVStorage
+from kvserve.model.decoder import CausalLM
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: AttentionBatch
+    logits_indices: torch.Tensor   # flat index of the last token of each sequence that samples
+    sample_rows: list[int]         # which scheduled sequences sample this step
+
+
+class ModelRunner:
+    """`block_tables` is the cache manager's live map seq_id -> block ids (empty with no cache)."""
+
+    def __init__(self, model: CausalLM, storage: KVStorage | None, block_tables: dict[int, list[int]],
+                 backend, device: torch.device):
+        self.model = model
+        self.storage = storage
+        self.block_tables = block_tables
+        self.backend = backend
+        self.device = device
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        input_ids, starts, q_lens, ctx_lens, logits_indices, sample_rows = [], [], [], [], [], []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            starts.append(start)
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            if start + n == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sample_rows.append(i)
+        dev = self.device
+        q_lens_t = torch.tensor(q_lens, device=dev)
+        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens_t)
+        cu = torch.cumsum(q_lens_t, 0) - q_lens_t
+        positions = torch.tensor(starts, device=dev)[rows] + torch.arange(len(input_ids), device=dev) - cu[rows]
+        block_tables = slot_mapping = None
+        if self.storage is not None:
+            tables = [self.block_tables[s.seq_id] for s in sched.seqs]
+            width = max(len(t) for t in tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+            bs = self.storage.block_size
+            slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs
+        nd = sched.num_decodes
+        batch = AttentionBatch(
+            num_decodes=nd,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=torch.tensor(ctx_lens, device=dev),
+            query_lens=q_lens,
+            context_lens_list=ctx_lens,
+            has_prefix=any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
+        )
+        return StepInputs(torch.tensor(input_ids, device=dev), positions, batch,
+                          torch.tensor(logits_indices, device=dev, dtype=torch.long), sample_rows)
+
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Logits [sampling seqs, vocab] of the step, and the rows of `sched.seqs` they belong to."""
+        if self.storage is not None:
+            self.storage.copy_blocks(sched.block_copies)
+        inputs = self.prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.backend, self.storage)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return logits, inputs.sample_rows

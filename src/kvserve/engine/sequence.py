@@ -1,0 +1,66 @@
+"""Sequence: one request's tokens, progress through the cache, and output text."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.sampling import Logprob, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache; the rest of token_ids is computed by the next steps.
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    # incremental detokenization
+    output_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+        self.read_offset = len(self.prompt_token_ids)
+        self.prefix_offset = max(self.read_offset - 5, 0)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,74 @@
+"""KVCacheManager: one block table per sequence over a shared BlockPool."""
+from __future__ import annotations
+
+from kvserve.kv.blocks import BlockPool, NoFreeBlocksError
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates, grows, forks and frees the block tables of sequences."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.block_tables: dict[int, list[int]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def num_new_blocks(self, seq_id: int, num_computed: int, num_new: int) -> int:
+        """Blocks `allocate` would take from the pool for this write, copies included."""
+        table = self.block_tables.get(seq_id, [])
+        total = num_computed + num_new
+        grow = max(0, self.blocks_for(total) - len(table))
+        first, last = num_computed // self.block_size, min(len(table), self.blocks_for(total))
+        shared = sum(1 for b in table[first:last] if self.pool.ref_counts[b] > 1)
+        return grow + shared
+
+    def allocate(self, seq_id: int, num_computed: int, num_new: int) -> list[tuple[int, int]]:
+        """Make room for tokens [num_computed, num_computed + num_new) of a sequence.
+
+        Shared blocks in that range are replaced by private copies (copy-on-write); the returned
+        (src, dst) pairs are the page copies the storage must perform before the write.
+        """
+        needed = self.num_new_blocks(seq_id, num_computed, num_new)
+        if needed > self.pool.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, "
+                                    f"{self.pool.num_free} free")
+        table = self.block_tables.setdefault(seq_id, [])
+        copies = []
+        first = num_computed // self.block_size
+        last = min(len(table), self.blocks_for(num_computed + num_new))
+        for i in range(first, last):
+            if self.pool.ref_counts[table[i]] > 1:
+                (dst,) = self.pool.allocate(1)
+                self.pool.decref(table[i])
+                copies.append((table[i], dst))
+                table[i] = dst
+        table.extend(self.pool.allocate(self.blocks_for(num_computed + num_new) - len(table)))
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give `child_id` the parent's blocks, shared by reference count."""
+        if child_id in self.block_tables:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        table = self.block_tables.get(parent_id, [])
+        for b in table:
+            self.pool.incref(b)
+        self.block_tables[child_id] = list(table)
+
+    def free(self, seq_id: int) -> None:
+        """Return a sequence's blocks; shared blocks stay with their other owners."""
+        for b in reversed(self.block_tables.pop(seq_id, [])):
+            self.pool.decref(b)

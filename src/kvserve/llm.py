@@ -1,0 +1,78 @@
+"""LLM: the offline API, named after vLLM's."""
+from __future__ import annotations
+
+from itertools import count
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._request_ids = count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Completions for every prompt, in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        if chat_template is None and not tok.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
+                                           chat_template=chat_template)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, requests: list[tuple[PromptType, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params in requests:
+                rid = str(next(self._request_ids))
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2)
+        while len(finished) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[rid] for rid in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()

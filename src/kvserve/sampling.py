@@ -1,0 +1,134 @@
+"""SamplingParams and the batched sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop (vLLM's names and defaults)."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or (self.top_k and self.top_k < 1):
+            raise ValueError(f"top_k must be 0 (off) or a positive integer, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _EPS
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per sequence: {token_id: (logprob, rank)} for the sampled token and the top-k, or None
+    logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=list)
+
+
+class Sampler:
+    """Samples one token per row of logits [B, V], with each row's own parameters and generator."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SampleResult:
+        logits = logits.float()
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(-1)
+        if not greedy.all():
+            tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(logits, token_list, params))
+
+    def _sample(self, logits, params, generators) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+        logits = logits / temp[:, None]
+        if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
+            logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        probs = logits.softmax(-1)
+        if any(p.min_p for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0)
+        # argmax(p / E) with E ~ Exp(1) samples from p; each seeded row draws from its own generator
+        # so that its tokens do not depend on what else is in the batch.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(-1)
+
+    @staticmethod
+    def _logprobs(logits, tokens: list[int], params) -> list[dict[int, tuple[float, int]] | None]:
+        wanted = [p.logprobs for p in params]
+        if all(k is None for k in wanted):
+            return [None] * len(params)
+        logp = logits.log_softmax(-1)
+        k_max = max(k or 0 for k in wanted)
+        top_vals, top_ids = logp.topk(k_max, dim=-1) if k_max else (None, None)
+        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)]
+        ranks = (logp > chosen[:, None]).sum(-1) + 1
+        out = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                out.append(None)
+                continue
+            entry = {tokens[i]: (chosen[i].item(), int(ranks[i]))}
+            for r in range(k):
+                entry.setdefault(int(top_ids[i, r]), (top_vals[i, r].item(), r + 1))
+            out.append(entry)
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.tensor([t if t else vocab for t in top_k], device=logits.device).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    drop |= (mass_before >= p) & (p < 1)
+    drop[:, 0] = False
+    return logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
