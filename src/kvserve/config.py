@@ -65,6 +65,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     qk_norm: bool
     torch_dtype: torch.dtype | None
     sliding_window: int | None = None
@@ -108,6 +110,8 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; the others say so in attention_bias.
             qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            o_bias=arch != "Qwen2ForCausalLM" and cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
             qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=_DTYPES.get(cfg.get("torch_dtype") or cfg.get("dtype") or "", None),
             sliding_window=sliding,

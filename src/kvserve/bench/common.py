@@ -1,0 +1,137 @@
+"""What the benches share: a random-weight Llama checkpoint, timers, the machine's measured limits, output."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ModelConfig
+from kvserve.sampling import SamplingParams
+
+# bench flag -> LlamaConfig field, with the default shape (about 23M parameters besides the embeddings)
+SHAPE_FIELDS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size"}
+DEFAULT_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
+                 "num_kv_heads": 2, "vocab_size": 32000}
+_BOS, _EOS, _PAD = 0, 1, 2
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--hidden-size, --num-layers, ...: the shape of the random-weight Llama the bench builds."""
+    for name, default in DEFAULT_SHAPE.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help=f"of the random-weight Llama (default {default})")
+
+
+def model_shape(args: argparse.Namespace) -> dict[str, int]:
+    return {name: getattr(args, name) for name in DEFAULT_SHAPE}
+
+
+def describe_shape(shape: dict[str, int]) -> str:
+    return ("Llama hidden {hidden_size}, {num_layers} layers, {num_heads} heads ({num_kv_heads} KV), "
+            "intermediate {intermediate_size}, vocab {vocab_size}".format(**shape))
+
+
+def make_tokenizer():
+    """A byte-level BPE trained on a few lines: the benches feed token ids, so any tokenizer will do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def make_checkpoint(path: Path, shape: dict[str, int], max_positions: int,
+                    dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+    """Save a Llama of `shape` with seeded random weights, and a tokenizer, as a Hugging Face checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{SHAPE_FIELDS[k]: v for k, v in shape.items()}, max_position_embeddings=max_positions,
+                      bos_token_id=_BOS, eos_token_id=_EOS, pad_token_id=_PAD, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).to(dtype).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return Path(path)
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` random token ids, past the special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(_PAD + 1, vocab_size, (n, length), generator=g).tolist()
+
+
+def pick_device(device: str | None) -> torch.device:
+    """The engine's own default: cuda when present."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of fn, device work included."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def step_times(engine, prompt: list[int], tokens: int, request_id: str = "bench") -> list[float]:
+    """Seconds of each engine step of one greedy request; step i yields generated token i + 1."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def matmul_rate(dtype: torch.dtype, m: int, k: int, n: int, device: torch.device, repeats: int = 5) -> float:
+    """FLOP/s of x[m, k] @ w[n, k].T, laid out like nn.Linear, best of `repeats` after a warm-up."""
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device)
+    F.linear(x, w)
+    return 2 * m * k * n / min(timed(lambda: F.linear(x, w), device) for _ in range(repeats))
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s read by summing a float32 tensor much larger than the caches, best of `repeats`."""
+    x = torch.ones(nbytes // 4, device=device)
+    x.sum()
+    return nbytes / min(timed(x.sum, device) for _ in range(repeats))
+
+
+def linear_params(cfg: ModelConfig) -> tuple[int, int]:
+    """Weights of the decoder layers' linear layers, and of lm_head (the embedding table is only indexed)."""
+    attn = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * (attn + mlp), cfg.hidden_size * cfg.vocab_size
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    """Columns left-aligned to their widest cell."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    for row in [headers, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())

@@ -1,0 +1,253 @@
+"""Generated tokens/s of a batch of requests, ours vs transformers generate, and vs this machine's limits.
+
+The limit is a lower bound on the batch's time from two measured rates: the matmul rate (FLOP/s) and the
+memory read bandwidth (bytes/s). Prefill and decode run as separate steps, and every step reads all the
+weights once, so each phase takes at least the slower of its FLOPs at the matmul rate and its weight reads
+at the bandwidth: limit = max(prefill) + max(decode). Batch-1 decode is bound by the weight reads alone.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.bench.common import (add_model_args, describe_shape, linear_params, make_checkpoint, matmul_rate,
+                                  model_shape, pick_device, print_table, random_prompts, read_bandwidth,
+                                  step_times, sync, write_json)
+from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
+from kvserve.llm import LLM
+from kvserve.sampling import SamplingParams
+
+NAME = "throughput"
+DTYPES = ("float32", "bfloat16")
+TARGET_RATIO_VS_HF = 1.5
+TARGET_FRACTION_OF_LIMIT = 0.70
+TARGET_BATCH1_FRACTION = 0.85
+_WARMUP_TOKENS = 4
+
+
+@dataclass
+class Workload:
+    requests: int
+    prompt_len: int
+    tokens: int
+    batch1_prompt_len: int
+    batch1_tokens: int
+    repeats: int
+
+    @property
+    def max_len(self) -> int:
+        return max(self.prompt_len + self.tokens, self.batch1_prompt_len + self.batch1_tokens)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="one dtype (default: both)")
+    p.add_argument("--requests", type=int, default=None, help="requests in the batch (default 64; quick: 16)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=None, help="generated per request (default 128; quick: 32)")
+    p.add_argument("--batch1-prompt-len", type=int, default=16)
+    p.add_argument("--batch1-tokens", type=int, default=None, help="batch-1 decode tokens (default 128; quick: 32)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each side; the median is reported")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --requests")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for every request at once")
+    p.add_argument("--kv-cache-memory", default=None, help="bytes, or a size such as 2GiB (instead of --num-kv-blocks)")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    add_model_args(p)
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    w = Workload(args.requests or (16 if args.quick else 64), args.prompt_len, args.tokens or (32 if args.quick else 128),
+                 args.batch1_prompt_len, args.batch1_tokens or (32 if args.quick else 128), args.repeats)
+    if min(w.tokens, w.batch1_tokens) < 2 or min(w.requests, w.prompt_len, w.batch1_prompt_len, w.repeats) < 1:
+        raise ValueError("--tokens and --batch1-tokens must be at least 2; requests, prompt lengths, repeats >= 1")
+    return w
+
+
+def engine_kwargs(args: argparse.Namespace, w: Workload, dtype: str, device: torch.device) -> dict:
+    blocks = args.num_kv_blocks
+    if blocks is None and args.kv_cache_memory is None:
+        per_seq = -(-(w.prompt_len + w.tokens) // args.block_size)
+        blocks = max(w.requests * per_seq, -(-w.max_len // args.block_size))
+    return dict(dtype=dtype, device=str(device), max_model_len=w.max_len, block_size=args.block_size,
+                num_kv_blocks=blocks, kv_cache_memory=args.kv_cache_memory,
+                max_num_seqs=args.max_num_seqs or w.requests, max_num_batched_tokens=args.max_num_batched_tokens,
+                attention_backend=args.attention_backend)
+
+
+def ours_batch(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
+    """Generated tokens and seconds of LLM.generate over all prompts."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
+
+
+def ours_batch1(llm: LLM, prompt: list[int], tokens: int) -> float:
+    """Decode tokens/s of one request: the steps after the first, which prefills the prompt."""
+    times = step_times(llm.engine, prompt, tokens, "batch1")
+    return (len(times) - 1) / sum(times[1:])
+
+
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+
+
+def hf_generate(model, prompts: list[list[int]], tokens: int, device: torch.device, **kwargs) -> torch.Tensor:
+    """Greedy generate of exactly `tokens` new tokens per prompt (EOS is held off), as one static batch."""
+    ids = torch.tensor(prompts, device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+                         min_new_tokens=tokens, **kwargs)
+    sync(device)
+    return out[:, ids.shape[1]:]
+
+
+def hf_batch(model, prompts: list[list[int]], tokens: int, device: torch.device) -> tuple[int, float]:
+    start = time.perf_counter()
+    out = hf_generate(model, prompts, tokens, device)
+    return out.numel(), time.perf_counter() - start
+
+
+class TokenClock:
+    """A generate() streamer that notes when each put() arrives: first the prompt, then each new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        value.cpu()      # waits for the device
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_batch1(model, prompt: list[int], tokens: int, device: torch.device) -> float:
+    """Decode tokens/s of one prompt: from the first new token to the last."""
+    clock = TokenClock()
+    hf_generate(model, [prompt], tokens, device, streamer=clock)
+    return (len(clock.times) - 2) / (clock.times[-1] - clock.times[1])
+
+
+def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, bandwidth: float) -> dict:
+    """Lower bounds (s) on the batch's time, and the batch-1 decode rate the bandwidth allows."""
+    layers, head = linear_params(cfg)
+    weight_bytes = (layers + head) * dtype.itemsize
+    attn = 4 * cfg.q_size * cfg.num_layers       # QK^T and PV FLOPs per (query, key) pair
+    p, t, r = w.prompt_len, w.tokens, w.requests
+    # prefill computes the prompt and samples the first token; t - 1 decode steps follow
+    prefill_flops = r * (2 * layers * p + 2 * head + attn * p * (p + 1) // 2)
+    decode_flops = r * ((t - 1) * 2 * (layers + head) + attn * ((p + t - 1) * (p + t) - p * (p + 1)) // 2)
+    step_read_s = weight_bytes / bandwidth
+    return {
+        "workload_flops": prefill_flops + decode_flops,
+        "weight_bytes": weight_bytes,
+        "compute_limit_s": (prefill_flops + decode_flops) / flop_s,
+        "memory_limit_s": t * step_read_s,
+        "limit_s": max(prefill_flops / flop_s, step_read_s) + max(decode_flops / flop_s, (t - 1) * step_read_s),
+        "batch1_limit_tok_s": 1 / step_read_s,
+    }
+
+
+def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: argparse.Namespace,
+                device: torch.device, bandwidth: float) -> dict:
+    """Ours and transformers on the same prompts, alternating runs; medians of `w.repeats`."""
+    torch_dtype = parse_dtype(dtype)
+    prompts = random_prompts(w.requests, w.prompt_len, cfg.vocab_size)
+    prompt1 = random_prompts(1, w.batch1_prompt_len, cfg.vocab_size, seed=1)[0]
+    llm = LLM(str(path), **engine_kwargs(args, w, dtype, device))
+    hf = load_hf(path, torch_dtype, device)
+    ours_batch(llm, prompts, _WARMUP_TOKENS)
+    hf_batch(hf, prompts, _WARMUP_TOKENS, device)
+    ours_runs, hf_runs = [], []
+    for _ in range(w.repeats):
+        ours_runs.append(ours_batch(llm, prompts, w.tokens))
+        hf_runs.append(hf_batch(hf, prompts, w.tokens, device))
+    ours_batch1(llm, prompt1, _WARMUP_TOKENS)
+    hf_batch1(hf, prompt1, _WARMUP_TOKENS, device)
+    batch1 = [(ours_batch1(llm, prompt1, w.batch1_tokens), hf_batch1(hf, prompt1, w.batch1_tokens, device))
+              for _ in range(w.repeats)]
+    prefill_tokens = min(w.requests * w.prompt_len, llm.engine.scheduler_config.max_num_batched_tokens)
+    flop_s = matmul_rate(torch_dtype, prefill_tokens, cfg.hidden_size, 2 * cfg.intermediate_size, device)
+    lim = limits(cfg, w, torch_dtype, flop_s, bandwidth)
+    ours_s = statistics.median(s for _, s in ours_runs)
+    ours_tok_s = ours_runs[0][0] / ours_s
+    hf_tok_s = hf_runs[0][0] / statistics.median(s for _, s in hf_runs)
+    batch1_tok_s = statistics.median(o for o, _ in batch1)
+    return {
+        "ours_tok_s": ours_tok_s,
+        "hf_tok_s": hf_tok_s,
+        "ratio_vs_hf": ours_tok_s / hf_tok_s,
+        "fraction_of_limit": lim["limit_s"] / ours_s,
+        "ours_s": ours_s,
+        "generated_tokens": ours_runs[0][0],
+        "hf_generated_tokens": hf_runs[0][0],
+        "matmul_flop_s": flop_s,
+        **lim,
+        "batch1_tok_s": batch1_tok_s,
+        "hf_batch1_tok_s": statistics.median(h for _, h in batch1),
+        "batch1_fraction_of_bandwidth_limit": batch1_tok_s / lim["batch1_limit_tok_s"],
+        "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
+                 "batch1_tok_s": [o for o, _ in batch1], "hf_batch1_tok_s": [h for _, h in batch1]},
+    }
+
+
+def _vs_target(value: float, target: float, text: str) -> str:
+    return f"{text} ({'met' if value >= target else 'NOT met'})"
+
+
+def report(results: dict[str, dict]) -> None:
+    rows = [
+        ["generated tok/s, kvserve", lambda r: f"{r['ours_tok_s']:.1f}", ""],
+        ["generated tok/s, transformers", lambda r: f"{r['hf_tok_s']:.1f}", ""],
+        ["kvserve / transformers", lambda r: _vs_target(r["ratio_vs_hf"], TARGET_RATIO_VS_HF,
+                                                         f"{r['ratio_vs_hf']:.2f}x"),
+         f">= {TARGET_RATIO_VS_HF}x"],
+        ["matmul GFLOP/s (measured)", lambda r: f"{r['matmul_flop_s'] / 1e9:.1f}", ""],
+        ["limit s: compute | memory", lambda r: f"{r['compute_limit_s']:.3f} | {r['memory_limit_s']:.3f}", ""],
+        ["limit s (per phase) | kvserve s", lambda r: f"{r['limit_s']:.3f} | {r['ours_s']:.3f}", ""],
+        ["fraction of limit", lambda r: _vs_target(r["fraction_of_limit"], TARGET_FRACTION_OF_LIMIT,
+                                                    f"{r['fraction_of_limit']:.0%}"),
+         f">= {TARGET_FRACTION_OF_LIMIT:.0%}"],
+        ["batch-1 decode tok/s, kvserve", lambda r: f"{r['batch1_tok_s']:.1f}", ""],
+        ["batch-1 decode tok/s, transformers", lambda r: f"{r['hf_batch1_tok_s']:.1f}", ""],
+        ["batch-1 bandwidth limit tok/s", lambda r: f"{r['batch1_limit_tok_s']:.1f}", ""],
+        ["batch-1 fraction of limit", lambda r: _vs_target(r["batch1_fraction_of_bandwidth_limit"],
+                                                            TARGET_BATCH1_FRACTION,
+                                                            f"{r['batch1_fraction_of_bandwidth_limit']:.0%}"),
+         f">= {TARGET_BATCH1_FRACTION:.0%}"],
+    ]
+    print_table(["", *results, "target"], [[name, *(f(r) for r in results.values()), target]
+                                           for name, f, target in rows])
+
+
+def run(args: argparse.Namespace) -> int:
+    w = workload(args)
+    shape = model_shape(args)
+    device = pick_device(args.device)
+    dtypes = [args.dtype] if args.dtype else list(DTYPES)
+    print(f"throughput: {w.requests} requests x ({w.prompt_len} prompt + {w.tokens} generated) tokens; "
+          f"batch-1: {w.batch1_prompt_len} prompt + {w.batch1_tokens} generated; median of {w.repeats}; "
+          f"{describe_shape(shape)}; {device}, {torch.get_num_threads()} threads")
+    bandwidth = read_bandwidth(device)
+    print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
+        path = make_checkpoint(Path(tmp), shape, w.max_len)
+        cfg = ModelConfig.from_path(path)
+        results = {dtype: bench_dtype(path, cfg, dtype, w, args, device, bandwidth) for dtype in dtypes}
+    report(results)
+    write_json(args.json_path, {"workload": asdict(w), "model": shape, "device": str(device),
+                                "read_bandwidth_bytes_s": bandwidth,
+                                "targets": {"ratio_vs_hf": TARGET_RATIO_VS_HF,
+                                            "fraction_of_limit": TARGET_FRACTION_OF_LIMIT,
+                                            "batch1_fraction_of_bandwidth_limit": TARGET_BATCH1_FRACTION},
+                                **results})
+    return 0

@@ -1,0 +1,150 @@
+"""The engine: continuous batching equals running alone, in every cache mode, under preemption."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from tiny_models import make_checkpoint
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("engine"), "llama", max_position_embeddings=128)
+
+
+def mixed_prompts(n: int = 9) -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    lens = [1, 2, 3, 4, 5, 8, 13, 17, 31, 2, 9, 20][:n]
+    return [{"prompt_token_ids": torch.randint(3, 384, (k,), generator=g).tolist()} for k in lens]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def alone(ckpt) -> list[list[int]]:
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, max_num_seqs=1)
+    return [tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in mixed_prompts()]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(cache_mode="paged"),
+    dict(cache_mode="paged", attention_backend="textbook"),
+    dict(cache_mode="contiguous", max_model_len=64),
+    dict(cache_mode="none"),
+    dict(cache_mode="none", attention_backend="textbook"),
+    dict(cache_mode="paged", max_num_batched_tokens=7),          # chunked prefill, splitting blocks
+    dict(cache_mode="paged", max_num_batched_tokens=7, attention_backend="textbook"),
+])
+def test_batched_equals_alone(ckpt, alone, kwargs):
+    kwargs = {"block_size": 4, "num_kv_blocks": 64, **kwargs}
+    llm = LLM(str(ckpt), **kwargs)
+    assert tokens(llm.generate(mixed_prompts(), GREEDY, use_tqdm=False)) == alone
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_preemption_keeps_tokens_and_frees_everything(ckpt, alone):
+    # 12 blocks of 4 tokens: the longest request (31 + 10 tokens) needs 11 of them alone.
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=12)
+    outs = llm.generate(mixed_prompts(), GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert tokens(outs) == alone
+    assert stats["kv_blocks_free"] == 12
+
+
+def test_contiguous_reserves_max_model_len(ckpt):
+    llm = LLM(str(ckpt), cache_mode="contiguous", max_model_len=64, num_kv_blocks=3)
+    engine = llm.engine
+    for i in range(5):
+        engine.add_request(str(i), {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4))
+    engine.step()
+    stats = llm.stats()
+    assert stats["kv_block_size"] == 64
+    assert stats["num_running"] == 3 and stats["num_waiting"] == 2 and stats["kv_blocks_free"] == 0
+
+
+def test_paged_admits_while_blocks_are_free_and_returns_them(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=40)
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(str(i), {"prompt_token_ids": list(range(3, 12))}, SamplingParams(max_tokens=20))
+    engine.step()
+    assert llm.stats()["kv_blocks_free"] == 40 - 3 * 3
+    engine.abort_request("1")
+    assert llm.stats()["kv_blocks_free"] == 40 - 2 * 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.stats()["kv_blocks_free"] == 40
+
+
+def test_impossible_requests_are_rejected_and_others_still_served(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=8, max_model_len=64)
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(64\)"):
+        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="needs 10 KV blocks of 4 tokens; the whole pool has 8"):
+        llm.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=10), use_tqdm=False)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate({"prompt_token_ids": [5, 100000]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 10
+    assert llm.stats()["kv_blocks_free"] == 8
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(min_p=2), "min_p"), (dict(logprobs=-1), "logprobs"),
+])
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(cache_mode="virtual"), "cache_mode"), (dict(attention_backend="magic"), "attention_backend"),
+    (dict(dtype="int3"), "dtype"), (dict(block_size=0), "block_size"),
+    (dict(kv_cache_memory="lots"), "memory size"), (dict(max_model_len=100000), "max_model_len"),
+])
+def test_invalid_engine_options(ckpt, kwargs, text):
+    with pytest.raises(ValueError, match=text):
+        LLM(str(ckpt), **kwargs)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import json
+    from kvserve.config import ModelConfig
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM"):
+        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"]})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_missing_hub_model_names_the_id(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="'nobody/no-such-model' is not in the local Hugging Face cache"):
+        LLM("nobody/no-such-model")
+
+
+def test_kv_cache_memory_sizes_the_pool(ckpt):
+    llm = LLM(str(ckpt), block_size=16, kv_cache_memory="1MiB")
+    per_token = 2 * 2 * 2 * 16 * 4           # layers x (K, V) x kv_heads x head_dim x fp32
+    assert llm.stats()["kv_bytes_per_token"] == per_token
+    assert llm.stats()["kv_blocks_total"] == 2**20 // (16 * per_token)
+
+
+def test_stats_keys(ckpt):
+    stats = LLM(str(ckpt), num_kv_blocks=8).stats()
+    for key in ("kv_blocks_total", "kv_blocks_free", "kv_block_size", "kv_bytes_per_token",
+                "num_running", "num_waiting", "num_preemptions"):
+        assert key in stats

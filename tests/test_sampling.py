@@ -1,0 +1,145 @@
+"""Sampling, stops, logprobs, detokenization and chat."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.detokenizer import detokenize_step
+from kvserve.engine.sequence import Sequence
+from kvserve.sampling import Sampler
+from tiny_models import hf_model, make_checkpoint
+
+PROMPTS = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": list(range(10, 30))},
+           {"prompt_token_ids": [7]}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # A flatter distribution than the parity tests' so that sampling has choices to make.
+    return make_checkpoint(tmp_path_factory.mktemp("sampling"), "llama", initializer_range=0.02)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt), block_size=4, num_kv_blocks=128)
+
+
+def gen(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seed_is_reproducible_whatever_else_is_in_the_batch(llm):
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    other = SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)
+    alone = gen(llm, PROMPTS[1], seeded)[0].token_ids
+    batch = gen(llm, PROMPTS, [other, seeded, SamplingParams(max_tokens=5, temperature=1.0, seed=1)])
+    assert batch[1].token_ids == alone
+    assert gen(llm, PROMPTS[1], SamplingParams(max_tokens=12, temperature=1.0, seed=43,
+                                               ignore_eos=True))[0].token_ids != alone
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(ckpt):
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    runs = [[o.token_ids for o in gen(LLM(str(ckpt), num_kv_blocks=64, seed=s), PROMPTS, params)]
+            for s in (3, 3, 4)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_filters_that_leave_one_token_equal_greedy(llm, params):
+    greedy = gen(llm, PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    sampled = gen(llm, PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, **params))
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in greedy]
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(2000, 1)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    top_k = sampler(logits, [SamplingParams(temperature=1.0, top_k=2)] * 2000, [None] * 2000).token_ids
+    assert set(top_k) == {0, 1}
+    # probabilities 0.64, 0.24, 0.09, ...: a nucleus of 0.85 needs the first two tokens
+    top_p = sampler(logits, [SamplingParams(temperature=1.0, top_p=0.85)] * 2000, [None] * 2000).token_ids
+    assert set(top_p) == {0, 1}
+    free = sampler(logits, [SamplingParams(temperature=1.0)] * 2000, [None] * 2000).token_ids
+    assert set(free) == {0, 1, 2, 3, 4}
+    counts = torch.bincount(torch.tensor(free), minlength=5).float() / 2000
+    torch.testing.assert_close(counts, logits[0].softmax(-1), atol=0.04, rtol=0)
+
+
+def test_logprobs_match_transformers(llm, ckpt):
+    out = gen(llm, PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))[0]
+    ids = PROMPTS[0]["prompt_token_ids"]
+    with torch.inference_mode():
+        ref = hf_model(ckpt)(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+    assert len(out.logprobs) == 4
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert entry[token].rank == 1
+        top = ref[step].topk(3)
+        assert list(entry) == top.indices.tolist()
+        for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[t].logprob == pytest.approx(lp, abs=1e-4)
+            assert entry[t].decoded_token == llm.get_tokenizer().decode([t])
+
+
+def test_stop_string_truncates_text(llm):
+    base = gen(llm, PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    stop = base.text[6:9]
+    assert stop and base.text.find(stop) >= 0
+    out = gen(llm, PROMPTS[1], SamplingParams(max_tokens=20, temperature=0, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[:base.text.find(stop)]
+
+
+def test_stop_token_and_eos(llm):
+    base = gen(llm, PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    stop_tok = base.token_ids[3]
+    first = base.token_ids.index(stop_tok)
+    out = gen(llm, PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_tok
+    eos = llm.engine.eos_token_ids
+    try:
+        llm.engine.eos_token_ids = {stop_tok}
+        out = gen(llm, PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))[0]
+        assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
+        ignored = gen(llm, PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+        assert ignored.token_ids == base.token_ids and ignored.finish_reason == "length"
+    finally:
+        llm.engine.eos_token_ids = eos
+
+
+def test_incremental_detokenization_equals_full_decode(llm):
+    tok = llm.get_tokenizer()
+    text = "def f(x):\n    return 'Ünïcödé ✓ 日本語'  # done"
+    ids = tok.encode(text, add_special_tokens=False)
+    seq = Sequence(0, "r", None, [5, 6], SamplingParams(), 100, 0.0)
+    pieces = []
+    for t in ids:
+        seq.token_ids.append(t)
+        pieces.append(detokenize_step(tok, seq))
+        assert "\ufffd" not in pieces[-1]
+    assert "".join(pieces) == seq.output_text == text
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi there"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert out.prompt == "<s>user: hi there\nassistant:"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_generate_accepts_strings_in_order(llm):
+    outs = llm.generate(["def fibonacci(n):", "Once upon a time"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["def fibonacci(n):", "Once upon a time"]
+    assert outs[0].prompt_token_ids == llm.get_tokenizer().encode("def fibonacci(n):")
+
+
+def test_cli_generate(ckpt, capsys):
+    from kvserve.cli import main
+    assert main(["generate", "def fibonacci(n):", "--model", str(ckpt), "--max-tokens", "5",
+                 "--num-kv-blocks", "16"]) == 0
+    assert capsys.readouterr().out.startswith("def fibonacci(n):")
+    assert main(["generate", "x", "--model", str(ckpt), "--max-tokens", "5", "--stream"]) == 0
+    assert main(["generate", "x", "--model", str(ckpt), "--max-tokens", "0"]) == 2
+    assert "max_tokens must be at least 1" in capsys.readouterr().err
