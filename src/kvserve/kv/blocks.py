@@ -30,13 +30,19 @@ class BlockPool:
             self.ref_counts[b] = 1
         return ids
 
+    def _check(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} is outside the pool of {self.num_blocks} blocks")
+
     def incref(self, block_id: int) -> None:
+        self._check(block_id)
         if self.ref_counts[block_id] < 1:
             raise RuntimeError(f"block {block_id} is free; it cannot be shared")
         self.ref_counts[block_id] += 1
 
     def decref(self, block_id: int) -> None:
         """Drop one owner; the block returns to the free list when none is left."""
+        self._check(block_id)
         if self.ref_counts[block_id] < 1:
             raise RuntimeError(f"block {block_id} is already free (double free)")
         self.ref_counts[block_id] -= 1

@@ -30,11 +30,15 @@ class KVCacheManager:
     def num_new_blocks(self, seq_id: int, num_computed: int, num_new: int) -> int:
         """Blocks `allocate` would take from the pool for this write, copies included."""
         table = self.block_tables.get(seq_id, [])
-        total = num_computed + num_new
-        grow = max(0, self.blocks_for(total) - len(table))
-        first, last = num_computed // self.block_size, min(len(table), self.blocks_for(total))
-        shared = sum(1 for b in table[first:last] if self.pool.ref_counts[b] > 1)
+        grow = max(0, self.blocks_for(num_computed + num_new) - len(table))
+        shared = sum(1 for b in table[self._written(table, num_computed, num_new)] if self.pool.ref_counts[b] > 1)
         return grow + shared
+
+    def _written(self, table: list[int], num_computed: int, num_new: int) -> slice:
+        """The existing entries of `table` that a write of tokens [num_computed, +num_new) touches."""
+        if num_new == 0:
+            return slice(0, 0)
+        return slice(num_computed // self.block_size, min(len(table), self.blocks_for(num_computed + num_new)))
 
     def allocate(self, seq_id: int, num_computed: int, num_new: int) -> list[tuple[int, int]]:
         """Make room for tokens [num_computed, num_computed + num_new) of a sequence.
@@ -48,9 +52,7 @@ class KVCacheManager:
                                     f"{self.pool.num_free} free")
         table = self.block_tables.setdefault(seq_id, [])
         copies = []
-        first = num_computed // self.block_size
-        last = min(len(table), self.blocks_for(num_computed + num_new))
-        for i in range(first, last):
+        for i in range(*self._written(table, num_computed, num_new).indices(len(table))):
             if self.pool.ref_counts[table[i]] > 1:
                 (dst,) = self.pool.allocate(1)
                 self.pool.decref(table[i])
