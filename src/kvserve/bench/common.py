@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from kvserve.config import ModelConfig
 from kvserve.sampling import SamplingParams
 
-# bench flag -> LlamaConfig field, with the default shape (about 23M parameters besides the embeddings)
+# bench flag -> LlamaConfig field
 SHAPE_FIELDS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
                 "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                 "num_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size"}
+# 23M parameters in the decoder layers, 16M in lm_head
 DEFAULT_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
                  "num_kv_heads": 2, "vocab_size": 32000}
 _BOS, _EOS, _PAD = 0, 1, 2
@@ -46,7 +47,7 @@ def make_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x"], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")

@@ -64,8 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def workload(args: argparse.Namespace) -> Workload:
-    w = Workload(args.requests or (16 if args.quick else 64), args.prompt_len, args.tokens or (32 if args.quick else 128),
-                 args.batch1_prompt_len, args.batch1_tokens or (32 if args.quick else 128), args.repeats)
+    short = args.quick
+    w = Workload(args.requests or (16 if short else 64), args.prompt_len, args.tokens or (32 if short else 128),
+                 args.batch1_prompt_len, args.batch1_tokens or (32 if short else 128), args.repeats)
     if min(w.tokens, w.batch1_tokens) < 2 or min(w.requests, w.prompt_len, w.batch1_prompt_len, w.repeats) < 1:
         raise ValueError("--tokens and --batch1-tokens must be at least 2; requests, prompt lengths, repeats >= 1")
     return w
@@ -165,14 +166,14 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
     prompt1 = random_prompts(1, w.batch1_prompt_len, cfg.vocab_size, seed=1)[0]
     llm = LLM(str(path), **engine_kwargs(args, w, dtype, device))
     hf = load_hf(path, torch_dtype, device)
-    ours_batch(llm, prompts, _WARMUP_TOKENS)
-    hf_batch(hf, prompts, _WARMUP_TOKENS, device)
+    ours_batch(llm, prompts, min(_WARMUP_TOKENS, w.tokens))
+    hf_batch(hf, prompts, min(_WARMUP_TOKENS, w.tokens), device)
     ours_runs, hf_runs = [], []
     for _ in range(w.repeats):
         ours_runs.append(ours_batch(llm, prompts, w.tokens))
         hf_runs.append(hf_batch(hf, prompts, w.tokens, device))
-    ours_batch1(llm, prompt1, _WARMUP_TOKENS)
-    hf_batch1(hf, prompt1, _WARMUP_TOKENS, device)
+    ours_batch1(llm, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
+    hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
     batch1 = [(ours_batch1(llm, prompt1, w.batch1_tokens), hf_batch1(hf, prompt1, w.batch1_tokens, device))
               for _ in range(w.repeats)]
     prefill_tokens = min(w.requests * w.prompt_len, llm.engine.scheduler_config.max_num_batched_tokens)

@@ -1,0 +1,74 @@
+"""`kvserve bench decode|throughput` on a tiny model: they run, and their JSON holds sane figures."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvserve.bench.common import linear_params, make_checkpoint
+from kvserve.cli import main
+from kvserve.config import ModelConfig
+
+TINY = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
+        "--num-kv-heads", "2", "--vocab-size", "512"]
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_decode_json(tmp_path):
+    path = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--quick", "--json", str(path), "--tokens", "16", "--prompt-len", "8", *TINY]) == 0
+    res = json.loads(path.read_text())
+    assert res["generated_tokens"] == 16
+    for mode in ("none", "paged"):
+        r = res[mode]
+        assert len(r["per_token_ms"]) == 16 and all(_positive(t) for t in r["per_token_ms"])
+        assert r["total_s"] == pytest.approx(sum(r["per_token_ms"]) / 1e3)
+        assert set(r["at_positions_ms"]) == {"1", "16"} and all(_positive(t) for t in r["at_positions_ms"].values())
+        assert math.isfinite(r["slope_ms_per_100_positions"]) and _positive(r["growth_last_over_first"])
+    assert _positive(res["speedup_cached_vs_none"])
+    assert res["speedup_cached_vs_none"] == pytest.approx(res["none"]["total_s"] / res["paged"]["total_s"])
+
+
+def test_bench_throughput_json(tmp_path):
+    path = tmp_path / "throughput.json"
+    args = ["--requests", "4", "--prompt-len", "16", "--tokens", "8", "--batch1-prompt-len", "8",
+            "--batch1-tokens", "8", "--repeats", "1"]
+    assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
+    res = json.loads(path.read_text())
+    assert _positive(res["read_bandwidth_bytes_s"])
+    for dtype in ("float32", "bfloat16"):
+        r = res[dtype]
+        for key in ("ours_tok_s", "hf_tok_s", "ratio_vs_hf", "fraction_of_limit", "batch1_tok_s",
+                    "batch1_fraction_of_bandwidth_limit", "hf_batch1_tok_s", "limit_s", "matmul_flop_s"):
+            assert _positive(r[key]), key
+        assert r["generated_tokens"] == r["hf_generated_tokens"] == 4 * 8
+        assert r["ratio_vs_hf"] == pytest.approx(r["ours_tok_s"] / r["hf_tok_s"])
+        assert r["fraction_of_limit"] == pytest.approx(r["limit_s"] / r["ours_s"])
+        assert r["limit_s"] >= max(r["compute_limit_s"], r["memory_limit_s"]) * (1 - 1e-9)
+        assert r["batch1_fraction_of_bandwidth_limit"] == pytest.approx(r["batch1_tok_s"] / r["batch1_limit_tok_s"])
+
+
+def test_bench_throughput_one_dtype(tmp_path):
+    path = tmp_path / "throughput.json"
+    args = ["--dtype", "float32", "--requests", "2", "--prompt-len", "4", "--tokens", "2", "--batch1-prompt-len", "4",
+            "--batch1-tokens", "2", "--repeats", "1"]
+    assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
+    res = json.loads(path.read_text())
+    assert "float32" in res and "bfloat16" not in res
+
+
+def test_linear_params_counts_the_hf_linear_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=300)
+    path = make_checkpoint(tmp_path, shape, max_positions=32)
+    layers, head = linear_params(ModelConfig.from_path(path))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    linears = [m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert layers + head == sum(linears)
+    assert head == 64 * 300
