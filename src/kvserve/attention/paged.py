@@ -8,11 +8,11 @@ from kvserve.attention.batch import AttentionBatch
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """K or V pages [blocks, block_size, KVH, D] of each sequence as [seqs, max_len, KVH, D]."""
-    block_size = cache.shape[1]
+    """K or V pages [KVH, blocks, block_size, D] of each sequence as [KVH, seqs, max_len, D]."""
+    block_size = cache.shape[2]
     num_blocks = -(-max_len // block_size)
-    pages = cache[block_tables[:, :num_blocks]]                  # [seqs, nb, bs, KVH, D]
-    return pages.flatten(1, 2)[:, :max_len]
+    pages = cache[:, block_tables[:, :num_blocks]]               # [KVH, seqs, nb, bs, D]
+    return pages.flatten(2, 3)[:, :, :max_len]
 
 
 def _pad(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -50,15 +50,20 @@ class SdpaBackend:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        # One query per sequence: grouped matmuls beat SDPA's CPU kernel here, and the scores are
+        # only [seqs, heads, context], never L x L.
         nd = batch.num_decodes
+        num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
         max_len = max(batch.context_lens_list[:nd])
-        tables, lens = batch.block_tables[:nd], batch.context_lens[:nd]
-        keys = gather_context(k_cache, tables, max_len).transpose(1, 2)     # [B, KVH, L, D]
-        values = gather_context(v_cache, tables, max_len).transpose(1, 2)
-        mask = (torch.arange(max_len, device=q.device) < lens[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                             scale=scale, enable_gqa=True)
-        return out.squeeze(2)
+        tables = batch.block_tables[:nd]
+        keys = gather_context(k_cache, tables, max_len)                     # [KVH, B, L, D]
+        values = gather_context(v_cache, tables, max_len)
+        qg = q.view(nd, num_kv_heads, -1, head_dim).transpose(0, 1)         # [KVH, B, G, D]
+        scores = (qg @ keys.transpose(-1, -2)).float() * scale             # [KVH, B, G, L]
+        pad = torch.arange(max_len, device=q.device) >= batch.context_lens[:nd, None]
+        scores.masked_fill_(pad[None, :, None, :], float("-inf"))
+        out = scores.softmax(-1).to(q.dtype) @ values                      # [KVH, B, G, D]
+        return out.transpose(0, 1).reshape(nd, -1, head_dim)
 
     @staticmethod
     def _prefill(q, k, v, lens: list[int], scale: float) -> torch.Tensor:
@@ -73,8 +78,8 @@ class SdpaBackend:
         q_lens, ctx = batch.query_lens[nd:], batch.context_lens_list[nd:]
         tables = batch.block_tables[nd:]
         max_len = max(ctx)
-        keys = gather_context(k_cache, tables, max_len).transpose(1, 2)
-        values = gather_context(v_cache, tables, max_len).transpose(1, 2)
+        keys = gather_context(k_cache, tables, max_len).transpose(0, 1)     # [B, KVH, L, D]
+        values = gather_context(v_cache, tables, max_len).transpose(0, 1)
         qp = _pad(q, q_lens)
         offsets = torch.tensor([c - n for c, n in zip(ctx, q_lens)], device=q.device)
         q_pos = torch.arange(qp.shape[2], device=q.device)[None, :] + offsets[:, None]

@@ -31,8 +31,8 @@ class TextbookBackend:
             if k_cache is None:
                 keys, values = k[start:end], v[start:end]
             else:
-                keys = gather_context(k_cache, batch.block_tables[i:i + 1], ctx_len)[0]
-                values = gather_context(v_cache, batch.block_tables[i:i + 1], ctx_len)[0]
+                keys = gather_context(k_cache, batch.block_tables[i:i + 1], ctx_len)[:, 0].transpose(0, 1)
+                values = gather_context(v_cache, batch.block_tables[i:i + 1], ctx_len)[:, 0].transpose(0, 1)
             out[start:end] = attend(q[start:end], keys, values, scale, ctx_len - q_len)
             start = end
         return out

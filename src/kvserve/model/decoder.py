@@ -8,7 +8,7 @@ from torch import nn
 from kvserve.attention.batch import AttentionBatch
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
-from kvserve.model.layers import RMSNorm, RotaryEmbedding
+from kvserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope_
 
 
 class Attention(nn.Module):
@@ -17,36 +17,39 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, positions, rope: RotaryEmbedding, batch: AttentionBatch, backend,
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, backend,
+                kv_cache: torch.Tensor | None) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        tokens, nh, nkv, hd = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        # q, k and v stay views of qkv: rope rotates q and k in place, and k, v go to the cache
+        # in one write since they are adjacent.
+        qk = qkv[:, :self.q_size + self.kv_size].view(tokens, nh + nkv, hd)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            qk[:, :nh] = self.q_norm(qk[:, :nh])
+            qk[:, nh:] = self.k_norm(qk[:, nh:])
+        apply_rope_(qk, *rope)
+        kv = qkv[:, self.q_size:].view(tokens, 2, nkv, hd)
         k_cache = v_cache = None
         if kv_cache is not None:
+            KVStorage.write(kv_cache, kv, batch.slot_mapping)
             k_cache, v_cache = kv_cache
-            KVStorage.write(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], k_cache, v_cache, batch, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -61,8 +64,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, batch, backend, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch, backend, kv_cache)
+    def forward(self, x, rope, batch, backend, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, backend, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -85,10 +88,16 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
+
+    def pack_weights(self) -> None:
+        """Prepack every linear layer's weight for the CPU's fastest matmul, where possible."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(free_weight=not (module is self.lm_head and self.config.tie_word_embeddings))
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         cfg = self.config
@@ -98,9 +107,10 @@ class CausalLM(nn.Module):
                 backend, storage: KVStorage | None) -> torch.Tensor:
         """Hidden states [tokens, hidden] of a flat batch; K/V of the new tokens go to `storage`."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             kv_cache = storage.layer(i) if storage is not None else None
-            x = layer(x, positions, self.rope, batch, backend, kv_cache)
+            x = layer(x, rope, batch, backend, kv_cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

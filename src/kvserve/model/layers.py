@@ -5,9 +5,39 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "llama3")
+_PACK_BATCH_HINT = 64
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can prepack its weight for oneDNN, 2-3x faster than MKL's GEMM on many CPUs."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, free_weight: bool = True) -> bool:
+        """Prepack the weight (CPU, float32/bfloat16, torch built with oneDNN); False if not possible.
+
+        The plain weight is then dropped, unless it is shared (tied embeddings), to not hold it twice.
+        """
+        w = self.weight.detach()
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
+                or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+        except (RuntimeError, AttributeError):
+            return False
+        if free_weight:
+            self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +47,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, as the reference implementation does, then scale in x's dtype.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in float32 and scale in x's dtype, rounding where the reference does.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -51,15 +81,16 @@ class RotaryEmbedding:
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        # rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1.., +1..]: fold the sign into sin
+        sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))
+        self.cos, self.sin = emb.cos().to(device), (emb.sin() * sign).to(device)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q [T, H, D] and k [T, KVH, D] by their positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, D] of a step's positions, computed once for all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] in place: x * cos + rotate_half(x) * sin."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)
+    x.mul_(cos).addcmul_(rolled, sin)

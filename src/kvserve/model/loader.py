@@ -55,13 +55,15 @@ def choose_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devic
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
+               max_positions: int, pack_weights: bool = True) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, path)
+    if pack_weights:
+        model.pack_weights()
     model.init_rope(max_positions, device)
     return model.eval().requires_grad_(False)
 
