@@ -71,11 +71,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
-        logits = logits.float()
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        tokens = logits.argmax(-1)
-        if not greedy.all():
-            tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
+        tokens = logits.argmax(-1)     # exact in any dtype: float conversion keeps the order
+        if not all(p.greedy for p in params):
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            tokens = torch.where(greedy, tokens, self._sample(logits.float(), params, generators))
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(logits, token_list, params))
 
@@ -102,7 +101,7 @@ class Sampler:
         wanted = [p.logprobs for p in params]
         if all(k is None for k in wanted):
             return [None] * len(params)
-        logp = logits.log_softmax(-1)
+        logp = logits.float().log_softmax(-1)
         k_max = max(k or 0 for k in wanted)
         top_vals, top_ids = logp.topk(k_max, dim=-1) if k_max else (None, None)
         chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)]

@@ -1,7 +1,7 @@
 """AttentionBatch: what one engine step tells every attention layer about its flat token batch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class AttentionBatch:
     query_lens: list[int]                      # [seqs] new tokens per sequence
     context_lens_list: list[int]               # context_lens as Python ints (for shapes)
     has_prefix: bool                           # some prefill attends to tokens cached earlier
+    scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
 
     @property
     def num_decode_tokens(self) -> int:

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from kvserve.attention.batch import AttentionBatch
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """K or V pages [KVH, blocks, block_size, D] of each sequence as [KVH, seqs, max_len, D]."""
-    block_size = cache.shape[2]
+def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Pages [2, KVH, blocks, block_size, D] of each sequence as K and V [2, KVH, seqs, max_len, D]."""
+    block_size = kv_cache.shape[3]
     num_blocks = -(-max_len // block_size)
-    pages = cache[:, block_tables[:, :num_blocks]]               # [KVH, seqs, nb, bs, D]
-    return pages.flatten(2, 3)[:, :, :max_len]
+    pages = kv_cache[:, :, block_tables[:, :num_blocks]]         # [2, KVH, seqs, nb, bs, D]
+    return pages.flatten(3, 4)[:, :, :, :max_len]
 
 
 def _pad(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -36,34 +36,31 @@ class SdpaBackend:
 
     name = "sdpa"
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
         nd = batch.num_decodes
         parts = []
         if nd:
-            parts.append(self._decode(q[:nd], k_cache, v_cache, batch, scale))
+            parts.append(self._decode(q[:nd], kv_cache, batch, scale))
         if batch.num_prefills:
             if batch.has_prefix:
-                parts.append(self._prefill_paged(q[nd:], k_cache, v_cache, batch, scale))
+                parts.append(self._prefill_paged(q[nd:], kv_cache, batch, scale))
             else:
                 parts.append(self._prefill(q[nd:], k[nd:], v[nd:], batch.query_lens[nd:], scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        # One query per sequence: grouped matmuls beat SDPA's CPU kernel here, and the scores are
-        # only [seqs, heads, context], never L x L.
-        nd = batch.num_decodes
-        num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-        max_len = max(batch.context_lens_list[:nd])
-        tables = batch.block_tables[:nd]
-        keys = gather_context(k_cache, tables, max_len)                     # [KVH, B, L, D]
-        values = gather_context(v_cache, tables, max_len)
-        qg = q.view(nd, num_kv_heads, -1, head_dim).transpose(0, 1)         # [KVH, B, G, D]
-        scores = (qg @ keys.transpose(-1, -2)).float() * scale             # [KVH, B, G, L]
-        pad = torch.arange(max_len, device=q.device) >= batch.context_lens[:nd, None]
-        scores.masked_fill_(pad[None, :, None, :], float("-inf"))
-        out = scores.softmax(-1).to(q.dtype) @ values                      # [KVH, B, G, D]
-        return out.transpose(0, 1).reshape(nd, -1, head_dim)
+    def _decode(q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        # One query per sequence: batched matmuls beat SDPA's CPU kernel here, and the scores are
+        # only [seqs, heads, context], never L x L. GQA: the G query heads of a KV head share its keys.
+        nd, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[1]
+        tables, max_len, bias = _decode_meta(batch, num_kv_heads, q.dtype)
+        k, v = gather_context(kv_cache, tables, max_len).flatten(1, 2)           # [KVH*B, L, D] each
+        qg = q.view(nd, num_kv_heads, -1, head_dim).transpose(0, 1).reshape(num_kv_heads * nd, -1, head_dim)
+        scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)        # [KVH*B, G, L]
+        probs = scores.float().softmax(-1).to(q.dtype)
+        out = torch.bmm(probs, v).view(num_kv_heads, nd, -1, head_dim)
+        return out.transpose(0, 1).reshape(nd, num_heads, head_dim)
 
     @staticmethod
     def _prefill(q, k, v, lens: list[int], scale: float) -> torch.Tensor:
@@ -73,13 +70,12 @@ class SdpaBackend:
         return _unpad(out, lens)
 
     @staticmethod
-    def _prefill_paged(q, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def _prefill_paged(q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
         nd = batch.num_decodes
         q_lens, ctx = batch.query_lens[nd:], batch.context_lens_list[nd:]
         tables = batch.block_tables[nd:]
         max_len = max(ctx)
-        keys = gather_context(k_cache, tables, max_len).transpose(0, 1)     # [B, KVH, L, D]
-        values = gather_context(v_cache, tables, max_len).transpose(0, 1)
+        keys, values = gather_context(kv_cache, tables, max_len).transpose(1, 2)   # [B, KVH, L, D] each
         qp = _pad(q, q_lens)
         offsets = torch.tensor([c - n for c, n in zip(ctx, q_lens)], device=q.device)
         q_pos = torch.arange(qp.shape[2], device=q.device)[None, :] + offsets[:, None]
@@ -87,3 +83,15 @@ class SdpaBackend:
         out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask[:, None],
                                              scale=scale, enable_gqa=True)
         return _unpad(out, q_lens)
+
+
+def _decode_meta(batch: AttentionBatch, num_kv_heads: int, dtype: torch.dtype):
+    """Block tables, context length and additive padding mask of the decodes, built once per step."""
+    meta = batch.scratch.get("decode")
+    if meta is None:
+        nd = batch.num_decodes
+        max_len = max(batch.context_lens_list[:nd])
+        pad = torch.arange(max_len, device=batch.context_lens.device) >= batch.context_lens[:nd, None]
+        bias = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(pad, float("-inf"))
+        meta = batch.scratch["decode"] = (batch.block_tables[:nd], max_len, bias.repeat(num_kv_heads, 1)[:, None])
+    return meta

@@ -23,16 +23,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 class TextbookBackend:
     name = "textbook"
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens_list)):
             end = start + q_len
-            if k_cache is None:
+            if kv_cache is None:
                 keys, values = k[start:end], v[start:end]
             else:
-                keys = gather_context(k_cache, batch.block_tables[i:i + 1], ctx_len)[:, 0].transpose(0, 1)
-                values = gather_context(v_cache, batch.block_tables[i:i + 1], ctx_len)[:, 0].transpose(0, 1)
+                keys, values = gather_context(kv_cache, batch.block_tables[i:i + 1], ctx_len)[:, :, 0].transpose(1, 2)
             out[start:end] = attend(q[start:end], keys, values, scale, ctx_len - q_len)
             start = end
         return out

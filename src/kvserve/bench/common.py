@@ -40,31 +40,40 @@ def describe_shape(shape: dict[str, int]) -> str:
             "intermediate {intermediate_size}, vocab {vocab_size}".format(**shape))
 
 
-def make_tokenizer():
-    """A byte-level BPE trained on a few lines: the benches feed token ids, so any tokenizer will do."""
+def make_tokenizer(corpus: list[str] | None = None, vocab_size: int = 300):
+    """A byte-level BPE trained on a few lines: enough for random-weight models fed token ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    corpus = corpus or ["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x"], trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def save_random_model(path: Path, config, dtype: torch.dtype = torch.float32, seed: int = 0,
+                      tokenizer=None) -> Path:
+    """Save a model of a transformers `config` with seeded random weights, and a tokenizer, as a checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)
+    (tokenizer or make_tokenizer()).save_pretrained(path)
+    return Path(path)
 
 
 def make_checkpoint(path: Path, shape: dict[str, int], max_positions: int,
                     dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """Save a Llama of `shape` with seeded random weights, and a tokenizer, as a Hugging Face checkpoint."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight Llama of `shape` (bench flags) as a Hugging Face checkpoint."""
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(**{SHAPE_FIELDS[k]: v for k, v in shape.items()}, max_position_embeddings=max_positions,
                       bos_token_id=_BOS, eos_token_id=_EOS, pad_token_id=_PAD, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).to(dtype).save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return Path(path)
+    return save_random_model(path, cfg, dtype, seed)
 
 
 def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -36,11 +36,9 @@ class Attention(nn.Module):
             qk[:, nh:] = self.k_norm(qk[:, nh:])
         apply_rope_(qk, *rope)
         kv = qkv[:, self.q_size:].view(tokens, 2, nkv, hd)
-        k_cache = v_cache = None
         if kv_cache is not None:
             KVStorage.write(kv_cache, kv, batch.slot_mapping)
-            k_cache, v_cache = kv_cache
-        out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], k_cache, v_cache, batch, self.scale)
+        out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], kv_cache, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
