@@ -10,6 +10,7 @@ import torch
 
 from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import detokenize_step
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
@@ -29,6 +30,8 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_path(self.model_path)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            reuse_freed_memory()
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
         self.max_model_len = self._max_model_len(config, mcfg)
         self.tokenizer = load_tokenizer(self.model_path)
