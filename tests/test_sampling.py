@@ -143,3 +143,25 @@ def test_cli_generate(ckpt, capsys):
     assert main(["generate", "x", "--model", str(ckpt), "--max-tokens", "5", "--stream"]) == 0
     assert main(["generate", "x", "--model", str(ckpt), "--max-tokens", "0"]) == 2
     assert "max_tokens must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(max_num_batched_tokens=3), dict(cache_mode="none"),
+                                    dict(num_kv_blocks=9, max_num_batched_tokens=5)])
+def test_prompt_logprobs_match_transformers(ckpt, kwargs):
+    """Every prompt token's logprob, also when the prompt streams through the cache in chunks."""
+    llm = LLM(str(ckpt), block_size=4, **{"num_kv_blocks": 64, **kwargs})
+    prompts = [{"prompt_token_ids": list(range(10, 30))}, {"prompt_token_ids": [7, 8, 9, 10, 11, 12, 13]}]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, prompt_logprobs=2, ignore_eos=True), use_tqdm=False)
+    hf = hf_model(ckpt)
+    for prompt, out in zip(prompts, outs):
+        ids = prompt["prompt_token_ids"]
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):
+            token = ids[pos + 1]
+            assert list(entry)[0] == token and len(entry) <= 3
+            assert entry[token].logprob == pytest.approx(ref[pos, token].item(), abs=1e-4)
+            assert entry[token].rank == int((ref[pos] > ref[pos, token]).sum()) + 1
+            top = ref[pos].topk(2).indices.tolist()
+            assert set(top) <= set(entry)

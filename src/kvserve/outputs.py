@@ -29,3 +29,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # None for the first prompt token

@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -39,8 +40,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 (off) or a positive integer, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -98,24 +100,30 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits, tokens: list[int], params) -> list[dict[int, tuple[float, int]] | None]:
-        wanted = [p.logprobs for p in params]
-        if all(k is None for k in wanted):
-            return [None] * len(params)
-        logp = logits.float().log_softmax(-1)
-        k_max = max(k or 0 for k in wanted)
-        top_vals, top_ids = logp.topk(k_max, dim=-1) if k_max else (None, None)
-        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)]
-        ranks = (logp > chosen[:, None]).sum(-1) + 1
-        out = []
-        for i, k in enumerate(wanted):
-            if k is None:
-                out.append(None)
-                continue
-            entry = {tokens[i]: (chosen[i].item(), int(ranks[i]))}
-            for r in range(k):
-                entry.setdefault(int(top_ids[i, r]), (top_vals[i, r].item(), r + 1))
-            out.append(entry)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[dict[int, tuple[float, int]] | None] = [None] * len(params)
+        if rows:
+            entries = token_logprobs(logits[rows], [tokens[i] for i in rows], [params[i].logprobs for i in rows])
+            for i, entry in zip(rows, entries):
+                out[i] = entry
         return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, tuple[float, int]]]:
+    """Per row: {token: (logprob, rank)} for the given token, then for the row's top k tokens."""
+    logp = logits.float().log_softmax(-1)
+    rows = torch.arange(len(tokens), device=logits.device)
+    chosen = logp[rows, torch.tensor(tokens, device=logits.device)]
+    ranks = ((logp > chosen[:, None]).sum(-1) + 1).tolist()
+    top_vals, top_ids = logp.topk(max(ks), dim=-1)
+    chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+    out = []
+    for i, (token, k) in enumerate(zip(tokens, ks)):
+        entry = {token: (chosen[i], ranks[i])}
+        for r in range(k):
+            entry.setdefault(top_ids[i][r], (top_vals[i][r], r + 1))
+        out.append(entry)
+    return out
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

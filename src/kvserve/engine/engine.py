@@ -18,7 +18,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling import Logprob, Sampler, SamplingParams
+from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
@@ -160,25 +160,39 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        logits, rows = self.runner.run(sched)
+        out = self.runner.run(sched)
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             if self.kv is not None:
                 seq.num_computed_tokens += n
-        seqs = [sched.seqs[r] for r in rows]
-        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        if out.prompt_spans:
+            self._score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
+        seqs = [sched.seqs[r] for r in out.sample_rows]
+        result = self.sampler(out.logits, [s.params for s in seqs], [s.generator for s in seqs])
         outputs = []
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             self._append(seq, token, lp)
             outputs.append(self._output(seq))
         return outputs
 
+    def _score_prompts(self, seqs: list[Sequence], logits: torch.Tensor, spans) -> None:
+        """Append the logprobs of prompt tokens computed this step (prompt_logprobs)."""
+        targets, ks = [], []
+        for row, first, count in spans:
+            targets += seqs[row].token_ids[first:first + count]
+            ks += [seqs[row].params.prompt_logprobs] * count
+        entries = iter(token_logprobs(logits, targets, ks))
+        for row, _, count in spans:
+            seqs[row].prompt_logprobs += [self._logprob_dict(next(entries)) for _ in range(count)]
+
+    def _logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
+
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if logprobs is not None:
-            seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
-                                 for t, (lp, rank) in logprobs.items()})
+            seq.logprobs.append(self._logprob_dict(logprobs))
         p = seq.params
         if not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop", token)
@@ -215,7 +229,7 @@ class LLMEngine:
         if seq.first_token_time is not None:
             metrics["first_token_time"] = seq.first_token_time
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             seq.is_finished, metrics=metrics)
+                             seq.is_finished, metrics=metrics, prompt_logprobs=seq.prompt_logprobs)
 
     def stats(self) -> dict:
         kv = self.kv

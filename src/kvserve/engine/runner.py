@@ -18,6 +18,16 @@ class StepInputs:
     batch: AttentionBatch
     logits_indices: torch.Tensor   # flat index of the last token of each sequence that samples
     sample_rows: list[int]         # which scheduled sequences sample this step
+    prompt_indices: torch.Tensor   # flat indices whose logits score the next prompt token
+    prompt_spans: list[tuple[int, int, int]]   # (row, first prompt token scored, count) per sequence
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor           # [sampling sequences, vocab]
+    sample_rows: list[int]
+    prompt_logits: torch.Tensor    # [scored prompt tokens, vocab], in prompt_spans order
+    prompt_spans: list[tuple[int, int, int]]
 
 
 class ModelRunner:
@@ -33,8 +43,10 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         input_ids, starts, q_lens, ctx_lens, logits_indices, sample_rows = [], [], [], [], [], []
+        prompt_indices, prompt_spans = [], []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
             start = seq.num_computed_tokens
+            offset = len(input_ids)
             input_ids += seq.token_ids[start:start + n]
             starts.append(start)
             q_lens.append(n)
@@ -42,6 +54,13 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sample_rows.append(i)
+            if seq.prompt_logprobs is not None:
+                # position p scores prompt token p + 1; skip tokens scored before a recomputation
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_indices += range(offset + first - start, offset + last - start)
+                    prompt_spans.append((i, first + 1, last - first))
         dev = self.device
         q_lens_t = torch.tensor(q_lens, device=dev)
         rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens_t)
@@ -64,15 +83,17 @@ class ModelRunner:
             context_lens_list=ctx_lens,
             has_prefix=any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
         )
-        return StepInputs(torch.tensor(input_ids, device=dev), positions, batch,
-                          torch.tensor(logits_indices, device=dev, dtype=torch.long), sample_rows)
+        as_index = lambda xs: torch.tensor(xs, device=dev, dtype=torch.long)  # noqa: E731
+        return StepInputs(as_index(input_ids), positions, batch, as_index(logits_indices), sample_rows,
+                          as_index(prompt_indices), prompt_spans)
 
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Logits [sampling seqs, vocab] of the step, and the rows of `sched.seqs` they belong to."""
+    def run(self, sched: SchedulerOutput) -> StepOutput:
+        """Logits of the tokens that sample, and of the prompt tokens asked to be scored."""
         if self.storage is not None:
             self.storage.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.backend, self.storage)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return logits, inputs.sample_rows
+        num_sample = len(inputs.sample_rows)
+        logits = self.model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
+        return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans)

@@ -32,6 +32,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # incremental detokenization
     output_text: str = ""
     prefix_offset: int = 0
@@ -44,6 +45,8 @@ class Sequence:
         self.prefix_offset = max(self.read_offset - 5, 0)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]     # the first token has no context to be scored in
 
     @property
     def num_tokens(self) -> int:
