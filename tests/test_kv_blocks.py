@@ -518,6 +518,6 @@ def test_checker_catches_a_missed_incref() -> None:
 def test_checker_catches_an_owned_block_on_the_free_list() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate(0, 0, 3)
-    kv.pool._free.append(kv.block_tables[0][0])
+    kv.pool._free[kv.block_tables[0][0]] = None
     with pytest.raises(AssertionError):
         check_ownership(kv)

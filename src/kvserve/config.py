@@ -186,6 +186,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     cache_mode: str = "paged"
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:

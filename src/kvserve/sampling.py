@@ -13,6 +13,7 @@ class SamplingParams:
     """How to pick each next token and when to stop (vLLM's names and defaults)."""
 
     max_tokens: int | None = 16
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -30,6 +31,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -43,11 +44,12 @@ class LLMEngine:
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
+                                   config.enable_prefix_caching and config.cache_mode == "paged")
         self.runner = ModelRunner(self.model, storage, self.kv.block_tables if self.kv else {},
                                   get_backend(config.attention_backend, self.device), self.device)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
         self._seq_ids = count()
 
     @staticmethod
@@ -96,19 +98,30 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None) -> Sequence:
-        """Validate and queue one request; a bad request raises ValueError and changes nothing."""
+                    params: SamplingParams | None = None, cache_salt: str | None = None) -> Sequence:
+        """Validate and queue one request; a bad request raises ValueError and changes nothing.
+
+        Its n samples start as one sequence, forked into n once the prompt is computed.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
+        if isinstance(prompt, dict) and cache_salt is None:
+            cache_salt = prompt.get("cache_salt")
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        self._check_fits(len(ids), max_tokens)
-        gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(), gen)
-        self.requests[request_id] = seq
+        self._check_fits(len(ids), max_tokens, params.n)
+        seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),
+                       self._generator(params, 0), cache_salt=cache_salt)
+        self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         return seq
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample i of a seeded request draws from seed + i: the same as a separate run with that seed."""
+        if params.seed is None:
+            return None
+        return torch.Generator(self.device).manual_seed(params.seed + index)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -134,7 +147,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         return text, ids
 
-    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+    def _check_fits(self, prompt_len: int, max_tokens: int, n: int) -> None:
         total = prompt_len + max_tokens
         if max_tokens < 1 or total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
@@ -143,12 +156,14 @@ class LLMEngine:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
                              f"{self.kv.blocks_for(total)} KV blocks of {self.kv.block_size} tokens; "
                              f"the whole pool has {self.kv.num_blocks}")
+        if n > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool at once."""
-        seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -161,18 +176,42 @@ class LLMEngine:
         if sched.empty:
             return []
         out = self.runner.run(sched)
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            if self.kv is not None:
-                seq.num_computed_tokens += n
+        self.scheduler.commit(sched)
         if out.prompt_spans:
             self._score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
         seqs = [sched.seqs[r] for r in out.sample_rows]
-        result = self.sampler(out.logits, [s.params for s in seqs], [s.generator for s in seqs])
-        outputs = []
+        logits = self._fork_samples(seqs, out.logits)
+        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             self._append(seq, token, lp)
-            outputs.append(self._output(seq))
-        return outputs
+        touched = dict.fromkeys(s.request_id for s in seqs)
+        return [self._output(rid) for rid in touched]
+
+    def _fork_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Fork requests with n > 1 whose prompt is now computed: the n samples share its blocks.
+
+        The children join `seqs`, with a copy of their parent's logits row to draw their first token.
+        """
+        rows = []
+        for i, seq in enumerate(list(seqs)):
+            if seq.params.n > 1 and seq.num_output_tokens == 0 and len(self.requests[seq.request_id]) == 1:
+                for child in self._fork(seq):
+                    seqs.append(child)
+                    rows.append(i)
+        return torch.cat((logits, logits[rows])) if rows else logits
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        group = self.requests[parent.request_id]
+        for index in range(1, parent.params.n):
+            child = copy.copy(parent)
+            child.seq_id, child.generator = next(self._seq_ids), self._generator(parent.params, index)
+            child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
+            child.logprobs = None if parent.logprobs is None else []
+            if self.kv is not None:
+                self.kv.fork(parent.seq_id, child.seq_id)
+            self.scheduler.running.append(child)
+            group.append(child)
+        return group[1:]
 
     def _score_prompts(self, seqs: list[Sequence], logits: torch.Tensor, spans) -> None:
         """Append the logprobs of prompt tokens computed this step (prompt_logprobs)."""
@@ -219,17 +258,21 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq, reason)
-        self.requests.pop(seq.request_id, None)
 
-    @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(0, seq.output_text, seq.output_token_ids, seq.finish_reason,
-                                      seq.logprobs, seq.stop_reason)
+    def _output(self, request_id: str) -> RequestOutput:
+        """The request's state; a finished request is forgotten once reported."""
+        group = self.requests[request_id]
+        seq = group[0]
+        completions = [CompletionOutput(i, s.output_text, s.output_token_ids, s.finish_reason, s.logprobs,
+                                        s.stop_reason) for i, s in enumerate(group)]
+        finished = all(s.is_finished for s in group) and (seq.params.n == len(group))
+        if finished:
+            del self.requests[request_id]
         metrics = {"arrival_time": seq.arrival_time}
         if seq.first_token_time is not None:
             metrics["first_token_time"] = seq.first_token_time
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             seq.is_finished, metrics=metrics, prompt_logprobs=seq.prompt_logprobs)
+        return RequestOutput(request_id, seq.prompt, seq.prompt_token_ids, completions, finished,
+                             seq.num_cached_tokens, metrics, seq.prompt_logprobs)
 
     def stats(self) -> dict:
         kv = self.kv
@@ -243,5 +286,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
         }

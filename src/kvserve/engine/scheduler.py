@@ -22,17 +22,25 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.seqs
 
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
 
 class Scheduler:
     """Holds the waiting queue and the running list; `kv` is None when the engine keeps no cache."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | None, watermark: float = 0.01):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | None, watermark: float = 0.01,
+                 enable_prefix_caching: bool = False):
         self.config = config
         self.kv = kv
+        self.prefix_caching = enable_prefix_caching and kv is not None
         self.watermark_blocks = int(watermark * kv.num_blocks) if kv else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -43,8 +51,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Decodes before the chunks of long prompts, so that a long prompt never stalls the streams.
+        running = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         preempted = False
-        for seq in list(self.running):
+        for seq in running:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:    # preempted earlier in this loop
@@ -55,60 +65,95 @@ class Scheduler:
             if not self._reserve(seq, n, out):
                 preempted = True
                 continue
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            out.add(seq, n)
             budget -= n
         if not preempted:
-            budget = self._admit(out, budget)
-        # Decodes (one new token on top of a cache) first: the attention backends expect that order.
-        order = sorted(range(len(out.seqs)), key=lambda i: not self._is_decode(out.seqs[i], out.num_new_tokens[i]))
+            self._admit(out, budget)
+        is_decode = [self._is_decode(s, n) for s, n in zip(out.seqs, out.num_new_tokens)]
+        order = sorted(range(len(out.seqs)), key=lambda i: not is_decode[i])
         out.seqs = [out.seqs[i] for i in order]
         out.num_new_tokens = [out.num_new_tokens[i] for i in order]
-        out.num_decodes = sum(self._is_decode(s, n) for s, n in zip(out.seqs, out.num_new_tokens))
+        out.num_decodes = sum(is_decode)
         return out
 
     def _is_decode(self, seq: Sequence, n: int) -> bool:
         return self.kv is not None and n == 1 and seq.num_computed_tokens > 0
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for n more tokens of a running sequence, preempting the newest ones if needed."""
+        """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
         if self.kv is None:
             return True
         while self.kv.num_new_blocks(seq.seq_id, seq.num_computed_tokens, n) > self.kv.num_free_blocks:
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
             self.preempt(victim)
             if victim is seq:
                 return False
         out.block_copies += self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n)
         return True
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            slots = seq.params.n if seq.num_output_tokens == 0 else 1   # a prompt forks into n samples
+            if len(self.running) + slots > self.config.max_num_seqs:
+                break
             if self.kv is None:
-                if n < seq.num_tokens:
+                if seq.num_tokens > budget:
                     break
-            else:
-                needed = self.kv.num_new_blocks(seq.seq_id, seq.num_computed_tokens, n)
-                reserve = self.watermark_blocks if self.running else 0
-                if needed + reserve > self.kv.num_free_blocks:
-                    break
-                out.block_copies += self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n)
+            elif not self._allocate_for_admission(seq, budget, out):
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            out.add(seq, n)
             budget -= n
-        return budget
+
+    def _allocate_for_admission(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Share the cached prefix and allocate the first chunk's blocks, if they fit."""
+        kv = self.kv
+        hits = self._prefix_hits(seq)
+        computed = len(hits) * kv.block_size
+        n = min(seq.num_tokens - computed, budget)
+        needed = kv.blocks_for(computed + n) - len(hits) + kv.num_reclaimed(hits)
+        reserve = self.watermark_blocks if self.running else 0
+        if needed + reserve > kv.num_free_blocks:
+            return False
+        if not seq.prefix_queried:   # counted once: recomputation after preemption is no hit
+            seq.prefix_queried = True
+            seq.num_cached_tokens = computed
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += computed
+        kv.share_prefix(seq.seq_id, hits)
+        seq.num_cached_blocks, seq.num_computed_tokens = len(hits), computed
+        out.block_copies += kv.allocate(seq.seq_id, computed, n)
+        return True
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        if not self.prefix_caching:
+            return []
+        # At least the last token is computed again: its logits are needed to sample.
+        keys = seq.full_block_keys(self.kv.block_size, seq.num_tokens - 1)
+        return self.kv.cached_prefix(keys)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance each sequence and index the blocks it filled."""
+        if self.kv is None:
+            return
+        bs = self.kv.block_size
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            if self.prefix_caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                keys = seq.full_block_keys(bs, seq.num_computed_tokens)
+                self.kv.cache_blocks(seq.seq_id, seq.num_cached_blocks, keys[seq.num_cached_blocks:])
+                seq.num_cached_blocks = len(keys)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front, to be recomputed."""
         self.running.remove(seq)
         if self.kv is not None:
             self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_blocks = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.blocks import BlockKey, block_key
 from kvserve.sampling import Logprob, SamplingParams
 
 
@@ -15,7 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     request_id: str
@@ -38,6 +39,12 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     first_token_time: float | None = None
+    # prefix caching
+    cache_salt: str | None = None
+    block_keys: list[BlockKey] = field(default_factory=list)   # of the full blocks seen so far
+    num_cached_blocks: int = 0        # leading blocks of the table already in the prefix index
+    num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
+    prefix_queried: bool = False
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -63,6 +70,14 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def full_block_keys(self, block_size: int, num_tokens: int) -> list[BlockKey]:
+        """Keys of the full blocks among the first num_tokens tokens (computed once, then reused)."""
+        for i in range(len(self.block_keys), num_tokens // block_size):
+            parent = self.block_keys[-1].hash if self.block_keys else None
+            tokens = tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+            self.block_keys.append(block_key(parent, tokens, self.cache_salt))
+        return self.block_keys[:num_tokens // block_size]
 
     @property
     def is_finished(self) -> bool:

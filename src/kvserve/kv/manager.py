@@ -1,7 +1,7 @@
 """KVCacheManager: one block table per sequence over a shared BlockPool."""
 from __future__ import annotations
 
-from kvserve.kv.blocks import BlockPool, NoFreeBlocksError
+from kvserve.kv.blocks import BlockKey, BlockPool, NoFreeBlocksError
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,6 +60,34 @@ class KVCacheManager:
                 table[i] = dst
         table.extend(self.pool.allocate(self.blocks_for(num_computed + num_new) - len(table)))
         return copies
+
+    def cached_prefix(self, keys: list[BlockKey]) -> list[int]:
+        """The longest run of cached blocks holding the prefix that `keys` describe."""
+        hits = []
+        for key in keys:
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_reclaimed(self, block_ids: list[int]) -> int:
+        """How many of these cached blocks are free now, so that sharing them takes from the pool."""
+        return sum(1 for b in block_ids if self.pool.ref_counts[b] == 0)
+
+    def share_prefix(self, seq_id: int, block_ids: list[int]) -> None:
+        """Start a sequence's table with cached blocks (a prefix hit)."""
+        if self.block_tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        for b in block_ids:
+            self.pool.incref(b)
+        self.block_tables[seq_id] = list(block_ids)
+
+    def cache_blocks(self, seq_id: int, first: int, keys: list[BlockKey]) -> None:
+        """Index the sequence's blocks first, first + 1, ... (now full) under `keys`."""
+        table = self.block_tables[seq_id]
+        for block_id, key in zip(table[first:], keys):
+            self.pool.cache(block_id, key)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give `child_id` the parent's blocks, shared by reference count."""

@@ -1,0 +1,200 @@
+"""Sharing blocks: prefix caching, parallel samples with copy-on-write, chunked prefill."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.blocks import BlockKey, BlockPool, block_key
+from tiny_models import make_checkpoint
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("prefix"), "llama", max_position_embeddings=256)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYSTEM = ids(21, 0)
+PROMPTS = [{"prompt_token_ids": SYSTEM + ids(k, k)} for k in (1, 4, 7, 12)]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def uncached(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    return tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def check_ownership(llm: LLM) -> None:
+    kv = llm.engine.kv
+    owners = Counter(b for table in kv.block_tables.values() for b in table)
+    assert all(kv.pool.ref_counts[b] == owners.get(b, 0) for b in range(kv.num_blocks))
+    assert kv.num_free_blocks + len(owners) == kv.num_blocks
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 5, 16])
+def test_cached_outputs_equal_uncached(ckpt, block_size):
+    ref = LLM(str(ckpt), block_size=block_size, num_kv_blocks=256, enable_prefix_caching=False)
+    llm = LLM(str(ckpt), block_size=block_size, num_kv_blocks=256)
+    expected = tokens(ref.generate(PROMPTS, GREEDY, use_tqdm=False))
+    first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(first) + tokens(outs)[1:] == expected[:1] + expected[1:]
+    assert tokens(outs) == expected
+    shared = 21 // block_size * block_size
+    assert all(o.num_cached_tokens >= min(shared, (len(p["prompt_token_ids"]) - 1) // block_size * block_size)
+               for o, p in zip(outs, PROMPTS))
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["prefix_cache_queries"] == len(PROMPTS[0]["prompt_token_ids"]) + sum(
+        len(p["prompt_token_ids"]) for p in PROMPTS)
+    check_ownership(llm)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_full_hit_recomputes_the_last_token(ckpt, uncached):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64)
+    prompt = {"prompt_token_ids": ids(16, 3)}          # exactly 4 blocks
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 12 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_different_salts_never_share(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64)
+    prompt = SYSTEM + [5, 6]
+    llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)
+    other = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, GREEDY, use_tqdm=False)[0]
+    unsalted = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    same = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    assert same.num_cached_tokens == 20
+
+
+def test_recomputation_after_preemption_is_not_a_hit(ckpt, uncached):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=12, enable_prefix_caching=True)
+    prompts = [{"prompt_token_ids": ids(10, s)} for s in range(3)]   # unrelated prompts: no true hits
+    llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] == 0 and stats["prefix_cache_queries"] == 30
+
+
+def test_pool_evicts_least_recently_freed_tail_first():
+    pool = BlockPool(4)
+    keys, parent = [], None
+    for i in range(3):
+        keys.append(block_key(parent, (i, i), None))
+        parent = keys[-1].hash
+    blocks = pool.allocate(3)
+    for b, k in zip(blocks, keys):
+        pool.cache(b, k)
+    for b in reversed(blocks):                       # as the manager frees: tail first
+        pool.decref(b)
+    assert pool.num_free == 4 and pool.num_cached == 3
+    pool.allocate(2)                                 # the never-used block, then the tail block
+    assert [pool.lookup(k) for k in keys] == blocks[:2] + [None]
+    pool.incref(blocks[0])                           # a hit takes a cached block out of the free queue
+    assert pool.num_free == 1 and pool.ref_counts[blocks[0]] == 1
+
+
+def test_a_hash_collision_is_no_hit():
+    pool = BlockPool(2)
+    key = block_key(None, (1, 2), None)
+    (b,) = pool.allocate(1)
+    pool.cache(b, key)
+    assert pool.lookup(key) == b
+    assert pool.lookup(BlockKey(key.hash, None, (9, 9), None)) is None
+    assert pool.lookup(BlockKey(key.hash, None, (1, 2), "salt")) is None
+
+
+def test_colliding_hashes_cannot_corrupt_output(ckpt, uncached, monkeypatch):
+    import kvserve.engine.sequence as sequence
+
+    monkeypatch.setattr(sequence, "block_key",
+                        lambda parent, toks, salt: BlockKey(b"same-hash", parent, toks, salt))
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64)
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == uncached
+
+
+def test_n_samples_equal_separate_seeded_runs_and_share_blocks(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64)
+    prompt = {"prompt_token_ids": ids(10, 9)}
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    outs = engine.step()                           # prefill, fork, first tokens
+    assert [len(o.token_ids) for o in outs[0].outputs] == [1, 1, 1]
+    table = engine.kv.block_tables
+    group = engine.requests["r"]
+    assert [table[s.seq_id][:2] for s in group] == [table[group[0].seq_id][:2]] * 3
+    assert all(engine.kv.pool.ref_counts[b] == 3 for b in table[group[0].seq_id][:3])
+    final = None
+    while engine.has_unfinished_requests():
+        check_ownership(llm)
+        final = engine.step()[0]
+    # the prompt's partial last block was copied on the first write of each sample but one
+    alone = [llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
+    assert final.finished and [o.token_ids for o in final.outputs] == alone
+    assert [o.index for o in final.outputs] == [0, 1, 2]
+    assert llm.stats()["kv_blocks_free"] == 64
+
+
+def test_n_counts_against_max_num_seqs(ckpt):
+    with pytest.raises(ValueError, match="n \\(5\\) exceeds max_num_seqs \\(4\\)"):
+        LLM(str(ckpt), num_kv_blocks=16, max_num_seqs=4).generate("x", SamplingParams(n=5), use_tqdm=False)
+
+
+def test_a_long_prompt_does_not_stall_running_streams(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=128, max_num_batched_tokens=16)
+    engine = llm.engine
+    for i in range(2):
+        engine.add_request(f"short{i}", {"prompt_token_ids": ids(5, i)}, SamplingParams(max_tokens=30))
+    engine.step()
+    engine.add_request("long", {"prompt_token_ids": ids(200, 7)}, SamplingParams(max_tokens=2))
+    for _ in range(10):
+        touched = {o.request_id for o in engine.step()}
+        assert {"short0", "short1"} <= touched
+    long_seq = engine.requests["long"][0]
+    assert 0 < long_seq.num_computed_tokens < 200      # prefilled 14 tokens a step, alongside
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(suffixes=st.lists(st.integers(0, 9), min_size=1, max_size=6), ns=st.lists(st.integers(1, 3), min_size=6,
+       max_size=6), block_size=st.integers(2, 6), spare=st.integers(0, 8), budget=st.integers(4, 40),
+       max_tokens=st.integers(1, 6))
+def test_sharing_never_leaks_and_never_changes_tokens(ckpt, suffixes, ns, block_size, spare, budget, max_tokens):
+    """Prefix hits, forks, copy-on-write, eviction of cached blocks and preemption, mixed at random."""
+    prompts = [{"prompt_token_ids": SYSTEM[:9] + ids(k, k)} if k else {"prompt_token_ids": SYSTEM[:13]}
+               for k in suffixes]
+    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True)
+              for n in ns[:len(prompts)]]
+    need = max(-(-(len(p["prompt_token_ids"]) + max_tokens) // block_size) for p in prompts)
+    ref = LLM(str(ckpt), block_size=block_size, num_kv_blocks=256, enable_prefix_caching=False, max_num_seqs=3)
+    expected = [[o.token_ids for o in out.outputs] for out in ref.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(ckpt), block_size=block_size, num_kv_blocks=need + 3 + spare, max_num_batched_tokens=budget)
+    engine, results = llm.engine, {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = [o.token_ids for o in out.outputs]
+        check_ownership(llm)
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
