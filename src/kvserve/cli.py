@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate | bench."""
+"""The `kvserve` command: generate | serve | bench."""
 from __future__ import annotations
 
 import argparse
@@ -21,11 +21,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--cache-mode", default="paged", choices=CACHE_MODES)
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-            "max_num_seqs", "max_num_batched_tokens", "cache_mode", "attention_backend"]
+            "max_num_seqs", "max_num_batched_tokens", "cache_mode", "attention_backend", "enable_prefix_caching"]
     return {k: getattr(args, k) for k in keys}
 
 
@@ -53,6 +54,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.server.app import build_app
+
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
+    name = args.served_model_name or args.model or "kvserve-demo"
+    app = build_app(engine, name, args.api_key, args.max_queue, args.max_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="A KV-cache-centric LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send")
+    s.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    s.add_argument("--log-level", default="info")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
     from kvserve.bench import add_bench_parser
     add_bench_parser(sub)
     return parser

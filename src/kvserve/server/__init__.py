@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: FastAPI app, async engine loop, Prometheus metrics."""

@@ -1,0 +1,92 @@
+"""Prometheus metrics under vLLM's names, with a `kvserve:` prefix."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.engine.engine import LLMEngine
+from kvserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineCollector:
+    """Reads the engine's gauges and counters at scrape time."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def collect(self):
+        stats = self.engine.stats()
+        total = stats["kv_blocks_total"]
+        in_use = self.engine.kv.num_blocks - self.engine.kv.num_free_blocks if self.engine.kv else 0
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
+                          in_use / total if total else 0.0)
+        yield self._gauge("num_requests_running", "Requests in the running batch.", stats["num_running"])
+        yield self._gauge("num_requests_waiting", "Requests waiting to be admitted.", stats["num_waiting"])
+        for name, key, doc in (("num_preemptions", "num_preemptions", "Preemptions (recompute)."),
+                               ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up."),
+                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached.")):
+            family = CounterMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), stats[key])
+            yield family
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+
+class ServerMetrics:
+    """Per-request counters and latency histograms, fed with every output the engine streams."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prefilled prompt tokens.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens.", labels,
+                                         registry=self.registry)
+        self.request_success = Counter("kvserve:request_success", "Finished requests.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kvserve:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                             buckets=_LATENCY_BUCKETS + (160.0, 320.0), registry=self.registry)
+        self._last: dict[str, tuple[float, int]] = {}    # request id -> (time, tokens) of its last output
+
+    def observe(self, out: RequestOutput, arrival: float) -> None:
+        """Called for each output of a request, in the engine thread."""
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        last_time, last_tokens = self._last.get(out.request_id, (None, 0))
+        new = tokens - last_tokens
+        if new > 0:
+            self.generation_tokens.labels(self.model_name).inc(new)
+            if last_time is None:
+                self.ttft.labels(self.model_name).observe(now - arrival)
+                self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
+            else:
+                self.itl.labels(self.model_name).observe(now - last_time)
+        self._last[out.request_id] = (now, tokens)
+        if out.finished:
+            del self._last[out.request_id]
+            self.e2e.labels(self.model_name).observe(now - arrival)
+            reason = out.outputs[0].finish_reason or "abort"
+            self.request_success.labels(self.model_name, reason).inc()
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: it will not finish."""
+        if self._last.pop(request_id, None) is not None:
+            self.request_success.labels(self.model_name, "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

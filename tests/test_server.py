@@ -1,0 +1,221 @@
+"""The OpenAI-compatible server, driven by the real openai client on a loopback port."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.server.app import build_app
+from tiny_models import make_checkpoint
+
+MODEL = "tiny-llama"
+KEY = "sk-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("server"), "llama")
+
+
+ENGINE_ARGS = dict(block_size=4, num_kv_blocks=256, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def url(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
+    with ServerThread(build_app(engine, MODEL, api_key=KEY, max_queue=300, max_body_bytes=100_000)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    return LLM(str(ckpt), **ENGINE_ARGS)
+
+
+def test_completion_equals_offline_generate(client, offline):
+    r = client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=12, temperature=0)
+    ref = offline.generate("def fibonacci(n):", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    assert r.choices[0].text == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_completion_concatenates_to_the_same_text(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_streaming_and_not(client, offline):
+    messages = [{"role": "user", "content": "hello there"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    ref = offline.chat(messages, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
+    assert r.choices[0].message.content == ref.outputs[0].text and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+
+
+def test_n_seed_and_logprobs(client, offline):
+    kw = dict(model=MODEL, prompt="import os", max_tokens=8, temperature=1.0, seed=7, n=3)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [c.text for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.text for c in b.choices]
+    ref = offline.generate("import os", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7), use_tqdm=False)
+    assert texts == [o.text for o in ref[0].outputs]
+    lp = client.completions.create(model=MODEL, prompt="import os", max_tokens=4, temperature=0, logprobs=2)
+    info = lp.choices[0].logprobs
+    assert len(info.tokens) == len(info.token_logprobs) == len(info.top_logprobs) == 4
+    # keyed by text, as OpenAI does: two tokens that decode alike share a key
+    assert all(1 <= len(t) <= 2 and max(t.values()) >= lp_ - 1e-6 for t, lp_ in zip(info.top_logprobs, info.token_logprobs))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_stop_string_and_token_ids_prompt(client, offline):
+    base = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    stop = text[5:8]
+    cut = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=16, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_several_prompts_in_one_request(client):
+    r = client.completions.create(model=MODEL, prompt=["a b", "c d"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    single = client.completions.create(model=MODEL, prompt="c d", max_tokens=4, temperature=0)
+    assert r.choices[2].text == single.choices[0].text
+
+
+def test_models_health_tokenize(url):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{url}/health").status_code == 200
+    models = httpx.get(f"{url}/v1/models", headers=headers).json()
+    assert models["data"][0]["id"] == MODEL
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": "hello world"}, headers=headers).json()
+    assert tok["count"] == len(tok["tokens"])
+    back = httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}, headers=headers).json()
+    assert back["prompt"].endswith("hello world")
+
+
+@pytest.mark.parametrize("body, status, text", [
+    ("{not json", 400, "JSON"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x " * 200, "max_tokens": 10}, 400, "max_model_len"),
+    ({"model": MODEL, "prompt": [5, 999999]}, 400, "out of range"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "gpt-4"),
+    ({"model": MODEL, "prompt": "y" * 200_000}, 413, "bytes"),
+])
+def test_bad_requests_get_clear_errors_and_the_server_goes_on(url, client, body, status, text):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if isinstance(body, str):
+        r = httpx.post(f"{url}/v1/completions", content=body, headers={**headers, "content-type": "application/json"})
+    else:
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert text in error["message"] and error["code"] == status
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_api_key_is_required(url):
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    wrong = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"},
+                       headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+
+
+def metric(url: str, name: str) -> float:
+    """A metric's value, summed over its label sets."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+              if line.startswith((f"kvserve:{name}{{", f"kvserve:{name} "))]
+    assert values, f"no metric {name}"
+    return sum(values)
+
+
+def test_cancelled_streams_free_every_block(url):
+    async def open_and_cancel(http: httpx.AsyncClient, i: int):
+        body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data:")
+                if seen >= 2:
+                    break
+
+    async def run():
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            await asyncio.gather(*(open_and_cancel(http, i) for i in range(50)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 30
+    while metric(url, "num_requests_running") or metric(url, "kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "cancelled requests still hold the engine"
+        time.sleep(0.1)
+    assert metric(url, "num_requests_waiting") == 0
+    assert metric(url, "request_success_total") >= 50
+    assert metric(url, "time_to_first_token_seconds_count") >= 50
+
+
+def test_full_queue_is_429(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
+    with ServerThread(build_app(engine, MODEL, max_queue=0)) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 429 and "max-queue" in r.json()["error"]["message"]
