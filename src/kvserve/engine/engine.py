@@ -216,12 +216,12 @@ class LLMEngine:
     def _score_prompts(self, seqs: list[Sequence], logits: torch.Tensor, spans) -> None:
         """Append the logprobs of prompt tokens computed this step (prompt_logprobs)."""
         targets, ks = [], []
-        for row, first, count in spans:
-            targets += seqs[row].token_ids[first:first + count]
-            ks += [seqs[row].params.prompt_logprobs] * count
+        for row, first, num in spans:
+            targets += seqs[row].token_ids[first:first + num]
+            ks += [seqs[row].params.prompt_logprobs] * num
         entries = iter(token_logprobs(logits, targets, ks))
-        for row, _, count in spans:
-            seqs[row].prompt_logprobs += [self._logprob_dict(next(entries)) for _ in range(count)]
+        for row, _, num in spans:
+            seqs[row].prompt_logprobs += [self._logprob_dict(next(entries)) for _ in range(num)]
 
     def _logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
         return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
