@@ -1,0 +1,204 @@
+"""Serving under load: TTFT, TPOT, ITL and throughput of streaming clients at several concurrencies.
+
+Metrics follow vLLM's `bench serve`: TTFT is the time from sending a request to its first streamed
+token, TPOT is (latency - TTFT) / (output tokens - 1) per request, ITL is every gap between streamed
+chunks. Unless --url is given, the server runs in a subprocess (`kvserve serve`) so that the
+clients do not share the engine's interpreter.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from kvserve.bench.common import print_table, random_prompts, write_json
+
+NAME = "serve"
+CONCURRENCIES = (1, 16, 64, 256)
+MODEL_NAME = "bench-model"
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="target a running server instead of starting one")
+    p.add_argument("--model", default=None, help="checkpoint to serve (default: the bundled demo model)")
+    p.add_argument("--concurrency", default=None, help="comma-separated (default 1,16,64,256)")
+    p.add_argument("--requests", type=int, default=None, help="per concurrency (default max(2c, 32))")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals per second (default: all at once, capped by the concurrency)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--dtype", default="auto")
+
+
+async def one_request(http: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> RequestResult:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    res, last = RequestResult(ok=False), None
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.latency = time.perf_counter() - start
+        res.ok = res.output_tokens > 0
+    except httpx.HTTPError:
+        res.ok = False
+    return res
+
+
+async def run_load(url: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                   rate: float | None) -> tuple[list[RequestResult], float]:
+    limit = asyncio.Semaphore(concurrency)
+    rng = np.random.default_rng(0)
+
+    async def limited(http, prompt, delay):
+        await asyncio.sleep(delay)
+        async with limit:
+            return await one_request(http, url, prompt, output_len)
+
+    delays = np.cumsum(rng.exponential(1 / rate, len(prompts))) if rate else np.zeros(len(prompts))
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as http:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(http, p, d) for p, d in zip(prompts, delays)))
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    out_tokens = sum(r.output_tokens for r in ok)
+    row = {"requests": len(results), "errors": len(results) - len(ok), "duration_s": duration,
+           "request_s": len(ok) / duration, "output_tok_s": out_tokens / duration}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}"] = pct(xs, q)
+    return row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, max_model_len: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--served-model-name", MODEL_NAME,
+           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(max_model_len), "--dtype", args.dtype,
+           "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not come up within 300 s")
+
+
+def offline_throughput(args: argparse.Namespace, prompts: list[list[int]], max_model_len: int) -> float:
+    """Generated tokens/s of LLM.generate on the same workload, for comparison."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    from kvserve.config import ModelConfig
+    from kvserve.model.loader import resolve_model
+
+    return ModelConfig.from_path(resolve_model(args.model)).vocab_size
+
+
+def run(args: argparse.Namespace) -> int:
+    concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else \
+        ([1, 4, 16] if args.quick else list(CONCURRENCIES))
+    if args.quick:
+        args.prompt_len, args.output_len = min(args.prompt_len, 32), min(args.output_len, 16)
+    max_model_len = args.prompt_len + args.output_len
+    print(f"serve: {args.prompt_len}-token prompts, {args.output_len} output tokens, streaming completions; "
+          f"concurrency {concurrencies}")
+    proc, url = (None, args.url) if args.url else start_server(args, max_model_len)
+    rows, prompts_at_64 = [], None
+    try:
+        for c in concurrencies:
+            n = args.requests or max(2 * c, 8 if args.quick else 32)
+            prompts = random_prompts(n, args.prompt_len, vocab_size(args) if not args.url else 256, seed=c)
+            asyncio.run(run_load(url, prompts[:1], args.output_len, 1, None))      # warm-up
+            results, duration = asyncio.run(run_load(url, prompts, args.output_len, c, args.request_rate))
+            rows.append({"concurrency": c, **summarize(results, duration)})
+            prompts_at_64 = prompts if c == 64 else prompts_at_64
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    report = {"rows": rows, "prompt_len": args.prompt_len, "output_len": args.output_len}
+    if prompts_at_64 is not None and not args.url:
+        offline = offline_throughput(args, prompts_at_64, max_model_len)
+        served = next(r["output_tok_s"] for r in rows if r["concurrency"] == 64)
+        report.update(offline_tok_s_at_64=offline, served_over_offline_at_64=served / offline)
+    print_report(report)
+    write_json(args.json_path, report)
+    return 0
+
+
+def print_report(report: dict) -> None:
+    cols = ["concurrency", "requests", "errors", "ttft_p50", "ttft_p90", "ttft_p99", "tpot_p50", "tpot_p99",
+            "itl_p50", "itl_p99", "request_s", "output_tok_s"]
+    rows = [[f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in report["rows"]]
+    print("latencies in ms")
+    print_table(cols, rows)
+    if "offline_tok_s_at_64" in report:
+        ratio = report["served_over_offline_at_64"]
+        print(f"offline LLM.generate on the concurrency-64 workload: {report['offline_tok_s_at_64']:.1f} tok/s; "
+              f"served / offline = {ratio:.2f} (target: within 15%: {'met' if ratio >= 0.85 else 'NOT met'})")
+    print(f"errors: {sum(r['errors'] for r in report['rows'])} in all")

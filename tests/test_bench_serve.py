@@ -1,0 +1,20 @@
+"""`kvserve bench serve` against a real server subprocess, shrunk to a few seconds."""
+from __future__ import annotations
+
+import json
+
+from kvserve.cli import main
+from tiny_models import make_checkpoint
+
+
+def test_bench_serve_rows(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "model", "llama")
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--quick", "--model", str(ckpt), "--concurrency", "1,4", "--requests", "4",
+                 "--prompt-len", "8", "--output-len", "6", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["errors"] == 0 and r["requests"] == 4
+        assert 0 < r["ttft_p50"] <= r["ttft_p99"] and r["tpot_p50"] > 0 and r["itl_p99"] > 0
+        assert r["output_tok_s"] > 0
