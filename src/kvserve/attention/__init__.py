@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.flash import FlashBackend
 from kvserve.attention.paged import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 
-BACKENDS = {"sdpa": SdpaBackend, "textbook": TextbookBackend}
+BACKENDS = {"sdpa": SdpaBackend, "flash": FlashBackend, "textbook": TextbookBackend}
 
 
 def get_backend(name: str, device: torch.device):

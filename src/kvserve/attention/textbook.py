@@ -16,7 +16,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     scores = q.transpose(0, 1).float() @ k.transpose(1, 2) * scale   # [H, Lq, Lk]: the L x L matrix
     q_pos = torch.arange(q.shape[0], device=q.device)[:, None] + q_offset
     k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    scores.masked_fill_(k_pos > q_pos, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
 
 

@@ -1,0 +1,211 @@
+"""Attention time and peak temporary memory against length: textbook, flash (paged) and torch SDPA.
+
+Prefill: one sequence of L tokens attending causally to itself, its K/V in the paged cache.
+Decode: a batch of sequences, one new token each, over contexts of L tokens in the paged cache;
+SDPA first gathers each context into a contiguous copy (the gather the paged flash kernel avoids).
+Peak temporary memory is the high-water mark of the bytes allocated during the call, from the
+PyTorch profiler's memory events. The textbook is skipped where its L x L scores would not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.flash import FlashBackend
+from kvserve.attention.paged import gather_context
+from kvserve.attention.textbook import TextbookBackend
+from kvserve.bench.common import print_table, write_json
+
+NAME = "attention"
+PREFILL_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+DECODE_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+BLOCK_SIZE = 16
+TEXTBOOK_MEMORY_CAP = 12 * 2**30
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    # 4 heads sharing 1 KV head (GQA 4) keep the textbook's 16384 x 16384 scores within this machine's memory
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--decode-batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-lengths", default=None, help="comma-separated (default 512..16384; quick: ..2048)")
+    p.add_argument("--decode-lengths", default=None, help="comma-separated (default 1024..32768; quick: ..4096)")
+    p.add_argument("--plot", default=None, help="write a PNG of time and memory against length")
+
+
+def paged_case(batch: int, length: int, q_len: int, args, device) -> tuple:
+    """Random q [B*q_len, H, D] and a paged cache holding `length` tokens per sequence, shuffled pages."""
+    dtype = getattr(torch, args.dtype)
+    per_seq = -(-length // BLOCK_SIZE)
+    pages = torch.randperm(batch * per_seq, device=device)
+    kv_cache = torch.randn(2, args.kv_heads, batch * per_seq, BLOCK_SIZE, args.head_dim, dtype=dtype, device=device)
+    tables = pages.view(batch, per_seq)
+    q = torch.randn(batch * q_len, args.heads, args.head_dim, dtype=dtype, device=device)
+    attn = AttentionBatch(num_decodes=batch if q_len == 1 else 0, slot_mapping=None, block_tables=tables,
+                          context_lens=torch.full((batch,), length, device=device), query_lens=[q_len] * batch,
+                          context_lens_list=[length] * batch, has_prefix=False)
+    return q, kv_cache, attn
+
+
+def runners(phase: str, q, kv_cache, attn: AttentionBatch, scale: float) -> dict:
+    """The three ways to compute the same attention, as zero-argument callables."""
+    contiguous = lambda: gather_context(kv_cache, attn.block_tables, attn.context_lens_list[0])  # noqa: E731
+    textbook, flash = TextbookBackend(), FlashBackend()
+    b = len(attn.query_lens)
+
+    def sdpa():
+        k, v = contiguous().transpose(1, 2)                                  # [B, KVH, L, D]
+        qb = q.view(b, -1, q.shape[1], q.shape[2]).transpose(1, 2)
+        return F.scaled_dot_product_attention(qb, k, v, is_causal=phase == "prefill", scale=scale, enable_gqa=True)
+
+    # textbook and flash read K/V from the pages (for prefill, the new tokens' K/V are there too)
+    return {"textbook": lambda: textbook.forward(q, None, None, kv_cache, attn, scale),
+            "flash": lambda: flash.forward(q, None, None, kv_cache, attn, scale),
+            "sdpa": sdpa}
+
+
+def peak_temp_bytes(fn) -> int:
+    """High-water mark of bytes allocated during fn(), from the profiler's memory events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return peak
+
+
+def measure(fn, repeats: int, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def textbook_bytes(phase: str, batch: int, length: int, heads: int) -> int:
+    """Its float32 scores and probabilities, each [H, Lq, L]."""
+    q_len = 1 if phase == "decode" else length
+    return 2 * heads * q_len * length * 4 * (1 if phase == "prefill" else batch)
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    prefill = _lengths(args.prefill_lengths, PREFILL_LENGTHS, 2048 if args.quick else None)
+    decode = _lengths(args.decode_lengths, DECODE_LENGTHS, 4096 if args.quick else None)
+    scale = args.head_dim ** -0.5
+    print(f"attention: {args.heads} heads ({args.kv_heads} KV), head_dim {args.head_dim}, {args.dtype}, "
+          f"{device}; decode batch {args.decode_batch}; block size {BLOCK_SIZE}")
+    rows = []
+    for phase, lengths in (("prefill", prefill), ("decode", decode)):
+        for length in lengths:
+            batch = 1 if phase == "prefill" else args.decode_batch
+            q, kv_cache, attn = paged_case(batch, length, length if phase == "prefill" else 1, args, device)
+            for backend, fn in runners(phase, q, kv_cache, attn, scale).items():
+                if backend == "textbook" and textbook_bytes(phase, batch, length, args.heads) > TEXTBOOK_MEMORY_CAP:
+                    rows.append(dict(backend=backend, phase=phase, length=length, time_ms=None,
+                                     peak_temp_bytes=None, skipped="scores would exceed the memory cap"))
+                    continue
+                rows.append(dict(backend=backend, phase=phase, length=length, time_ms=measure(fn, args.repeats, device),
+                                 peak_temp_bytes=peak_temp_bytes(fn) if device.type == "cpu" else None))
+    report = {"rows": rows, "dtype": args.dtype, "device": str(device), "heads": args.heads,
+              "kv_heads": args.kv_heads, "head_dim": args.head_dim, "decode_batch": args.decode_batch}
+    report.update(targets(rows))
+    print_report(report)
+    if args.plot:
+        plot(rows, args.plot, f"{args.dtype} on {device}")
+        print(f"wrote {args.plot}")
+    write_json(args.json_path, report)
+    return 0
+
+
+def _lengths(given: str | None, default: tuple[int, ...], cap: int | None) -> list[int]:
+    if given:
+        return [int(x) for x in given.split(",")]
+    return [n for n in default if cap is None or n <= cap]
+
+
+def _row(rows, backend, phase, length):
+    return next((r for r in rows if (r["backend"], r["phase"], r["length"]) == (backend, phase, length)), None)
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's three claims, from the measured rows."""
+    out = {}
+    longest = max(r["length"] for r in rows if r["phase"] == "prefill")
+    tb, fl = _row(rows, "textbook", "prefill", longest), _row(rows, "flash", "prefill", longest)
+    if tb and tb["peak_temp_bytes"] and fl["peak_temp_bytes"]:
+        out["prefill_memory_ratio_textbook_over_flash"] = tb["peak_temp_bytes"] / fl["peak_temp_bytes"]
+    out["prefill_time_flash_over_textbook"] = {
+        r["length"]: _row(rows, "flash", "prefill", r["length"])["time_ms"] / r["time_ms"]
+        for r in rows if r["backend"] == "textbook" and r["phase"] == "prefill" and r["time_ms"] and r["length"] >= 2048}
+    out["decode_time_flash_over_sdpa"] = {
+        r["length"]: _row(rows, "flash", "decode", r["length"])["time_ms"] / r["time_ms"]
+        for r in rows if r["backend"] == "sdpa" and r["phase"] == "decode"}
+    return out
+
+
+def print_report(report: dict) -> None:
+    fmt_ms = lambda x: "skipped" if x is None else f"{x:.2f}"  # noqa: E731
+    fmt_mb = lambda x: "-" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
+    table = [[r["phase"], str(r["length"]), r["backend"], fmt_ms(r["time_ms"]), fmt_mb(r["peak_temp_bytes"])]
+             for r in report["rows"]]
+    print_table(["phase", "length", "backend", "time ms", "peak temp MiB"], table)
+    if "prefill_memory_ratio_textbook_over_flash" in report:
+        ratio = report["prefill_memory_ratio_textbook_over_flash"]
+        print(f"prefill temp memory textbook / flash at the longest measured length: {ratio:.0f}x "
+              f"(target >= 50x at 16384: {'met' if ratio >= 50 else 'NOT met'})")
+    for length, r in report["prefill_time_flash_over_textbook"].items():
+        print(f"prefill {length}: flash / textbook time {r:.2f} (target <= 1: {'met' if r <= 1 else 'NOT met'})")
+    for length, r in report["decode_time_flash_over_sdpa"].items():
+        print(f"decode {length}: paged flash / SDPA-on-a-copy time {r:.2f} "
+              f"(target <= 1.5: {'met' if r <= 1.5 else 'NOT met'})")
+
+
+def plot(rows: list[dict], path: str, label: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for col, phase in enumerate(("prefill", "decode")):
+        for backend in ("textbook", "flash", "sdpa"):
+            pts = [(r["length"], r["time_ms"], r["peak_temp_bytes"]) for r in rows
+                   if r["phase"] == phase and r["backend"] == backend and r["time_ms"] is not None]
+            if not pts:
+                continue
+            xs, ts, ms = zip(*pts)
+            axes[0][col].plot(xs, ts, marker="o", label=backend)
+            if all(m is not None for m in ms):
+                axes[1][col].plot(xs, [m / 2**20 for m in ms], marker="o", label=backend)
+        axes[0][col].set(title=f"{phase}: time", xlabel="tokens", ylabel="ms", xscale="log", yscale="log")
+        axes[1][col].set(title=f"{phase}: peak temporary memory", xlabel="tokens", ylabel="MiB", xscale="log",
+                         yscale="log")
+        for ax in axes[:, col]:
+            ax.legend()
+            ax.grid(True, which="both", alpha=0.3)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
+    fig.suptitle(f"kvserve bench attention ({label}; {machine}; {time.strftime('%Y-%m-%d')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
