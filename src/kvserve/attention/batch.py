@@ -24,9 +24,5 @@ class AttentionBatch:
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
     def num_prefills(self) -> int:
         return len(self.query_lens) - self.num_decodes

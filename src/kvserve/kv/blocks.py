@@ -100,7 +100,3 @@ class BlockPool:
         if key is not None:
             del self._cached[key.hash]
             self.keys[block_id] = None
-
-    def reset_prefix_cache(self) -> None:
-        for b in range(self.num_blocks):
-            self._evict(b)
