@@ -1,4 +1,4 @@
-"""`kvserve bench decode|throughput` on a tiny model: they run, and their JSON holds sane figures."""
+"""`kvserve bench decode|throughput|prefix|capacity` on a tiny model: they run, and their JSON holds sane figures."""
 from __future__ import annotations
 
 import json
@@ -60,6 +60,53 @@ def test_bench_throughput_one_dtype(tmp_path):
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
     res = json.loads(path.read_text())
     assert "float32" in res and "bfloat16" not in res
+
+
+def test_bench_prefix_json(tmp_path):
+    path = tmp_path / "prefix.json"
+    args = ["--requests", "4", "--system-len", "32", "--question-len", "8", "--tokens", "3"]
+    assert main(["bench", "prefix", "--quick", "--json", str(path), *args, *TINY]) == 0
+    res = json.loads(path.read_text())
+    for mode in ("no_cache", "cold_cache", "warm_cache"):
+        r = res[mode]
+        assert len(r["ttft_s"]) == 4 and all(_positive(t) for t in r["ttft_s"])
+        assert r["median_ttft_s"] <= r["max_ttft_s"] < r["total_s"]
+        assert 0 <= r["prefix_hit_rate"] <= 1 and r["num_preemptions"] == 0
+    assert res["no_cache"]["prefix_hit_rate"] == 0
+    # each warm prompt finds the system prompt's 2 full blocks of 16 tokens cached: 32 of its 40 tokens
+    assert res["prefix_hit_rate"] == res["warm_cache"]["prefix_hit_rate"] == res["max_hit_rate"] == pytest.approx(0.8)
+    assert res["ttft_speedup"] == pytest.approx(res["no_cache"]["median_ttft_s"] / res["warm_cache"]["median_ttft_s"])
+    assert res["cold_ttft_speedup"] == pytest.approx(res["no_cache"]["median_ttft_s"]
+                                                     / res["cold_cache"]["median_ttft_s"])
+
+
+def test_bench_capacity_json(tmp_path):
+    path = tmp_path / "capacity.json"
+    args = ["--requests", "12", "--contexts", "2", "--max-model-len", "128", "--prompt-median", "40",
+            "--output-median", "24", "--shared-prompts", "2"]
+    assert main(["bench", "capacity", "--quick", "--json", str(path), *args, *TINY]) == 0
+    res = json.loads(path.read_text())
+    w = res["workload"]
+    assert len(w["prompt_lens"]) == len(w["output_lens"]) == 12
+    assert all(p >= 1 and o >= 1 and p + o <= 128 for p, o in zip(w["prompt_lens"], w["output_lens"]))
+    assert res["kv_budget_bytes"] == 2 * 128 * res["kv_bytes_per_token"]
+    for mode in ("contiguous", "paged"):
+        r = res[mode]
+        assert r["kv_cache_bytes"] == res["kv_budget_bytes"]
+        assert r["generated_tokens"] == sum(w["output_lens"])
+        assert _positive(r["tok_s"]) and 1 <= r["loaded_mean_concurrent"] <= r["peak_concurrent"]
+        assert 0 <= res[f"{mode}_waste_pct"] == r["waste_pct"] < 100
+    # the budget holds 2 slabs of max_model_len, and more requests than that in blocks
+    assert res["contiguous_peak_concurrent"] == 2 < res["paged_peak_concurrent"] <= 12
+    assert res["concurrency_ratio"] == pytest.approx(res["paged_peak_concurrent"] / res["contiguous_peak_concurrent"])
+    assert res["paged_waste_pct"] < res["contiguous_waste_pct"]
+    s = res["sharing"]
+    assert s["n"] == 4
+    assert s["shared_generated_tokens"] == s["separate_generated_tokens"] == 4 * sum(w["output_lens"][:2])
+    assert s["shared_preemptions"] == s["separate_preemptions"] == 0
+    assert 0 < s["shared_peak_blocks"] <= s["separate_peak_blocks"]
+    assert s["shared_peak_kv_bytes"] == s["shared_peak_blocks"] * 16 * res["kv_bytes_per_token"]
+    assert s["saved_pct"] == pytest.approx(100 * (1 - s["shared_peak_blocks"] / s["separate_peak_blocks"]))
 
 
 def test_linear_params_counts_the_hf_linear_weights(tmp_path):

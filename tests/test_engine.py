@@ -77,7 +77,7 @@ def test_paged_admits_while_blocks_are_free_and_returns_them(ckpt):
     llm = LLM(str(ckpt), block_size=4, num_kv_blocks=40)
     engine = llm.engine
     for i in range(3):
-        engine.add_request(str(i), {"prompt_token_ids": list(range(3, 12))}, SamplingParams(max_tokens=20))
+        engine.add_request(str(i), {"prompt_token_ids": list(range(3 + i, 12 + i))}, SamplingParams(max_tokens=20))
     engine.step()
     assert llm.stats()["kv_blocks_free"] == 40 - 3 * 3
     engine.abort_request("1")

@@ -16,13 +16,14 @@ CASES = [
     ([1, 1, 7, 13], [40, 3, 20, 13], 2),
     ([1, 31, 2], [70, 45, 2], 1),
 ]
+SMALL_TILES = FlashBackend(q_tile=8, k_tile=12, decode_k_tile=12)
 SHAPES = [(4, 4, 64), (8, 2, 80), (8, 1, 128), (4, 1, 96)]   # heads, kv heads (GQA 1/4/8/4), head_dim
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", [FlashBackend(q_tile=8, k_tile=12, decode_k_tile=12), FlashBackend(), SdpaBackend()],
+@pytest.mark.parametrize("backend", [SMALL_TILES, FlashBackend(), SdpaBackend()],
                          ids=["flash-small-tiles", "flash", "sdpa"])
 def test_backend_matches_textbook(backend, case, shape, dtype, tol):
     q_lens, ctx_lens, nd = case
@@ -33,7 +34,7 @@ def test_backend_matches_textbook(backend, case, shape, dtype, tol):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("backend", [FlashBackend(q_tile=8, k_tile=12, decode_k_tile=12), SdpaBackend()], ids=["flash", "sdpa"])
+@pytest.mark.parametrize("backend", [SMALL_TILES, SdpaBackend()], ids=["flash", "sdpa"])
 def test_no_cache_prefill_matches_textbook(backend):
     q, k, v, _, batch = make_case([5, 17, 1], [5, 17, 1], 0, 8, 2, 64, paged=False)
     ref = TextbookBackend().forward(q, k, v, None, batch, 0.125)

@@ -198,3 +198,11 @@ def test_sharing_never_leaks_and_never_changes_tokens(ckpt, suffixes, ns, block_
         check_ownership(llm)
     assert [results[str(i)] for i in range(len(prompts))] == expected
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_requests_admitted_in_one_step_share_the_prefix_being_computed(ckpt, uncached):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)      # all admitted in the first step
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 20 for o in outs[1:])   # the system prompt's 5 full blocks
+    assert tokens(outs) == uncached

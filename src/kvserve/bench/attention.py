@@ -157,9 +157,10 @@ def targets(rows: list[dict]) -> dict:
     tb, fl = _row(rows, "textbook", "prefill", longest), _row(rows, "flash", "prefill", longest)
     if tb and tb["peak_temp_bytes"] and fl["peak_temp_bytes"]:
         out["prefill_memory_ratio_textbook_over_flash"] = tb["peak_temp_bytes"] / fl["peak_temp_bytes"]
+    timed_textbook = [r for r in rows if r["backend"] == "textbook" and r["phase"] == "prefill" and r["time_ms"]]
     out["prefill_time_flash_over_textbook"] = {
         r["length"]: _row(rows, "flash", "prefill", r["length"])["time_ms"] / r["time_ms"]
-        for r in rows if r["backend"] == "textbook" and r["phase"] == "prefill" and r["time_ms"] and r["length"] >= 2048}
+        for r in timed_textbook if r["length"] >= 2048}
     out["decode_time_flash_over_sdpa"] = {
         r["length"]: _row(rows, "flash", "decode", r["length"])["time_ms"] / r["time_ms"]
         for r in rows if r["backend"] == "sdpa" and r["phase"] == "decode"}

@@ -24,9 +24,9 @@ DEFAULT_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8,
 _BOS, _EOS, _PAD = 0, 1, 2
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, defaults: dict[str, int] | None = None) -> None:
     """--hidden-size, --num-layers, ...: the shape of the random-weight Llama the bench builds."""
-    for name, default in DEFAULT_SHAPE.items():
+    for name, default in (defaults or DEFAULT_SHAPE).items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                        help=f"of the random-weight Llama (default {default})")
 

@@ -89,6 +89,7 @@ class Scheduler:
             if victim is seq:
                 return False
         out.block_copies += self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n)
+        self._cache_full_blocks(seq, seq.num_computed_tokens + n)
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -127,6 +128,7 @@ class Scheduler:
         kv.share_prefix(seq.seq_id, hits)
         seq.num_cached_blocks, seq.num_computed_tokens = len(hits), computed
         out.block_copies += kv.allocate(seq.seq_id, computed, n)
+        self._cache_full_blocks(seq, computed + n)
         return True
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
@@ -136,17 +138,20 @@ class Scheduler:
         keys = seq.full_block_keys(self.kv.block_size, seq.num_tokens - 1)
         return self.kv.cached_prefix(keys)
 
-    def commit(self, out: SchedulerOutput) -> None:
-        """After the model ran: advance each sequence and index the blocks it filled."""
-        if self.kv is None:
-            return
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Index the blocks this step fills, now: a request admitted later in the same step can share
+        them, since every layer writes the step's K/V before any sequence attends."""
         bs = self.kv.block_size
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
-            if self.prefix_caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
-                keys = seq.full_block_keys(bs, seq.num_computed_tokens)
-                self.kv.cache_blocks(seq.seq_id, seq.num_cached_blocks, keys[seq.num_cached_blocks:])
-                seq.num_cached_blocks = len(keys)
+        if self.prefix_caching and num_tokens // bs > seq.num_cached_blocks:
+            keys = seq.full_block_keys(bs, num_tokens)
+            self.kv.cache_blocks(seq.seq_id, seq.num_cached_blocks, keys[seq.num_cached_blocks:])
+            seq.num_cached_blocks = len(keys)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the model ran: advance each sequence past the tokens it computed."""
+        if self.kv is not None:
+            for seq, n in zip(out.seqs, out.num_new_tokens):
+                seq.num_computed_tokens += n
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front, to be recomputed."""
