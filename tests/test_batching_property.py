@@ -34,12 +34,12 @@ def prompt(n: int) -> list[int]:
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=8),
        max_tokens=st.lists(st.integers(1, MAX_NEW), min_size=8, max_size=8),
        block_size=st.integers(1, 9), spare_blocks=st.integers(0, 30),
-       budget=st.integers(1, 64), max_num_seqs=st.integers(1, 8))
+       budget=st.integers(1, 64), max_num_seqs=st.integers(1, 8), chunk=st.integers(1, 50))
 def test_batching_never_changes_tokens(ckpt, reference, lens, max_tokens, block_size, spare_blocks, budget,
-                                       max_num_seqs):
+                                       max_num_seqs, chunk):
     need = max(-(-(n + m) // block_size) for n, m in zip(lens, max_tokens))
     llm = LLM(str(ckpt), block_size=block_size, num_kv_blocks=need + spare_blocks,
-              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+              max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, long_prefill_token_threshold=chunk)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens[:len(lens)]]
     outs = llm.generate([{"prompt_token_ids": prompt(n)} for n in lens], params, use_tqdm=False)
     for n, m, out in zip(lens, max_tokens, outs):

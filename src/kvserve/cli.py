@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="bytes, or a size such as 2GiB")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens of one sequence per step (chunked prefill)")
     p.add_argument("--cache-mode", default="paged", choices=CACHE_MODES)
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction)
@@ -26,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-            "max_num_seqs", "max_num_batched_tokens", "cache_mode", "attention_backend", "enable_prefix_caching"]
+            "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
+            "attention_backend", "enable_prefix_caching"]
     return {k: getattr(args, k) for k in keys}
 
 

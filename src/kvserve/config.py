@@ -163,9 +163,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
+    long_prefill_token_threshold: int | None = None   # most prompt tokens of one sequence per step
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = self.max_model_len
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -184,6 +187,7 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
     cache_mode: str = "paged"
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True

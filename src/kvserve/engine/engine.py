@@ -43,7 +43,8 @@ class LLMEngine:
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
-        self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len)
+        self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
+                                                config.long_prefill_token_threshold)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
                                    config.enable_prefix_caching and config.cache_mode == "paged")
         self.runner = ModelRunner(self.model, storage, self.kv.block_tables if self.kv else {},

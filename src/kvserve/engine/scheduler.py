@@ -41,6 +41,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # A prompt's tokens per step; with no cache a sequence is always computed whole.
+        self._chunk = config.long_prefill_token_threshold if kv is not None else config.max_model_len
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,7 +61,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:    # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk)
             if self.kv is None and n < seq.num_tokens:       # no cache: a sequence runs whole or waits
                 continue
             if not self._reserve(seq, n, out):
@@ -103,7 +105,7 @@ class Scheduler:
                     break
             elif not self._allocate_for_admission(seq, budget, out):
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -115,7 +117,7 @@ class Scheduler:
         kv = self.kv
         hits = self._prefix_hits(seq)
         computed = len(hits) * kv.block_size
-        n = min(seq.num_tokens - computed, budget)
+        n = min(seq.num_tokens - computed, budget, self._chunk)
         needed = kv.blocks_for(computed + n) - len(hits) + kv.num_reclaimed(hits)
         reserve = self.watermark_blocks if self.running else 0
         if needed + reserve > kv.num_free_blocks:
