@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+    from kvserve.eval.cli import add_eval_parser
+    add_eval_parser(sub, add_engine_args, engine_kwargs)
     from kvserve.bench import add_bench_parser
     add_bench_parser(sub)
     return parser
