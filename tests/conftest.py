@@ -1,8 +1,15 @@
 """Tiny random-weight checkpoints built from transformers configs, saved like real ones."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run in Triton's interpreter on a machine without a GPU; the variable must be set
+# before the kernels are first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import make_checkpoint
 

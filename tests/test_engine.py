@@ -36,13 +36,14 @@ def alone(ckpt) -> list[list[int]]:
     dict(cache_mode="paged", attention_backend="textbook"),
     dict(cache_mode="paged", attention_backend="flash"),
     dict(cache_mode="none", attention_backend="flash"),
+    dict(cache_mode="paged", attention_backend="triton", max_num_batched_tokens=7),
     dict(cache_mode="contiguous", max_model_len=64),
     dict(cache_mode="none"),
     dict(cache_mode="none", attention_backend="textbook"),
     dict(cache_mode="paged", max_num_batched_tokens=7),          # chunked prefill, splitting blocks
     dict(cache_mode="paged", max_num_batched_tokens=7, attention_backend="textbook"),
     dict(cache_mode="paged", max_num_batched_tokens=7, attention_backend="flash"),
-])
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_batched_equals_alone(ckpt, alone, kwargs):
     kwargs = {"block_size": 4, "num_kv_blocks": 64, **kwargs}
     llm = LLM(str(ckpt), **kwargs)

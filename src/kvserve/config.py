@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 CACHE_MODES = ("paged", "contiguous", "none")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "textbook")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "triton", "textbook")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
 from kvserve.attention.flash import FlashBackend
 from kvserve.attention.paged import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
@@ -14,10 +14,15 @@ BACKENDS = {"sdpa": SdpaBackend, "flash": FlashBackend, "textbook": TextbookBack
 def get_backend(name: str, device: torch.device):
     """The backend called `name`; `auto` picks the fastest correct one for the device."""
     if name == "auto":
-        name = "sdpa"
+        name = "triton" if device.type == "cuda" else "sdpa"
+    if name == "triton":
+        # Imported on demand: triton is not needed otherwise, and its kernels are decorated only
+        # after a test has had the chance to set TRITON_INTERPRET.
+        from kvserve.attention.triton import TritonBackend
+        return TritonBackend()
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention_backend {name!r}; choose auto, {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown attention_backend {name!r}; choose auto, triton, {', '.join(BACKENDS)}")
     return BACKENDS[name]()
 
 
-__all__ = ["AttentionBatch", "get_backend", "BACKENDS"]
+__all__ = ["AttentionBackend", "AttentionBatch", "get_backend", "BACKENDS"]

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.storage import KVStorage
+
 
 @dataclass
 class AttentionBatch:
@@ -26,3 +28,19 @@ class AttentionBatch:
     @property
     def num_prefills(self) -> int:
         return len(self.query_lens) - self.num_decodes
+
+
+class AttentionBackend:
+    """What every backend provides: store the step's K/V in the pages, then attend."""
+
+    name = ""
+
+    @staticmethod
+    def store(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] at their slots."""
+        KVStorage.write(kv_cache, kv, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+                batch: AttentionBatch, scale: float) -> torch.Tensor:
+        """q [T, H, D] and the step's k, v [T, KVH, D] -> [T, H, D], over the pages when kv_cache is given."""
+        raise NotImplementedError

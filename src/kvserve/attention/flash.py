@@ -11,14 +11,14 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
 
 Q_TILE = 512
 K_TILE = 512
 DECODE_K_TILE = 2048      # one query row per head: a longer key tile costs little memory, saves steps
 
 
-class FlashBackend:
+class FlashBackend(AttentionBackend):
     name = "flash"
 
     def __init__(self, q_tile: int = Q_TILE, k_tile: int = K_TILE, decode_k_tile: int = DECODE_K_TILE):

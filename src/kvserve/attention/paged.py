@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
 
 
 def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -31,7 +31,7 @@ def _unpad(out: torch.Tensor, lens: list[int]) -> torch.Tensor:
     return torch.cat([o[:n] for o, n in zip(out, lens)])
 
 
-class SdpaBackend:
+class SdpaBackend(AttentionBackend):
     """Decode: one query per sequence against its pages; prefill: causal SDPA, padded per batch."""
 
     name = "sdpa"

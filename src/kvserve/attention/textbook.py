@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
 from kvserve.attention.paged import gather_context
 
 
@@ -20,7 +20,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
 
 
-class TextbookBackend:
+class TextbookBackend(AttentionBackend):
     name = "textbook"
 
     def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:

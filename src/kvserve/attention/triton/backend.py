@@ -1,0 +1,97 @@
+"""TritonBackend: the AttentionBatch semantics of SdpaBackend, computed by the kernels in kernels.py."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.attention.triton.kernels import decode_attention, decode_workspace, prefill_attention, store_kv
+
+
+class TritonBackend(AttentionBackend):
+    """Decodes: split-KV paged decode. Prefills: varlen causal prefill, over the paged cache when
+    some prefill has a cached prefix, else over the step's own K/V (the same values the layer has
+    just stored, read without the block-table indirection). cache_mode "none" (kv_cache None):
+    every sequence, decodes included, attends causally to its own tokens of the step only.
+
+    Tile sizes are parameters so that tests can force many tiles and partitions on small inputs.
+    """
+
+    name = "triton"
+
+    def __init__(self, prefill_block_m: int = 64, prefill_block_n: int = 64, decode_block_n: int = 64,
+                 partition_size: int = 512):
+        self.prefill_block_m = prefill_block_m
+        self.prefill_block_n = prefill_block_n
+        self.decode_block_n = decode_block_n
+        self.partition_size = partition_size
+
+    @staticmethod
+    def store(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the step's K and V [tokens, 2, kv_heads, head_dim] into a layer's pages at slot_mapping."""
+        store_kv(kv_cache, kv[:, 0], kv[:, 1], slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+                batch: AttentionBatch, scale: float) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D] (the step's tokens), kv_cache [2, KVH, blocks, page, D]
+        already holding them (or None) -> [T, H, D]."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if kv_cache is None:
+            self._prefill(q, k, v, out, batch, 0, None, scale)
+            return out
+        nd = batch.num_decodes
+        if nd:
+            self._decode(q[:nd], kv_cache, out[:nd], batch, scale)
+        if batch.num_prefills:
+            if batch.has_prefix:
+                self._prefill(q[nd:], kv_cache[0], kv_cache[1], out[nd:], batch, nd, batch.block_tables[nd:], scale)
+            else:
+                self._prefill(q[nd:], k[nd:], v[nd:], out[nd:], batch, nd, None, scale)
+        return out
+
+    def _prefill(self, q, k, v, out, batch: AttentionBatch, first: int, block_tables: torch.Tensor | None,
+                 scale: float) -> None:
+        """Sequences first.. of the batch; block_tables None: k, v are the step's own [T, KVH, D]."""
+        q_starts, q_lens, ctx_lens, max_q_len = _prefill_meta(batch, first, paged=block_tables is not None)
+        prefill_attention(q, k, v, out, q_starts, q_lens, ctx_lens, block_tables, max_q_len, scale,
+                          block_m=self.prefill_block_m, block_n=self.prefill_block_n)
+
+    def _decode(self, q, kv_cache, out, batch: AttentionBatch, scale: float) -> None:
+        nd, num_heads, head_dim = q.shape
+        ctx_lens, max_ctx = _decode_meta(batch)
+        key = ("triton_decode_workspace", num_heads, head_dim)
+        workspace = batch.scratch.get(key)
+        if workspace is None:   # the same shapes in every layer: allocate once per step
+            workspace = batch.scratch[key] = decode_workspace(nd, num_heads, head_dim, max_ctx,
+                                                              self.partition_size, q.device)
+        decode_attention(q, kv_cache[0], kv_cache[1], out, ctx_lens, batch.block_tables[:nd], max_ctx, scale,
+                         partition_size=self.partition_size, block_n=self.decode_block_n, workspace=workspace)
+
+
+def _prefill_meta(batch: AttentionBatch, first: int, paged: bool):
+    """int32 query starts (relative to sequence `first`'s first token), query and context lengths of
+    sequences first.., and the longest query; built once per step and shared by the layers.
+    Unpaged, a sequence's context is its own query tokens."""
+    key = ("triton_prefill", first, paged)
+    meta = batch.scratch.get(key)
+    if meta is None:
+        q_lens = batch.query_lens[first:]
+        ctx_lens = batch.context_lens_list[first:] if paged else q_lens
+        starts = list(itertools.accumulate(q_lens, initial=0))[:-1]
+        dev = batch.context_lens.device
+        starts_t, q_lens_t, ctx_t = (torch.tensor(xs, dtype=torch.int32, device=dev)
+                                     for xs in (starts, q_lens, ctx_lens))
+        meta = batch.scratch[key] = (starts_t, q_lens_t, ctx_t, max(q_lens))
+    return meta
+
+
+def _decode_meta(batch: AttentionBatch):
+    """int32 context lengths of the decodes and the longest, built once per step."""
+    meta = batch.scratch.get("triton_decode")
+    if meta is None:
+        nd = batch.num_decodes
+        ctx = batch.context_lens_list[:nd]
+        meta = batch.scratch["triton_decode"] = (
+            torch.tensor(ctx, dtype=torch.int32, device=batch.context_lens.device), max(ctx))
+    return meta

@@ -1,0 +1,403 @@
+"""Triton kernels over the paged KV cache: store new K/V, varlen causal prefill, split-KV decode.
+
+Layouts (see kvserve.kv.storage): a layer's cache is [2, kv_heads, num_blocks, page_size, head_dim]
+and token t of a sequence lives in page block_table[t // page_size] at offset t % page_size.
+Queries, keys and values of the step are [tokens, heads, head_dim] views whose last dim is
+contiguous; every other stride is passed in, so the decoder's views of its fused qkv need no copy.
+
+Softmax runs in base 2: scores are pre-multiplied by scale * log2(e) so exp2 (one instruction on
+the GPU) replaces exp. Log-sum-exps written by the decode kernel are base 2 as well.
+
+head_dim need not be a power of two (80, 96): tiles span the next power of two and the extra
+lanes are masked to zero, which adds nothing to q·k and yields nothing in the output.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# tl.dot needs every dimension >= 16.
+MIN_DOT = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Store
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_c_kv, stride_c_head, stride_c_page, stride_c_slot,
+                     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per token: copies its K and V for all kv heads into its slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding tokens (vLLM's convention) own no slot
+        return
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    # int64 from here on: a whole cache easily exceeds 2**31 elements.
+    dst = (cache_ptr + page * stride_c_page + offset * stride_c_slot
+           + heads[:, None].to(tl.int64) * stride_c_head + dims[None, :])
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_c_kv, v, mask=mask)
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write K and V [tokens, kv_heads, head_dim] into kv_cache [2, kv_heads, blocks, page, head_dim]
+    at slot_mapping (slot = page_id * page_size + offset): the same result as KVStorage.write.
+    Negative slots are skipped."""
+    tokens, num_kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    _check_last_dim_contiguous(k, v, kv_cache)
+    _store_kv_kernel[(tokens,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *kv_cache.stride()[:4],
+        PAGE_SIZE=kv_cache.shape[3], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _key_offsets(k_pos, key_mask, table_row_ptr, row_start,
+                 stride_page, stride_slot, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """Element offset (int64) of each key position's row, kv head excluded.
+
+    PAGED: through the sequence's block table, one page id per key (so any tile size works with
+    any page size). Otherwise the keys are the step's own rows row_start + k_pos of a [T, KVH, D]
+    tensor whose token stride is stride_slot (cache_mode "none")."""
+    if PAGED:
+        page = tl.load(table_row_ptr + k_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+        return page * stride_page + (k_pos % PAGE_SIZE).to(tl.int64) * stride_slot
+    else:
+        return (row_start + k_pos).to(tl.int64) * stride_slot
+
+
+@triton.jit
+def _dot(a, b, IN_FP32: tl.constexpr):
+    """a @ b accumulated in fp32. IN_FP32 casts the operands first: Triton's interpreter multiplies
+    bfloat16 blocks as their raw uint16 bits (3.8), so under it bf16 tiles go through fp32 (exact:
+    a bf16 product fits in fp32). On a GPU bf16 goes straight to the tensor cores."""
+    if IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, k_base, v_base, key_mask, score_mask, qk_scale,
+                 dims, dim_mask, MASK_SCORES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One FlashAttention-2 step: scores of the query tile against one key tile, the running max
+    m_i and sum l_i updated, the accumulator rescaled once, then P @ V added.
+
+    k_base / v_base: pointers to each key's row [BLOCK_N] (head and page resolved). key_mask [N]
+    guards the loads; score_mask ([M, N] or [1, N]: causality, the context's end) is applied to
+    the scores only when MASK_SCORES, so the tiles wholly inside the context skip the select."""
+    load_mask = key_mask[None, :] & dim_mask[:, None]
+    k = tl.load(k_base[None, :] + dims[:, None], mask=load_mask, other=0.0)        # [D, N]: Kᵀ
+    s = _dot(q, k, DOT_FP32) * qk_scale                                        # [M, N], log2 units
+    if MASK_SCORES:
+        s = tl.where(score_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)           # how much the old max overstated: rescale once per tile
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base[:, None] + dims[None, :], mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+    # P is rounded to V's dtype, as FlashAttention does, so the tensor cores take both operands.
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
+    return acc, m_new, l_i
+
+
+# Whether the kernels were decorated under TRITON_INTERPRET=1 (read once, at decoration).
+_INTERPRETED = not isinstance(_dot, triton.runtime.JITFunction)
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether tl.dot must see fp32 operands: bf16 under the interpreter (see _dot)."""
+    return dtype == torch.bfloat16 and _INTERPRETED
+
+
+def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"the last dimension must be contiguous, got strides {t.stride()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Varlen causal prefill
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
+                    q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                    qk_scale,
+                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Grid (query tiles, heads, sequences). Query i of a sequence sits at absolute position
+    context_len - query_len + i, so a cached prefix (chunked prefill, prefix caching) is attended in
+    full and only the new tokens are causal among themselves."""
+    tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_len = tl.load(q_len_ptr + seq)
+    m_start = tile * BLOCK_M
+    if m_start >= q_len:  # the grid covers the longest query; shorter ones end early
+        return
+    ctx_len = tl.load(ctx_len_ptr + seq)
+    q_start = tl.load(q_start_ptr + seq)
+    prefix = ctx_len - q_len
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q_pos = prefix + offs_m
+
+    # GQA: the kernel indexes the shared kv head; K/V are never repeated.
+    kv_head = (head // GROUP).to(tl.int64)
+    k_head_ptr = k_ptr + kv_head * stride_k_head
+    v_head_ptr = v_ptr + kv_head * stride_k_head
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys before the tile's first query position are visible to every row: no mask, and whole
+    # tiles (they are all < context_len). The rest, up to the last row's position, is causal.
+    first_q_pos = prefix + m_start
+    unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
+    keys_end = tl.minimum(ctx_len, first_q_pos + BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        k_pos = n0 + offs_n
+        key_mask = k_pos < ctx_len   # always true here; keeps the loads uniform
+        rows = _key_offsets(k_pos, key_mask, table_row, q_start, stride_k_page, stride_k_slot,
+                            PAGE_SIZE, PAGED)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
+                                     key_mask, key_mask, qk_scale, dims, dim_mask, False, DOT_FP32)
+    for n0 in range(unmasked_end, keys_end, BLOCK_N):
+        k_pos = n0 + offs_n
+        key_mask = k_pos < ctx_len
+        causal = (k_pos[None, :] <= q_pos[:, None]) & key_mask[None, :]
+        rows = _key_offsets(k_pos, key_mask, table_row, q_start, stride_k_page, stride_k_slot,
+                            PAGE_SIZE, PAGED)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
+                                     key_mask, causal, qk_scale, dims, dim_mask, True, DOT_FP32)
+
+    # Every row, padding rows included, saw key 0, so l_i > 0.
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor,
+                      block_tables: torch.Tensor | None, max_q_len: int, scale: float,
+                      block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
+    """Causal attention of each sequence's queries, written into out [T, H, D].
+
+    q [T, H, D]; q_starts, q_lens, ctx_lens [seqs] int (row of each sequence's first query in q).
+    Paged (block_tables [seqs, max_blocks] given): k, v are a layer's K and V pages
+    [KVH, blocks, page_size, D] and sequence s attends to its ctx_lens[s] cached tokens.
+    Flat (block_tables None): k, v are the step's own [T, KVH, D] and ctx_lens must equal q_lens."""
+    tokens, num_heads, head_dim = q.shape
+    num_seqs = q_lens.shape[0]
+    if tokens == 0 or num_seqs == 0:
+        return
+    _check_last_dim_contiguous(q, k, v, out)
+    paged = block_tables is not None
+    if paged:
+        num_kv_heads, page_size = k.shape[0], k.shape[2]
+        head_stride, page_stride, slot_stride = k.stride(0), k.stride(1), k.stride(2)
+        table, table_stride = block_tables, block_tables.stride(0)
+    else:
+        num_kv_heads, page_size = k.shape[1], 1
+        head_stride, page_stride, slot_stride = k.stride(1), 0, k.stride(0)
+        table, table_stride = q_lens, 0   # never read
+    if k.stride() != v.stride():
+        raise ValueError("k and v must share strides")
+    grid = (triton.cdiv(max_q_len, block_m), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        q, k, v, out, q_starts, q_lens, ctx_lens, table,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        head_stride, page_stride, slot_stride, table_stride,
+        scale * LOG2E,
+        GROUP=num_heads // num_kv_heads, PAGE_SIZE=page_size, PAGED=paged,
+        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=_dot_in_fp32(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Split-KV paged decode (flash-decoding)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
+                             ctx_len_ptr, table_ptr,
+                             stride_qt, stride_qh,
+                             stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                             stride_po_seq, stride_po_head, stride_po_part,
+                             stride_pl_seq, stride_pl_head,
+                             qk_scale,
+                             GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Grid (sequences, kv heads, partitions). The GROUP query heads sharing a kv head form the
+    query tile (padded to BLOCK_G rows for tl.dot), so each page is read once per kv head. Writes
+    the partition's normalized output and its base-2 log-sum-exp."""
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx_len = tl.load(ctx_len_ptr + seq)
+    start = part * PARTITION
+    if start >= ctx_len:  # the grid covers the longest context; the merge ignores these
+        return
+    end = tl.minimum(start + PARTITION, ctx_len)
+
+    groups = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + groups
+    head_mask = groups < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_k_head
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # The one query is the last position: no causal mask, only the context's end, which can only
+    # fall in the partition's last tile.
+    offs_n = tl.arange(0, BLOCK_N)
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        k_pos = n0 + offs_n
+        key_mask = k_pos < end   # always true here; keeps the loads uniform
+        rows = _key_offsets(k_pos, key_mask, table_row, 0, stride_k_page, stride_k_slot, PAGE_SIZE, True)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
+                                     key_mask, key_mask[None, :], qk_scale, dims, dim_mask, False, DOT_FP32)
+    for n0 in range(full_end, end, BLOCK_N):   # at most one partial tile
+        k_pos = n0 + offs_n
+        key_mask = k_pos < end
+        rows = _key_offsets(k_pos, key_mask, table_row, 0, stride_k_page, stride_k_slot, PAGE_SIZE, True)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
+                                     key_mask, key_mask[None, :], qk_scale, dims, dim_mask, True, DOT_FP32)
+
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
+    po = part_out_ptr + seq * stride_po_seq + heads[:, None] * stride_po_head + part * stride_po_part
+    tl.store(po + dims[None, :], out, mask=head_mask[:, None] & dim_mask[None, :])
+    tl.store(part_lse_ptr + seq * stride_pl_seq + heads * stride_pl_head + part, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, ctx_len_ptr,
+                         stride_po_seq, stride_po_head, stride_po_part,
+                         stride_pl_seq, stride_pl_head, stride_ot, stride_oh,
+                         PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
+    """Grid (sequences, heads): out = Σ_p exp2(lse_p - max) o_p / Σ_p exp2(lse_p - max), over the
+    partitions that exist for this sequence's context, in chunks of BLOCK_P."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    num_parts = tl.cdiv(tl.load(ctx_len_ptr + seq), PARTITION)
+    lse_base = part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head
+    out_base = part_out_ptr + seq * stride_po_seq + head * stride_po_head
+    offs_p = tl.arange(0, BLOCK_P)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+
+    # Pass 1: the largest lse, so no weight overflows.
+    m_vec = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        parts = p0 + offs_p
+        m_vec = tl.maximum(m_vec, tl.load(lse_base + parts, mask=parts < num_parts, other=float("-inf")))
+    m = tl.max(m_vec, 0)
+    # Pass 2: weighted sum of the partial outputs.
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_P], tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        parts = p0 + offs_p
+        part_mask = parts < num_parts
+        w = tl.exp2(tl.load(lse_base + parts, mask=part_mask, other=float("-inf")) - m)
+        o = tl.load(out_base + parts[:, None] * stride_po_part + dims[None, :],
+                    mask=part_mask[:, None] & dim_mask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        total += w
+    out = acc / tl.sum(total, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dim_mask)
+
+
+def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_ctx_len: int, partition_size: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs [seqs, heads, partitions, D] and log-sum-exps [seqs, heads, partitions], fp32."""
+    parts = triton.cdiv(max_ctx_len, partition_size)
+    return (torch.empty(num_seqs, num_heads, parts, head_dim, dtype=torch.float32, device=device),
+            torch.empty(num_seqs, num_heads, parts, dtype=torch.float32, device=device))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                     ctx_lens: torch.Tensor, block_tables: torch.Tensor, max_ctx_len: int, scale: float,
+                     partition_size: int = 512, block_n: int = 64,
+                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     num_warps: int = 4) -> None:
+    """One query per sequence, q [seqs, H, D], against its ctx_lens[s] cached tokens (the query's
+    own included) in k_cache, v_cache [KVH, blocks, page_size, D]; written into out [seqs, H, D].
+
+    The context is cut into partitions of partition_size keys computed by separate programs (so a
+    few long sequences still fill the GPU), then merged by log-sum-exp."""
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return
+    if partition_size % block_n:
+        raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
+    _check_last_dim_contiguous(q, k_cache, v_cache, out)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides")
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    if workspace is None:
+        workspace = decode_workspace(num_seqs, num_heads, head_dim, max_ctx_len, partition_size, q.device)
+    part_out, part_lse = workspace
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_ctx_len, partition_size))
+    _decode_partition_kernel[grid](
+        q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        scale * LOG2E,
+        GROUP=group, PAGE_SIZE=k_cache.shape[2], PARTITION=partition_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n, DOT_FP32=_dot_in_fp32(q.dtype),
+        num_warps=num_warps,
+    )
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out, ctx_lens,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        PARTITION=partition_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=16, num_warps=1,
+    )
