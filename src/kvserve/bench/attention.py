@@ -63,6 +63,11 @@ def runners(phase: str, q, kv_cache, attn: AttentionBatch, scale: float) -> dict
     """The three ways to compute the same attention, as zero-argument callables."""
     contiguous = lambda: gather_context(kv_cache, attn.block_tables, attn.context_lens_list[0])  # noqa: E731
     textbook, flash = TextbookBackend(), FlashBackend()
+    if q.device.type == "cuda":   # on a GPU the flash row is the Triton kernels, reading the pages
+        from kvserve.attention.triton import TritonBackend
+        flash = TritonBackend()
+        attn = AttentionBatch(attn.num_decodes, None, attn.block_tables, attn.context_lens, attn.query_lens,
+                              attn.context_lens_list, has_prefix=True)
     b = len(attn.query_lens)
 
     def sdpa():
@@ -76,8 +81,16 @@ def runners(phase: str, q, kv_cache, attn: AttentionBatch, scale: float) -> dict
             "sdpa": sdpa}
 
 
-def peak_temp_bytes(fn) -> int:
-    """High-water mark of bytes allocated during fn(), from the profiler's memory events."""
+def peak_temp_bytes(fn, device: torch.device) -> int:
+    """High-water mark of bytes allocated during fn(): CUDA's allocator stats, or on the CPU the
+    profiler's memory events."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
@@ -101,6 +114,15 @@ def measure(fn, repeats: int, device: torch.device) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def rates(phase: str, batch: int, length: int, args, ms: float) -> dict:
+    """Prefill: TFLOP/s of causal attention (2 matmuls over half the L x L pairs). Decode: GB/s of K/V read."""
+    if phase == "prefill":
+        return {"tflop_s": 2 * length * length * args.heads * args.head_dim / (ms * 1e-3) / 1e12}
+    number = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    kv_bytes = batch * length * 2 * args.kv_heads * args.head_dim * number
+    return {"gb_s": kv_bytes / (ms * 1e-3) / 1e9}
 
 
 def textbook_bytes(phase: str, batch: int, length: int, heads: int) -> int:
@@ -127,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
                     rows.append(dict(backend=backend, phase=phase, length=length, time_ms=None,
                                      peak_temp_bytes=None, skipped="scores would exceed the memory cap"))
                     continue
-                rows.append(dict(backend=backend, phase=phase, length=length, time_ms=measure(fn, args.repeats, device),
-                                 peak_temp_bytes=peak_temp_bytes(fn) if device.type == "cpu" else None))
+                ms = measure(fn, args.repeats, device)
+                rows.append(dict(backend=backend, phase=phase, length=length, time_ms=ms,
+                                 peak_temp_bytes=peak_temp_bytes(fn, device),
+                                 **rates(phase, batch, length, args, ms)))
     report = {"rows": rows, "dtype": args.dtype, "device": str(device), "heads": args.heads,
               "kv_heads": args.kv_heads, "head_dim": args.head_dim, "decode_batch": args.decode_batch}
     report.update(targets(rows))
@@ -170,9 +194,11 @@ def targets(rows: list[dict]) -> dict:
 def print_report(report: dict) -> None:
     fmt_ms = lambda x: "skipped" if x is None else f"{x:.2f}"  # noqa: E731
     fmt_mb = lambda x: "-" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
-    table = [[r["phase"], str(r["length"]), r["backend"], fmt_ms(r["time_ms"]), fmt_mb(r["peak_temp_bytes"])]
+    rate = lambda r: f"{r['tflop_s']:.3f} TFLOP/s" if "tflop_s" in r else (  # noqa: E731
+        f"{r['gb_s']:.1f} GB/s" if "gb_s" in r else "-")
+    table = [[r["phase"], str(r["length"]), r["backend"], fmt_ms(r["time_ms"]), fmt_mb(r["peak_temp_bytes"]), rate(r)]
              for r in report["rows"]]
-    print_table(["phase", "length", "backend", "time ms", "peak temp MiB"], table)
+    print_table(["phase", "length", "backend", "time ms", "peak temp MiB", "rate"], table)
     if "prefill_memory_ratio_textbook_over_flash" in report:
         ratio = report["prefill_memory_ratio_textbook_over_flash"]
         print(f"prefill temp memory textbook / flash at the longest measured length: {ratio:.0f}x "
