@@ -220,3 +220,21 @@ def test_full_queue_is_429(ckpt):
     with ServerThread(build_app(engine, MODEL, max_queue=0)) as base:
         r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert r.status_code == 429 and "max-queue" in r.json()["error"]["message"]
+
+
+def test_graceful_shutdown_finishes_in_flight_streams(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
+    server = ServerThread(build_app(engine, MODEL))
+    base = server.__enter__()
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+        for line in filter(None, r.iter_lines()):
+            lines.append(line)
+            if len(lines) == 1:
+                server.server.should_exit = True     # shut down while the stream runs
+    server.thread.join(timeout=60)
+    assert not server.thread.is_alive()
+    assert lines[-1] == "data: [DONE]" and sum(x.startswith("data: {") for x in lines) == 30
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
