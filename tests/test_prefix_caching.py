@@ -206,3 +206,41 @@ def test_requests_admitted_in_one_step_share_the_prefix_being_computed(ckpt, unc
     assert outs[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens == 20 for o in outs[1:])   # the system prompt's 5 full blocks
     assert tokens(outs) == uncached
+
+
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_index(ckpt, uncached):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64)
+    engine = llm.engine
+    engine.add_request("doomed", PROMPTS[1], GREEDY)
+
+    def fail(sched):
+        raise RuntimeError("device lost")
+
+    engine.runner.run = fail
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    del engine.runner.run
+    engine.abort_request("doomed")
+    out = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == uncached[1]
+
+
+def test_prompt_logprobs_are_complete_on_a_prefix_hit(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0)
+    first, again = (llm.generate(PROMPTS[2], params, use_tqdm=False)[0] for _ in range(2))
+    ids = PROMPTS[2]["prompt_token_ids"]
+    assert len(again.prompt_logprobs) == len(ids)
+    assert [list(e)[0] for e in again.prompt_logprobs[1:]] == ids[1:]
+    assert [e[t].logprob for e, t in zip(again.prompt_logprobs[1:], ids[1:])] == pytest.approx(
+        [e[t].logprob for e, t in zip(first.prompt_logprobs[1:], ids[1:])], abs=1e-5)
+
+
+def test_unforked_samples_count_against_max_num_seqs(ckpt):
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request("four", PROMPTS[0], SamplingParams(n=4, max_tokens=5))
+    engine.add_request("one", PROMPTS[1], SamplingParams(max_tokens=5))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) <= 4

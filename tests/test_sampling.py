@@ -165,3 +165,30 @@ def test_prompt_logprobs_match_transformers(ckpt, kwargs):
             assert entry[token].rank == int((ref[pos] > ref[pos, token]).sum()) + 1
             top = ref[pos].topk(2).indices.tolist()
             assert set(top) <= set(entry)
+
+
+def test_out_of_range_seed_is_rejected_and_huge_top_k_is_clamped(llm):
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63 - 2, n=4)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-1)
+    out = gen(llm, PROMPTS[0], SamplingParams(max_tokens=3, temperature=1.0, top_k=2**62, logprobs=10**6, seed=1))
+    assert len(out[0].token_ids) == 3 and len(out[0].logprobs[0]) <= 384 + 1
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(llm):
+    engine, step = llm.engine, llm.engine.step
+    calls = []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        gen(llm, PROMPTS, SamplingParams(max_tokens=5))
+    del engine.step
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert len(gen(llm, PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))) == 3

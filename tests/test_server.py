@@ -238,3 +238,16 @@ def test_graceful_shutdown_finishes_in_flight_streams(ckpt):
     assert lines[-1] == "data: [DONE]" and sum(x.startswith("data: {") for x in lines) == 30
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_chunked_oversized_body_is_413(url, client):
+    def body():
+        yield b'{"model": "tiny-llama", "prompt": "'
+        for _ in range(30):
+            yield b"y" * 5000
+        yield b'"}'
+
+    r = httpx.post(f"{url}/v1/completions", content=body(),
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None

@@ -54,24 +54,23 @@ class LLM:
 
     def _run(self, requests: list[tuple[PromptType, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        ids = []
+        ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for prompt, params in requests:
                 rid = str(next(self._request_ids))
                 engine.add_request(rid, prompt, params)
                 ids.append(rid)
-        except ValueError:
+            with tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2) as bar:
+                while len(finished) < len(ids):
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        finally:   # an error or an interrupt leaves none of this call's requests in the engine
             for rid in ids:
-                engine.abort_request(rid)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2)
-        while len(finished) < len(ids):
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+                if rid not in finished:
+                    engine.abort_request(rid)
         return [finished[rid] for rid in ids]
 
     def stats(self) -> dict:

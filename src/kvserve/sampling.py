@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 _EPS = 1e-5
+MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -33,6 +34,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED - self.n:
+            raise ValueError(f"seed must be in [0, {MAX_SEED - self.n}] (sample i draws from seed + i), "
+                             f"got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -118,6 +122,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     rows = torch.arange(len(tokens), device=logits.device)
     chosen = logp[rows, torch.tensor(tokens, device=logits.device)]
     ranks = ((logp > chosen[:, None]).sum(-1) + 1).tolist()
+    ks = [min(k, logp.shape[-1]) for k in ks]
     top_vals, top_ids = logp.topk(max(ks), dim=-1)
     chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
     out = []
@@ -133,7 +138,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    k = torch.tensor([t if t else vocab for t in top_k], device=logits.device).clamp(max=vocab)
+    k = torch.tensor([min(t, vocab) if t else vocab for t in top_k], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)

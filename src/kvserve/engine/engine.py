@@ -176,13 +176,23 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        out = self.runner.run(sched)
+        try:
+            out = self.runner.run(sched)
+        except BaseException:
+            self.scheduler.forget_uncomputed(sched)   # no later request may share blocks never written
+            raise
         self.scheduler.commit(sched)
-        if out.prompt_spans:
-            self._score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
-        seqs = [sched.seqs[r] for r in out.sample_rows]
-        logits = self._fork_samples(seqs, out.logits)
-        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        try:
+            if out.prompt_spans:
+                self._score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
+            seqs = [sched.seqs[r] for r in out.sample_rows]
+            logits = self._fork_samples(seqs, out.logits)
+            result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except BaseException:
+            # The step's sequences advanced without their tokens: they cannot go on.
+            for request_id in {s.request_id for s in sched.seqs}:
+                self.abort_request(request_id)
+            raise
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             self._append(seq, token, lp)
         touched = dict.fromkeys(s.request_id for s in seqs)

@@ -97,8 +97,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            slots = seq.params.n if seq.num_output_tokens == 0 else 1   # a prompt forks into n samples
-            if len(self.running) + slots > self.config.max_num_seqs:
+            if self._slots_in_use() + self._slots(seq) > self.config.max_num_seqs:
                 break
             if self.kv is None:
                 if seq.num_tokens > budget:
@@ -111,6 +110,14 @@ class Scheduler:
             self.running.append(seq)
             out.add(seq, n)
             budget -= n
+
+    @staticmethod
+    def _slots(seq: Sequence) -> int:
+        """Running sequences this one becomes: a prompt not yet sampled forks into its n samples."""
+        return seq.params.n if seq.num_output_tokens == 0 else 1
+
+    def _slots_in_use(self) -> int:
+        return sum(self._slots(s) for s in self.running)
 
     def _allocate_for_admission(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
         """Share the cached prefix and allocate the first chunk's blocks, if they fit."""
@@ -136,8 +143,12 @@ class Scheduler:
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         if not self.prefix_caching:
             return []
-        # At least the last token is computed again: its logits are needed to sample.
-        keys = seq.full_block_keys(self.kv.block_size, seq.num_tokens - 1)
+        # At least the last token is computed again: its logits are needed to sample. A request that
+        # scores its prompt only skips tokens it has already scored (before a preemption).
+        limit = seq.num_tokens - 1
+        if seq.prompt_logprobs is not None:
+            limit = min(limit, len(seq.prompt_logprobs) - 1)
+        keys = seq.full_block_keys(self.kv.block_size, limit)
         return self.kv.cached_prefix(keys)
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -148,6 +159,17 @@ class Scheduler:
             keys = seq.full_block_keys(bs, num_tokens)
             self.kv.cache_blocks(seq.seq_id, seq.num_cached_blocks, keys[seq.num_cached_blocks:])
             seq.num_cached_blocks = len(keys)
+
+    def forget_uncomputed(self, out: SchedulerOutput) -> None:
+        """The step failed: drop from the prefix index the blocks it was to fill."""
+        if not self.prefix_caching:
+            return
+        bs = self.kv.block_size
+        for seq in out.seqs:
+            computed = seq.num_computed_tokens // bs
+            if seq.num_cached_blocks > computed and seq.seq_id in self.kv.block_tables:
+                self.kv.uncache_blocks(seq.seq_id, computed, seq.block_keys[computed:seq.num_cached_blocks])
+                seq.num_cached_blocks = computed
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the model ran: advance each sequence past the tokens it computed."""

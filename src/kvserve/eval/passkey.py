@@ -17,7 +17,7 @@ prompt + " " + answer, so the same function builds training data and test prompt
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 HEADER = ("There is an important piece of information hidden inside a lot of irrelevant text. "
           "Find it and memorize it. I will quiz you about it.\n\n")

@@ -95,6 +95,11 @@ class BlockPool:
             self.keys[block_id] = key
             self._cached[key.hash] = block_id
 
+    def uncache(self, block_id: int, key: BlockKey) -> None:
+        """Forget that a block holds `key` (its K/V were never computed)."""
+        if self.keys[block_id] is key:
+            self._evict(block_id)
+
     def _evict(self, block_id: int) -> None:
         key = self.keys[block_id]
         if key is not None:

@@ -89,6 +89,11 @@ class KVCacheManager:
         for block_id, key in zip(table[first:], keys):
             self.pool.cache(block_id, key)
 
+    def uncache_blocks(self, seq_id: int, first: int, keys: list[BlockKey]) -> None:
+        """Drop blocks first, first + 1, ... of the sequence from the prefix index, if they hold `keys`."""
+        for block_id, key in zip(self.block_tables[seq_id][first:], keys):
+            self.pool.uncache(block_id, key)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give `child_id` the parent's blocks, shared by reference count."""
         if child_id in self.block_tables:

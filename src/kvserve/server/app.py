@@ -43,19 +43,29 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and int(declared) > self.max_bytes:
-            return await error_response(413, f"request body over {self.max_bytes} bytes")(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        if declared is not None:
+            if int(declared) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        # No declared length (chunked): read the body here, up to the limit, then replay it.
+        messages, size = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise APIError(413, f"request body over {self.max_bytes} bytes")
-            return message
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        replay = iter(messages)
 
-        return await self.app(scope, limited_receive, send)
+        async def replayed():
+            return next(replay, None) or await receive()
+
+        return await self.app(scope, replayed, send)
+
+    async def _too_large(self, scope, receive, send):
+        return await error_response(413, f"request body over {self.max_bytes} bytes")(scope, receive, send)
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None, max_queue: int | None = None,
@@ -148,14 +158,7 @@ class _Handlers:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
         tok = self.engine.tokenizer
-        if not tok.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        try:
-            text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages], tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)
-        # a template error is the request's fault
-        except Exception as e:  # noqa: BLE001
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        text = self._render_chat(req.messages, req.add_generation_prompt)
         prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
         top = req.top_logprobs or 0
         params = req.sampling_params(None, top if req.logprobs else None)
@@ -164,13 +167,22 @@ class _Handlers:
         fmt = _ChatFormat(rid, self.model_name, tok, top)
         return await self._respond(req, raw, streams, fmt, params)
 
+    def _render_chat(self, messages, add_generation_prompt: bool) -> str:
+        tok = self.engine.tokenizer
+        if not tok.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        try:
+            return tok.apply_chat_template([m.model_dump(exclude_none=True) for m in messages], tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001
+            # a template error (jinja's raise_exception, say) is the request's fault
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
     async def tokenize(self, req: TokenizeRequest):
         self._check_model(req.model)
         tok = self.engine.tokenizer
         if req.messages is not None:
-            text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages],
-                                           tokenize=False, add_generation_prompt=True)
-            tokens = tok.encode(text, add_special_tokens=False)
+            tokens = tok.encode(self._render_chat(req.messages, True), add_special_tokens=False)
         else:
             tokens = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
@@ -265,9 +277,11 @@ async def _sse(fmt, merged: AsyncIterator[tuple[int, RequestOutput]], include_us
         if include_usage:
             yield _event(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
         yield "data: [DONE]\n\n"
-    # the status is sent; report the failure in the stream
     except Exception as e:  # noqa: BLE001
+        # the status is sent: report the failure in the stream
         yield _event({"error": {"message": str(e), "type": "internal_error", "code": 500}})
+    finally:
+        await merged.aclose()      # a disconnect aborts the requests now, not at garbage collection
 
 
 def _event(data: dict) -> str:

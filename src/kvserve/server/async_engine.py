@@ -57,8 +57,9 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Abort every request in flight and stop the stepping thread."""
         with self._lock:
-            for request_id in list(self._streams):
+            for request_id, stream in list(self._streams.items()):
                 self._abort_now(request_id)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError("the server is shutting down"))
         self._running = False
         self._wake.set()
         if self._thread is not None:
@@ -123,8 +124,8 @@ class AsyncEngine:
     def _step(self) -> list[tuple[RequestOutput | BaseException, _Stream]]:
         try:
             outputs = self.engine.step()
-        # fail the requests in flight, keep serving new ones
         except Exception as e:  # noqa: BLE001
+            # fail the requests in flight, keep serving new ones
             log.exception("engine step failed; aborting the requests in flight")
             failed = [(e, s) for s in self._streams.values()]
             for request_id in list(self._streams):
@@ -136,7 +137,10 @@ class AsyncEngine:
             if stream is None:
                 continue
             if self.metrics is not None:
-                self.metrics.observe(out, stream.arrival)
+                try:
+                    self.metrics.observe(out, stream.arrival)
+                except Exception:  # noqa: BLE001
+                    log.exception("metrics failed; serving on")   # never let metrics stop the engine
             if out.finished:
                 del self._streams[out.request_id]
             routed.append((out, stream))
