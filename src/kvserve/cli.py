@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate | serve | bench."""
+"""The `kvserve` command: generate | serve | plan | eval | bench."""
 from __future__ import annotations
 
 import argparse
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+    from kvserve.planner import add_plan_parser
+    add_plan_parser(sub)
     from kvserve.eval.cli import add_eval_parser
     add_eval_parser(sub, add_engine_args, engine_kwargs)
     from kvserve.bench import add_bench_parser

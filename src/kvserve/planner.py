@@ -1,0 +1,198 @@
+"""kvserve plan: the seeds' arithmetic as a tool. How many users fit on my card?
+
+bytes per token = layers x 2 (K and V) x kv_heads x head_dim x bytes per number. A card holds the
+weights plus every active request's cache; what is left after the weights bounds the users.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.config import ModelConfig, parse_bytes, parse_dtype
+from kvserve.kv.spec import KVSpec
+
+# Published configs of popular open models (config.json fields that size weights and cache).
+MODELS = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         max_position_embeddings=131072),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
+                         max_position_embeddings=131072),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072),
+    "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=32768, max_position_embeddings=32768,
+                       architectures=["MistralForCausalLM"]),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+                       architectures=["Qwen2ForCausalLM"]),
+    "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=152064, max_position_embeddings=32768,
+                        architectures=["Qwen2ForCausalLM"]),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                     architectures=["Qwen3ForCausalLM"]),
+}
+# Nominal memory of common cards, GiB.
+GPUS = {"h100": 80, "h200": 141, "a100-40": 40, "a100-80": 80, "l4": 24, "l40s": 48, "rtx-4090": 24, "rtx-3090": 24}
+# The request-length mix of `kvserve bench capacity`: log-normal prompt and output lengths.
+MIX = dict(prompt_median=160, output_median=340, sigma=1.0, samples=100_000, seed=0)
+
+
+@dataclass
+class Plan:
+    model: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_request: int
+    kv_memory: int
+    context: int
+    max_users: dict[str, int]
+    mean_tokens_held: float
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def load_model_config(model: str) -> tuple[str, ModelConfig]:
+    """A built-in table name, a checkpoint directory, a config.json, or a hub id (with a network)."""
+    key = model.lower()
+    if key in MODELS:
+        cfg = {"architectures": ["LlamaForCausalLM"], **MODELS[key]}
+        return key, ModelConfig.from_dict(cfg)
+    path = Path(model)
+    if path.exists():
+        return model, ModelConfig.from_path(path)
+    if model.count("/") == 1:
+        from kvserve.model.loader import resolve_model
+        return model, ModelConfig.from_path(resolve_model(model))
+    raise ValueError(f"unknown model {model!r}: give a checkpoint directory, a config.json, a hub id, "
+                     f"or one of {', '.join(MODELS)}")
+
+
+def weight_bytes(cfg: ModelConfig, bytes_per_number: int) -> int:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    layer = attn + 3 * h * i + 2 * h
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_layers * layer + embed + h) * bytes_per_number
+
+
+def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float | None) -> float:
+    """Time-averaged tokens a request holds while it runs: its prompt plus half its output."""
+    if avg_prompt is not None and avg_output is not None:
+        prompt, output = np.array([avg_prompt]), np.array([avg_output])
+    else:
+        rng = np.random.default_rng(MIX["seed"])
+        prompt = np.maximum(1, rng.lognormal(math.log(MIX["prompt_median"]), MIX["sigma"], MIX["samples"]))
+        output = np.maximum(1, rng.lognormal(math.log(MIX["output_median"]), MIX["sigma"], MIX["samples"]))
+    prompt = np.minimum(prompt, context - 1)
+    output = np.minimum(output, context - prompt)
+    return float(np.mean(prompt + output / 2))
+
+
+def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_parallel: int = 1,
+         utilization: float = 0.9, block_size: int = 16, avg_prompt: float | None = None,
+         avg_output: float | None = None, sinks: int = 4, window: int = 1020) -> Plan:
+    if context < 1:
+        raise ValueError(f"context must be at least 1 token, got {context}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"memory utilization must be in (0, 1], got {utilization}")
+    name, cfg = load_model_config(model)
+    spec = KVSpec.from_model(cfg, parse_dtype(dtype))
+    weights = weight_bytes(cfg, spec.bytes_per_number) // tensor_parallel
+    # tensor parallelism splits the KV heads across cards (a head is never split)
+    per_token = spec.bytes_per_token // min(tensor_parallel, cfg.num_kv_heads)
+    usable = int(memory * utilization)
+    if usable <= weights:
+        need = math.ceil(weights * tensor_parallel / usable)
+        raise ValueError(f"the weights need {weights / 2**30:.1f} GiB per card, more than the "
+                         f"{usable / 2**30:.1f} GiB usable ({utilization:.0%} of {memory / 2**30:.1f} GiB); "
+                         f"try --tensor-parallel {need} or more, or a smaller dtype")
+    kv_memory = usable - weights   # activations are not counted: leave room through --memory-utilization
+    held = mean_tokens_held(context, avg_prompt, avg_output)
+    bounded = min(context, sinks + window)
+    users = {
+        "contiguous": kv_memory // (context * per_token),
+        "paged": int(kv_memory // ((held + block_size / 2) * per_token)),
+        "sink_window": kv_memory // (math.ceil(bounded / block_size + 1) * block_size * per_token),
+    }
+    return Plan(name, weights, per_token, context * per_token, kv_memory, context, users, held)
+
+
+def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32") -> int:
+    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses."""
+    _, cfg = load_model_config(model)
+    return KVSpec.from_model(cfg, parse_dtype(dtype)).num_blocks_for(parse_bytes(kv_cache_memory), block_size)
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="how many users fit on a card: the KV cache arithmetic")
+    p.add_argument("--model", required=True, help=f"checkpoint, config.json, hub id, or one of {', '.join(MODELS)}")
+    mem = p.add_mutually_exclusive_group(required=True)
+    mem.add_argument("--gpu-memory", help="e.g. 80GiB")
+    mem.add_argument("--gpu", choices=sorted(GPUS), help="a card by name")
+    p.add_argument("--context", type=int, default=4096, help="max tokens per request")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--avg-prompt", type=float, default=None, help="instead of the log-normal chat mix")
+    p.add_argument("--avg-output", type=float, default=None)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=1020)
+    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--plot", default=None, help="PNG of users against context length")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS[args.gpu] * 2**30
+    kw = dict(dtype=args.dtype, tensor_parallel=args.tensor_parallel, utilization=args.memory_utilization,
+              block_size=args.block_size, avg_prompt=args.avg_prompt, avg_output=args.avg_output,
+              sinks=args.sinks, window=args.window)
+    result = plan(args.model, memory, args.context, **kw)
+    _, cfg = load_model_config(args.model)
+    gib = 2**30
+    print(f"{result.model}: weights {result.weight_bytes / gib:.2f} GiB per card ({args.dtype}, "
+          f"tensor parallel {args.tensor_parallel})")
+    print(f"KV bytes per token = {cfg.num_layers} layers x 2 (K, V) x {cfg.num_kv_heads} kv_heads x "
+          f"{cfg.head_dim} head_dim x {KVSpec.from_model(cfg, parse_dtype(args.dtype)).bytes_per_number} bytes"
+          f"{' / ' + str(min(args.tensor_parallel, cfg.num_kv_heads)) + ' cards' if args.tensor_parallel > 1 else ''}"
+          f" = {result.kv_bytes_per_token:,} bytes")
+    print(f"per full {args.context}-token request: {result.kv_bytes_per_request / gib:.3f} GiB; "
+          f"KV memory on the card: {result.kv_memory / gib:.2f} GiB")
+    print(f"concurrent users: contiguous max-length reservation {result.max_users['contiguous']}, "
+          f"paged at the length mix (mean {result.mean_tokens_held:.0f} tokens held) {result.max_users['paged']}, "
+          f"sink+window ({args.sinks}+{args.window}) {result.max_users['sink_window']}")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    if args.plot:
+        _plot(args, memory, kw)
+    return 0
+
+
+def _plot(args, memory: int, kw: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+    plans = [plan(args.model, memory, c, **kw) for c in contexts]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for option in plans[0].max_users:
+        ax.plot(contexts, [max(p.max_users[option], 0.5) for p in plans], marker="o", label=option)
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="concurrent users",
+           title=f"{plans[0].model}, {args.dtype}, {memory / 2**30:.0f} GiB x {args.memory_utilization:.0%}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)

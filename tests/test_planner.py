@@ -1,0 +1,61 @@
+"""kvserve plan: the seeds' formula, the engine's own block count, and clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve import LLM
+from kvserve.cli import main
+from kvserve.planner import MODELS, num_blocks, plan, weight_bytes, load_model_config
+from tiny_models import make_checkpoint
+
+
+def test_the_seeds_example(tmp_path):
+    """4096 tokens, 32 layers, 8 KV heads, head_dim 128, fp16: 0.5 GiB per request."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "vocab_size": 128256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    result = plan(str(tmp_path / "config.json"), 80 * 2**30, 4096, dtype="float16")
+    assert result.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
+    assert result.kv_bytes_per_request == 536870912 == 2**29
+    assert result.max_users["contiguous"] == result.kv_memory // 2**29
+
+
+def test_weight_bytes_match_the_published_size():
+    _, cfg = load_model_config("llama-3.1-8b")
+    assert weight_bytes(cfg, 1) == 8_030_261_248          # Llama 3.1 8B's parameter count
+
+
+def test_planner_blocks_equal_the_engines(tmp_path):
+    ckpt = make_checkpoint(tmp_path, "llama")
+    llm = LLM(str(ckpt), kv_cache_memory="3MiB", block_size=16, dtype="float32")
+    assert num_blocks(str(ckpt), "3MiB", 16, "float32") == llm.stats()["kv_blocks_total"]
+
+
+def test_paging_beats_a_max_length_reservation():
+    result = plan("llama-3.1-8b", 80 * 2**30, 8192)
+    assert result.max_users["paged"] > 4 * result.max_users["contiguous"] > 0
+    assert result.max_users["sink_window"] > result.max_users["contiguous"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model="gpt-5", memory=80 * 2**30, context=4096), "unknown model 'gpt-5'"),
+    (dict(model="llama-3.1-70b", memory=80 * 2**30, context=4096), "try --tensor-parallel 2"),
+    (dict(model="llama-3.1-8b", memory=80 * 2**30, context=0), "context must be at least 1"),
+])
+def test_bad_inputs_say_what_would_fit(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan(**kwargs)
+
+
+def test_plan_cli(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--model", "qwen2.5-7b", "--gpu", "h100", "--context", "8192", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    assert {"weight_bytes", "kv_bytes_per_token", "kv_bytes_per_request", "max_users"} <= set(report)
+    assert report["kv_bytes_per_token"] == 28 * 2 * 4 * 128 * 2 and png.stat().st_size > 0
+    assert "KV bytes per token = 28 layers x 2 (K, V) x 4 kv_heads x 128 head_dim x 2 bytes" in capsys.readouterr().out
+    assert set(MODELS) >= {"llama-3.1-8b", "mistral-7b", "qwen3-8b"}
