@@ -7,8 +7,14 @@ autocast and torch.compile:
     python scripts/train_demo_model.py --out src/kvserve/assets/demo-model --minutes 55
 
 Steps: train a byte-level BPE tokenizer, tokenize the sources, train with AdamW (warmup, cosine
-decay, gradient clipping) on random 1024-token windows, save the checkpoint in bfloat16, then
-measure the final train and held-out losses and the passkey accuracy into training_summary.json.
+decay, gradient clipping) on random windows of the code, half of them starting with a passkey
+document, save the checkpoint in bfloat16, then measure the final train and held-out losses and the
+passkey accuracy into training_summary.json.
+
+Passkey retrieval needs an induction circuit (find the earlier "The pass key is", copy what follows).
+To help a small model form it in a short run, training starts on shorter sequences (128, 256, 512
+tokens, at the same tokens per step) before the full context, and a passkey answer's tokens weigh
+more in the loss (--answer-weight).
 """
 from __future__ import annotations
 
@@ -59,7 +65,7 @@ def parse_args() -> argparse.Namespace:
                    help="loss weight of a passkey document's answer tokens (the rest weigh 1)")
     p.add_argument("--short-contexts", default="128,256,512",
                    help="sequence lengths trained before --context, each for an equal share of --curriculum")
-    p.add_argument("--curriculum", type=float, default=0.5,
+    p.add_argument("--curriculum", type=float, default=0.6,
                    help="share of training spent on --short-contexts (same tokens per step, more sequences)")
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--eval-windows", type=int, default=16)
