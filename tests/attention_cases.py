@@ -38,3 +38,33 @@ def make_case(q_lens: list[int], ctx_lens: list[int], num_decodes: int, num_head
                            context_lens=torch.tensor(ctx_lens), query_lens=q_lens, context_lens_list=ctx_lens,
                            has_prefix=any(c > n for c, n in zip(ctx_lens[num_decodes:], q_lens[num_decodes:])))
     return q, k, v, kv_cache, batch
+
+
+def quantize_case(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
+                  kv_cache_dtype: str, block_size: int):
+    """The case's pages as a QuantizedLayer: every full block quantized, each sequence's last block
+    (when partial) held exact in a residual slot. Returns (layer, pages): `pages` is the plain
+    tensor of what the layer stands for (dequantized blocks, exact residuals), the textbook's input.
+    The step's own k, v [T, KVH, D] are overwritten in place with the values the layer holds for them.
+    """
+    from kvserve.kv.quant import QuantizedLayer, codecs
+
+    _, kvh, nb, bs, d = kv_cache.shape
+    ends = [(c // block_size, table[c // block_size].item())
+            for c, table in zip(batch.context_lens_list, batch.block_tables) if c % block_size]
+    residual = torch.zeros(2, kvh, len(ends) + 1, bs, d, dtype=kv_cache.dtype)
+    residual_of = torch.full((nb,), -1, dtype=torch.long)
+    layer = QuantizedLayer(codecs(kv_cache_dtype), kvh, nb, bs, d, residual, residual_of)
+    layer.quantize(torch.arange(nb), kv_cache)
+    for slot, (_, block) in enumerate(ends, start=1):     # slot 0 stays unused: slots need not start at 0
+        residual[:, :, slot] = kv_cache[:, :, block]
+        residual_of[block] = slot
+    pages = layer.gather(torch.arange(nb))
+    flat = pages.view(2, kvh, -1, d)
+    start = 0
+    for table, c, n in zip(batch.block_tables.tolist(), batch.context_lens_list, batch.query_lens):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(c - n, c)]
+        k[start:start + n] = flat[0][:, slots].transpose(0, 1)
+        v[start:start + n] = flat[1][:, slots].transpose(0, 1)
+        start += n
+    return layer, pages

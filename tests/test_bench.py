@@ -119,3 +119,28 @@ def test_linear_params_counts_the_hf_linear_weights(tmp_path):
     linears = [m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert layers + head == sum(linears)
     assert head == 64 * 300
+
+
+def test_bench_quant_json(tmp_path):
+    from tiny_models import make_checkpoint as tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "m", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           initializer_range=0.02, max_position_embeddings=256)
+    path = tmp_path / "quant.json"
+    args = ["--model", str(ckpt), "--tokens", "120", "--context", "60", "--block-size", "16",
+            "--passkey-lengths", "200", "--decode-batch", "2", "--decode-prompt", "8", "--decode-tokens", "4",
+            "--repeats", "1", "--max-num-seqs", "4"]
+    assert main(["bench", "quant", "--quick", "--json", str(path), *args]) == 0
+    res = json.loads(path.read_text())
+    rows = {r["kv_cache_dtype"]: r for r in res["rows"]}
+    assert list(rows) == ["auto", "int8", "fp8", "int4"]
+    for d, r in rows.items():
+        for key in ("bytes_per_token", "tokens_per_gib", "perplexity", "decode_tok_s"):
+            assert _positive(r[key]), (d, key)
+        assert 0 <= r["passkey_acc"] <= 1 and 0 <= r["top1_agreement"] <= 1 and r["kl"] >= 0
+    # fp32 model, head_dim 64: 4 bytes a number become 1 + scales (int8), 1/2 + scales (int4)
+    assert rows["auto"]["bytes_per_token"] == 2 * 2 * 2 * 64 * 4
+    assert rows["int8"]["bytes_per_token"] == 2 * 2 * 2 * (64 + 2)
+    assert rows["int8"]["tokens_per_gib"] > 3.5 * rows["auto"]["tokens_per_gib"]
+    assert rows["auto"]["kl"] == 0 and rows["auto"]["top1_agreement"] == 1
+    assert rows["int4"]["kl"] > 0

@@ -42,7 +42,7 @@ def test_perplexity_through_the_cache_equals_transformers(ckpt, kwargs):
     assert result.nll == pytest.approx(ref, rel=1e-4)
     assert result.perplexity == pytest.approx(math.exp(ref), rel=1e-4)
     if llm.engine.kv is not None:
-        assert 0 < result.peak_kv_bytes <= result.windows * 10 * llm.engine.kv_spec.bytes_per_block(4)
+        assert 0 < result.peak_kv_bytes <= result.windows * 10 * llm.engine.kv_spec.bytes_per_block
 
 
 def test_passkey_cells(ckpt):

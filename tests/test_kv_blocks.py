@@ -292,10 +292,10 @@ def test_spec_seed_example() -> None:
 
 def test_spec_blocks() -> None:
     spec = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
-    assert spec.bytes_per_block(16) == 16 * 131072
-    assert spec.num_blocks_for(2**29, 16) == 256
-    assert spec.num_blocks_for(2**29 - 1, 16) == 255
-    assert spec.num_blocks_for(16 * 131072 - 1, 16) == 0
+    assert spec.bytes_per_block == 16 * 131072
+    assert spec.num_blocks_for(2**29) == 256
+    assert spec.num_blocks_for(2**29 - 1) == 255
+    assert spec.num_blocks_for(16 * 131072 - 1) == 0
 
 
 def test_spec_dtype_width() -> None:

@@ -28,10 +28,20 @@ def test_weight_bytes_match_the_published_size():
     assert weight_bytes(cfg, 1) == 8_030_261_248          # Llama 3.1 8B's parameter count
 
 
-def test_planner_blocks_equal_the_engines(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "int4"])
+def test_planner_blocks_equal_the_engines(tmp_path, kv_dtype):
     ckpt = make_checkpoint(tmp_path, "llama")
-    llm = LLM(str(ckpt), kv_cache_memory="3MiB", block_size=16, dtype="float32")
-    assert num_blocks(str(ckpt), "3MiB", 16, "float32") == llm.stats()["kv_blocks_total"]
+    llm = LLM(str(ckpt), kv_cache_memory="3MiB", block_size=16, dtype="float32", kv_cache_dtype=kv_dtype,
+              max_num_seqs=8)
+    assert num_blocks(str(ckpt), "3MiB", 16, "float32", kv_dtype, max_num_seqs=8) == llm.stats()["kv_blocks_total"]
+
+
+def test_quantized_pages_fit_more_users():
+    users = plan("llama-3.1-8b", 80 * 2**30, 8192).max_users
+    assert users["paged"] < users["paged_fp8"] < users["paged_int4"]
+    assert 1.8 < users["paged_int8"] / users["paged"] < 2 and users["paged_int4"] / users["paged"] > 2.5
+    int4 = plan("llama-3.1-8b", 80 * 2**30, 8192, kv_dtype="int4")
+    assert int4.max_users["paged"] == users["paged_int4"] and int4.kv_bytes_per_token < 131072 / 3
 
 
 def test_paging_beats_a_max_length_reservation():

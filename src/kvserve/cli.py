@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES
+from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,12 +24,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mode", default="paged", choices=CACHE_MODES)
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="store K/V as int8, fp8 or int4 pages (auto: the model's dtype)")
+    p.add_argument("--kv-cache-dtype-skip-layers", type=layer_list, default=(),
+                   help="comma-separated layers kept in the model's dtype, e.g. 0,31")
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers such as 0,31, got {text!r}") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
-            "attention_backend", "enable_prefix_caching"]
+            "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers"]
     return {k: getattr(args, k) for k in keys}
 
 

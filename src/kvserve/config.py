@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 CACHE_MODES = ("paged", "contiguous", "none")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "triton", "textbook")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -191,8 +192,16 @@ class EngineConfig:
     cache_mode: str = "paged"
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.cache_mode != "paged":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs cache_mode 'paged' (a block is "
+                             f"quantized when it fills), got {self.cache_mode!r}")
+        self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.config import ModelConfig, parse_bytes, parse_dtype
+from kvserve.config import KV_CACHE_DTYPES, ModelConfig, parse_bytes, parse_dtype
 from kvserve.kv.spec import KVSpec
 
 # Published configs of popular open models (config.json fields that size weights and cache).
@@ -51,8 +51,8 @@ MIX = dict(prompt_median=160, output_median=340, sigma=1.0, samples=100_000, see
 class Plan:
     model: str
     weight_bytes: int
-    kv_bytes_per_token: int
-    kv_bytes_per_request: int
+    kv_bytes_per_token: float
+    kv_bytes_per_request: float
     kv_memory: int
     context: int
     max_users: dict[str, int]
@@ -101,16 +101,15 @@ def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float |
 
 def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_parallel: int = 1,
          utilization: float = 0.9, block_size: int = 16, avg_prompt: float | None = None,
-         avg_output: float | None = None, sinks: int = 4, window: int = 1020) -> Plan:
+         avg_output: float | None = None, sinks: int = 4, window: int = 1020, kv_dtype: str = "auto") -> Plan:
+    """Users that fit with each cache option; contiguous, paged and sink_window store `kv_dtype`."""
     if context < 1:
         raise ValueError(f"context must be at least 1 token, got {context}")
     if not 0 < utilization <= 1:
         raise ValueError(f"memory utilization must be in (0, 1], got {utilization}")
     name, cfg = load_model_config(model)
-    spec = KVSpec.from_model(cfg, parse_dtype(dtype))
+    spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size)
     weights = weight_bytes(cfg, spec.bytes_per_number) // tensor_parallel
-    # tensor parallelism splits the KV heads across cards (a head is never split)
-    per_token = spec.bytes_per_token // min(tensor_parallel, cfg.num_kv_heads)
     usable = int(memory * utilization)
     if usable <= weights:
         need = math.ceil(weights * tensor_parallel / usable)
@@ -119,19 +118,36 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
                          f"try --tensor-parallel {need} or more, or a smaller dtype")
     kv_memory = usable - weights   # activations are not counted: leave room through --memory-utilization
     held = mean_tokens_held(context, avg_prompt, avg_output)
+    per_user = {kd: _paged_bytes_per_user(cfg, dtype, block_size, kd, held, tensor_parallel)
+                for kd in KV_CACHE_DTYPES}
+    per_token = per_user[kv_dtype][0]
     bounded = min(context, sinks + window)
     users = {
-        "contiguous": kv_memory // (context * per_token),
-        "paged": int(kv_memory // ((held + block_size / 2) * per_token)),
-        "sink_window": kv_memory // (math.ceil(bounded / block_size + 1) * block_size * per_token),
+        "contiguous": int(kv_memory // (context * per_token)),
+        "paged": int(kv_memory // per_user[kv_dtype][1]),
+        "sink_window": int(kv_memory // (math.ceil(bounded / block_size + 1) * block_size * per_token)),
     }
+    users.update({f"paged_{kd}": int(kv_memory // per_user[kd][1]) for kd in KV_CACHE_DTYPES if kd != "auto"})
     return Plan(name, weights, per_token, context * per_token, kv_memory, context, users, held)
 
 
-def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32") -> int:
-    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses."""
+def _paged_bytes_per_user(cfg: ModelConfig, dtype: str, block_size: int, kv_dtype: str, held: float,
+                          tensor_parallel: int) -> tuple[float, float]:
+    """(bytes per token, bytes a paged request holds on average: its tokens and half a block, plus
+    the full-precision block it is filling when the pages are quantized), per card."""
+    spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
+    cards = min(tensor_parallel, cfg.num_kv_heads)   # tensor parallelism splits the KV heads (never one head)
+    per_token = spec.bytes_per_token / cards
+    return per_token, ((held + block_size / 2) * per_token + spec.residual_slot_bytes / cards)
+
+
+def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",
+               kv_dtype: str = "auto", max_num_seqs: int = 256) -> int:
+    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses
+    (a quantized pool first sets aside one full-precision block per sequence that may run)."""
     _, cfg = load_model_config(model)
-    return KVSpec.from_model(cfg, parse_dtype(dtype)).num_blocks_for(parse_bytes(kv_cache_memory), block_size)
+    spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
+    return spec.num_blocks_for(parse_bytes(kv_cache_memory), max_num_seqs if spec.quantized_layers else 0)
 
 
 def add_plan_parser(sub) -> None:
@@ -142,6 +158,8 @@ def add_plan_parser(sub) -> None:
     mem.add_argument("--gpu", choices=sorted(GPUS), help="a card by name")
     p.add_argument("--context", type=int, default=4096, help="max tokens per request")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="pages of the contiguous, paged and sink+window rows (int8/fp8/int4 rows are always shown)")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
@@ -158,21 +176,28 @@ def run(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS[args.gpu] * 2**30
     kw = dict(dtype=args.dtype, tensor_parallel=args.tensor_parallel, utilization=args.memory_utilization,
               block_size=args.block_size, avg_prompt=args.avg_prompt, avg_output=args.avg_output,
-              sinks=args.sinks, window=args.window)
+              sinks=args.sinks, window=args.window, kv_dtype=args.kv_dtype)
     result = plan(args.model, memory, args.context, **kw)
     _, cfg = load_model_config(args.model)
     gib = 2**30
     print(f"{result.model}: weights {result.weight_bytes / gib:.2f} GiB per card ({args.dtype}, "
           f"tensor parallel {args.tensor_parallel})")
+    spec = KVSpec.from_model(cfg, parse_dtype(args.dtype), args.block_size, args.kv_dtype)
+    cards = min(args.tensor_parallel, cfg.num_kv_heads)
+    number = (f"{spec.bytes_per_number} bytes" if args.kv_dtype == "auto" else
+              f"{spec.bytes_per_block / (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * args.block_size):.4g} "
+              f"bytes ({args.kv_dtype} with its scales)")
     print(f"KV bytes per token = {cfg.num_layers} layers x 2 (K, V) x {cfg.num_kv_heads} kv_heads x "
-          f"{cfg.head_dim} head_dim x {KVSpec.from_model(cfg, parse_dtype(args.dtype)).bytes_per_number} bytes"
-          f"{' / ' + str(min(args.tensor_parallel, cfg.num_kv_heads)) + ' cards' if args.tensor_parallel > 1 else ''}"
-          f" = {result.kv_bytes_per_token:,} bytes")
+          f"{cfg.head_dim} head_dim x {number}{f' / {cards} cards' if cards > 1 else ''}"
+          f" = {result.kv_bytes_per_token:,.0f} bytes")
     print(f"per full {args.context}-token request: {result.kv_bytes_per_request / gib:.3f} GiB; "
           f"KV memory on the card: {result.kv_memory / gib:.2f} GiB")
-    print(f"concurrent users: contiguous max-length reservation {result.max_users['contiguous']}, "
-          f"paged at the length mix (mean {result.mean_tokens_held:.0f} tokens held) {result.max_users['paged']}, "
-          f"sink+window ({args.sinks}+{args.window}) {result.max_users['sink_window']}")
+    print(f"concurrent users (paged at the length mix: mean {result.mean_tokens_held:.0f} tokens held):")
+    rows = {"contiguous": "contiguous max-length reservation", "paged": f"paged, {args.kv_dtype} pages",
+            "paged_int8": "paged, int8 pages", "paged_fp8": "paged, fp8 pages", "paged_int4": "paged, int4 pages",
+            "sink_window": f"sink+window ({args.sinks}+{args.window})"}
+    for key, label in rows.items():
+        print(f"  {label:<36} {result.max_users[key]:>10,}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     if args.plot:

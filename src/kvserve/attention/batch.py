@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.quant import QuantizedLayer, WritePlan
 from kvserve.kv.storage import KVStorage
 
 
@@ -22,7 +23,8 @@ class AttentionBatch:
     context_lens: torch.Tensor                 # [seqs] tokens attended to, new ones included
     query_lens: list[int]                      # [seqs] new tokens per sequence
     context_lens_list: list[int]               # context_lens as Python ints (for shapes)
-    has_prefix: bool                           # some prefill attends to tokens cached earlier
+    has_prefix: bool                           # prefills read the pages: some has a cached prefix, or they are quantized
+    kv_write: WritePlan | None = None          # where the quantized layers put the step's K/V
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
 
     @property
@@ -35,12 +37,27 @@ class AttentionBackend:
 
     name = ""
 
+    def store(self, kv_cache: torch.Tensor | QuantizedLayer, kv: torch.Tensor, batch: AttentionBatch) -> None:
+        """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] into a layer's cache."""
+        if isinstance(kv_cache, QuantizedLayer):
+            batch.kv_write.write(kv_cache, kv)
+        else:
+            self.store_pages(kv_cache, kv, batch.slot_mapping)
+
     @staticmethod
-    def store(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] at their slots."""
+    def store_pages(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Full-precision pages: each token at its slot."""
         KVStorage.write(kv_cache, kv, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
                 batch: AttentionBatch, scale: float) -> torch.Tensor:
         """q [T, H, D] and the step's k, v [T, KVH, D] -> [T, H, D], over the pages when kv_cache is given."""
         raise NotImplementedError
+
+
+def read_pages(kv_cache: torch.Tensor | QuantizedLayer, ids: torch.Tensor) -> torch.Tensor:
+    """K/V pages of blocks `ids` as [2, kv_heads, *ids.shape, block_size, head_dim] (quantized ones
+    dequantized: only these blocks)."""
+    if isinstance(kv_cache, QuantizedLayer):
+        return kv_cache.gather(ids)
+    return kv_cache[:, :, ids]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.attention.batch import AttentionBackend, AttentionBatch, read_pages
 
 Q_TILE = 512
 K_TILE = 512
@@ -134,7 +134,7 @@ def _paged_source(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> _KVSour
 
     def read(start: int, end: int):
         first, last = start // block_size, -(-end // block_size)
-        pages = kv_cache[:, :, block_tables[:, first:last]]                     # [2, KVH, B, n, BS, D]
+        pages = read_pages(kv_cache, block_tables[:, first:last])               # [2, KVH, B, n, BS, D]
         kv = pages.flatten(3, 4)[:, :, :, start - first * block_size:end - first * block_size]
         return kv[0].transpose(0, 1).float(), kv[1].transpose(0, 1).float()
 

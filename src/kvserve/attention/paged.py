@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.attention.batch import AttentionBackend, AttentionBatch, read_pages
 
 
 def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """Pages [2, KVH, blocks, block_size, D] of each sequence as K and V [2, KVH, seqs, max_len, D]."""
     block_size = kv_cache.shape[3]
     num_blocks = -(-max_len // block_size)
-    pages = kv_cache[:, :, block_tables[:, :num_blocks]]         # [2, KVH, seqs, nb, bs, D]
+    pages = read_pages(kv_cache, block_tables[:, :num_blocks])  # [2, KVH, seqs, nb, bs, D]
     return pages.flatten(3, 4)[:, :, :, :max_len]
 
 

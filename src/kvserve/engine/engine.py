@@ -5,6 +5,7 @@ import copy
 import json
 import logging
 import time
+from collections.abc import Callable
 from itertools import count
 
 import torch
@@ -38,8 +39,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_ids()
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len)
-        self.kv_spec = KVSpec.from_model(mcfg, self.dtype)
-        self.cache_config, self.kv, storage = self._init_cache(config)
+        self.cache_config, self.kv, self.storage = self._init_cache(config)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
@@ -47,10 +47,13 @@ class LLMEngine:
                                                 config.long_prefill_token_threshold)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
                                    config.enable_prefix_caching and config.cache_mode == "paged")
-        self.runner = ModelRunner(self.model, storage, self.kv.block_tables if self.kv else {},
+        self.runner = ModelRunner(self.model, self.storage, self.kv.block_tables if self.kv else {},
                                   get_backend(config.attention_backend, self.device), self.device)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
+        # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
+        # need whole distributions (KL divergence), not just the logprobs a request returns
+        self.prompt_logits_hook: Callable[[list[Sequence], torch.Tensor, list], None] | None = None
         self._seq_ids = count()
 
     @staticmethod
@@ -66,25 +69,40 @@ class LLMEngine:
         return config.max_model_len
 
     def _init_cache(self, config: EngineConfig):
-        if config.cache_mode == "none":
-            return CacheConfig(cache_mode="none"), None, None
+        mcfg = self.model_config
         # contiguous: the same pool, with one block holding a whole max_model_len context
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
+        self.kv_spec = spec = KVSpec.from_model(mcfg, self.dtype, block_size, config.kv_cache_dtype,
+                                                config.kv_cache_dtype_skip_layers)
+        if config.cache_mode == "none":
+            return CacheConfig(cache_mode="none"), None, None
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
+        # a quantized cache keeps the block each sequence is filling in full precision
+        residual_slots = config.max_num_seqs if spec.quantized_layers else 0
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
             memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-            num_blocks = self.kv_spec.num_blocks_for(memory, block_size)
+            num_blocks = spec.num_blocks_for(memory, residual_slots)
             if cache.kv_cache_memory is None:   # the default need not exceed what could ever be used
                 num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // block_size))
             if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} "
-                                 f"tokens ({self.kv_spec.bytes_per_block(block_size)} bytes)")
+                raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "
+                                 f"({spec.bytes_per_block} bytes) after {residual_slots} residual blocks "
+                                 f"({spec.residual_slot_bytes} bytes each)")
         cache.num_kv_blocks = num_blocks
-        storage = KVStorage(self.kv_spec, num_blocks, block_size, self.device)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
-                 storage.kv.numel() * storage.kv.element_size() / 2**20)
-        return cache, KVCacheManager(num_blocks, block_size), storage
+        kv = KVCacheManager(num_blocks, block_size)
+        storage = KVStorage(spec, num_blocks, self.device, residual_slots, kv.pool.ref_counts)
+        log.info("KV cache: %d blocks of %d tokens, %s (%.1f MiB)", num_blocks, block_size,
+                 config.kv_cache_dtype, storage.nbytes / 2**20)
+        return cache, kv, storage
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the blocks that running sequences hold, and of their residual slots."""
+        if self.kv is None:
+            return 0
+        held = {b for s in self.scheduler.running for b in self.kv.block_tables.get(s.seq_id, [])}
+        filling = len(held.intersection(self.storage.filling_blocks))
+        return len(held) * self.kv_spec.bytes_per_block + filling * self.kv_spec.residual_slot_bytes
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -180,6 +198,11 @@ class LLMEngine:
             out = self.runner.run(sched)
         except BaseException:
             self.scheduler.forget_uncomputed(sched)   # no later request may share blocks never written
+            if self.kv_spec.quantized_layers:
+                # some layers may have moved residual tokens into quantized blocks: start over
+                for seq in sched.seqs:
+                    if seq in self.scheduler.running:
+                        self.scheduler.preempt(seq)
             raise
         self.scheduler.commit(sched)
         try:
@@ -226,6 +249,8 @@ class LLMEngine:
 
     def _score_prompts(self, seqs: list[Sequence], logits: torch.Tensor, spans) -> None:
         """Append the logprobs of prompt tokens computed this step (prompt_logprobs)."""
+        if self.prompt_logits_hook is not None:
+            self.prompt_logits_hook(seqs, logits, spans)
         targets, ks = [], []
         for row, first, num in spans:
             targets += seqs[row].token_ids[first:first + num]
@@ -292,8 +317,9 @@ class LLMEngine:
             "kv_blocks_total": kv.num_blocks if kv else 0,
             "kv_blocks_free": kv.num_free_blocks if kv else 0,
             "kv_block_size": kv.block_size if kv else 0,
+            "kv_cache_dtype": self.kv_spec.kv_cache_dtype,
             "kv_bytes_per_token": self.kv_spec.bytes_per_token,
-            "kv_cache_bytes": kv.num_blocks * self.kv_spec.bytes_per_block(kv.block_size) if kv else 0,
+            "kv_cache_bytes": self.storage.nbytes if kv else 0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,

@@ -66,13 +66,14 @@ class ModelRunner:
         rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens_t)
         cu = torch.cumsum(q_lens_t, 0) - q_lens_t
         positions = torch.tensor(starts, device=dev)[rows] + torch.arange(len(input_ids), device=dev) - cu[rows]
-        block_tables = slot_mapping = None
+        block_tables = slot_mapping = kv_write = None
         if self.storage is not None:
             tables = [self.block_tables[s.seq_id] for s in sched.seqs]
             width = max(len(t) for t in tables)
             block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
             bs = self.storage.block_size
             slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs
+            kv_write = self.storage.plan_writes(tables, starts, q_lens)
         nd = sched.num_decodes
         batch = AttentionBatch(
             num_decodes=nd,
@@ -81,7 +82,10 @@ class ModelRunner:
             context_lens=torch.tensor(ctx_lens, device=dev),
             query_lens=q_lens,
             context_lens_list=ctx_lens,
-            has_prefix=any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
+            # a quantized cache is read by every prefill, so that a sequence's result never depends on
+            # which others share its step (the step's own K/V would be exact, the cache's are not)
+            has_prefix=kv_write is not None or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
+            kv_write=kv_write,
         )
         as_index = lambda xs: torch.tensor(xs, device=dev, dtype=torch.long)  # noqa: E731
         return StepInputs(as_index(input_ids), positions, batch, as_index(logits_indices), sample_rows,

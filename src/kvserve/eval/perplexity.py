@@ -42,14 +42,11 @@ def perplexity(llm: LLM, token_ids: list[int], context: int) -> PerplexityResult
     for i, w in enumerate(wins):
         engine.add_request(f"ppl-{i}", {"prompt_token_ids": w}, params)
     results, peak = {}, 0
-    bytes_per_block = engine.kv_spec.bytes_per_block(engine.kv.block_size) if engine.kv else 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out
-        if engine.kv is not None:
-            held = {b for s in engine.scheduler.running for b in engine.kv.block_tables.get(s.seq_id, [])}
-            peak = max(peak, len(held) * bytes_per_block)
+        peak = max(peak, engine.kv_bytes_in_use())
     nll = [-entry[t].logprob for i, w in enumerate(wins)
            for t, entry in zip(w[1:], results[f"ppl-{i}"].prompt_logprobs[1:])]
     mean = sum(nll) / len(nll)

@@ -1,4 +1,9 @@
-"""The seeds' formula: bytes = tokens x layers x 2 (K and V) x kv_heads x head_dim x bytes per number."""
+"""The seeds' formula: bytes = tokens x layers x 2 (K and V) x kv_heads x head_dim x bytes per number.
+
+With a quantized cache the bytes per number shrink and the scales are added: they are counted per
+block (a codec's scales can cover a whole block), so bytes per token are a block's bytes over its
+tokens.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.kv.quant import codecs
 
 
 @dataclass(frozen=True)
@@ -16,25 +22,61 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    skip_layers: tuple[int, ...] = ()     # layers kept in `dtype` when kv_cache_dtype quantizes
+
+    def __post_init__(self):
+        codecs(self.kv_cache_dtype)
+        bad = [i for i in self.skip_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"kv_cache_dtype_skip_layers {bad} are not layers of this model "
+                             f"(0..{self.num_layers - 1})")
 
     @classmethod
-    def from_model(cls, cfg: ModelConfig, dtype: torch.dtype) -> KVSpec:
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    def from_model(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int = 16, kv_cache_dtype: str = "auto",
+                   skip_layers: tuple[int, ...] = ()) -> KVSpec:
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size, kv_cache_dtype,
+                   tuple(skip_layers))
 
     @property
     def bytes_per_number(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.bytes_per_number
+    def quantized_layers(self) -> list[int]:
+        if self.kv_cache_dtype == "auto":
+            return []
+        return [i for i in range(self.num_layers) if i not in self.skip_layers]
 
-    def bytes_for(self, num_tokens: int) -> int:
+    @property
+    def full_precision_block_bytes(self) -> int:
+        """One layer's K and V of one block in the model's dtype."""
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.bytes_per_number
+
+    @property
+    def bytes_per_block(self) -> int:
+        quantized = self.quantized_layers
+        total = (self.num_layers - len(quantized)) * self.full_precision_block_bytes
+        if quantized:
+            per_layer = sum(c.bytes_per_block(self.block_size, self.head_dim) for c in codecs(self.kv_cache_dtype))
+            total += len(quantized) * self.num_kv_heads * per_layer
+        return total
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes of one cached token, its share of the block's scales included."""
+        per_token = self.bytes_per_block / self.block_size
+        return int(per_token) if per_token.is_integer() else per_token
+
+    @property
+    def residual_slot_bytes(self) -> int:
+        """A block still filling, kept in the model's dtype in every quantized layer (0: not quantized)."""
+        return len(self.quantized_layers) * self.full_precision_block_bytes
+
+    def bytes_for(self, num_tokens: int) -> float:
         return num_tokens * self.bytes_per_token
 
-    def bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.bytes_per_token
-
-    def num_blocks_for(self, memory_bytes: int, block_size: int) -> int:
-        """How many whole blocks fit in `memory_bytes`."""
-        return memory_bytes // self.bytes_per_block(block_size)
+    def num_blocks_for(self, memory_bytes: int, residual_slots: int = 0) -> int:
+        """How many whole blocks fit in `memory_bytes`, after `residual_slots` full-precision blocks."""
+        return (memory_bytes - residual_slots * self.residual_slot_bytes) // self.bytes_per_block

@@ -1,27 +1,57 @@
-"""KVStorage: the preallocated K and V pages of every layer."""
+"""KVStorage: the preallocated K and V pages of every layer, full precision or quantized."""
 from __future__ import annotations
 
 import torch
 
+from kvserve.kv.quant import QuantizedLayer, WritePlan, codecs
 from kvserve.kv.spec import KVSpec
 
 
 class KVStorage:
-    """One tensor [layers, 2, kv_heads, num_blocks, block_size, head_dim] holding every page.
+    """Full-precision layers share one tensor [layers, 2, kv_heads, num_blocks, block_size, head_dim];
+    quantized layers (spec.kv_cache_dtype) are QuantizedLayers over the same block ids.
 
     Heads lead so that gathering a batch's pages yields [kv_heads, seqs, tokens, head_dim] with no
     further copy: the layout the attention matmuls take directly.
+
+    With quantized layers, each block still being filled has a residual slot: `residual_slots`
+    (one per sequence that can run) full-precision blocks. `ref_counts` (the BlockPool's) tells
+    which blocks were freed, so that their slots return.
     """
 
-    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: torch.device):
-        self.block_size = block_size
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, residual_slots: int = 0,
+                 ref_counts: list[int] | None = None):
+        self.spec = spec
+        self.block_size = bs = spec.block_size
         self.num_blocks = num_blocks
-        self.kv = torch.zeros(spec.num_layers, 2, spec.num_kv_heads, num_blocks, block_size,
-                              spec.head_dim, dtype=spec.dtype, device=device)
+        quantized = set(spec.quantized_layers)
+        shape = (2, spec.num_kv_heads, num_blocks, bs, spec.head_dim)
+        self.kv = torch.zeros(spec.num_layers - len(quantized), *shape, dtype=spec.dtype, device=device)
+        self.residual = torch.zeros(len(quantized), 2, spec.num_kv_heads, residual_slots if quantized else 0, bs,
+                                    spec.head_dim, dtype=spec.dtype, device=device)
+        self.residual_of = torch.full((num_blocks if quantized else 0,), -1, dtype=torch.long, device=device)
+        self._slot_of: dict[int, int] = {}
+        self._free_slots = list(range(self.residual.shape[3]))
+        self._ref_counts = ref_counts
+        full, quant = iter(self.kv), iter(self.residual)
+        self.layers = [QuantizedLayer(codecs(spec.kv_cache_dtype), spec.num_kv_heads, num_blocks, bs,
+                                      spec.head_dim, next(quant), self.residual_of)
+                       if i in quantized else next(full) for i in range(spec.num_layers)]
+        self.quantized = [layer for layer in self.layers if isinstance(layer, QuantizedLayer)]
 
-    def layer(self, i: int) -> torch.Tensor:
-        """K and V pages of layer i: [2, kv_heads, num_blocks, block_size, head_dim]."""
-        return self.kv[i]
+    def layer(self, i: int) -> torch.Tensor | QuantizedLayer:
+        """Layer i's cache: pages [2, kv_heads, num_blocks, block_size, head_dim], or a QuantizedLayer."""
+        return self.layers[i]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.kv, self.residual] + [t for layer in self.quantized for t in (*layer.data, *layer.meta)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def filling_blocks(self):
+        """Blocks whose tokens are in residual slots (some may have been freed since the last step)."""
+        return self._slot_of.keys()
 
     @staticmethod
     def write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -31,6 +61,86 @@ class KVStorage:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages src -> dst in every layer (copy-on-write)."""
-        if copies:
-            src, dst = zip(*copies)
-            self.kv[:, :, :, list(dst)] = self.kv[:, :, :, list(src)]
+        if not copies:
+            return
+        src, dst = (list(x) for x in zip(*copies))
+        self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+        for layer in self.quantized:
+            layer.copy_blocks(src, dst)
+        if self.quantized:
+            self._collect_freed()
+            for s, d in copies:
+                if s in self._slot_of:
+                    slot = self._slot_of.get(d)
+                    if slot is None:
+                        slot = self._take_slot(d)
+                        self.residual_of[d] = slot
+                    self.residual[:, :, :, slot] = self.residual[:, :, :, self._slot_of[s]]
+
+    def plan_writes(self, tables: list[list[int]], starts: list[int], num_new: list[int]) -> WritePlan | None:
+        """Where the step's tokens go in the quantized layers: sequence i writes tokens
+        [starts[i], starts[i] + num_new[i]) through block table tables[i]. None: no quantized layer."""
+        if not self.quantized:
+            return None
+        self._collect_freed()
+        bs = self.block_size
+        before, filled, direct, opening = ([], []), ([], []), ([], []), []
+        offset = 0
+        for table, start, n in zip(tables, starts, num_new):
+            end = start + n
+            for j in range(start // bs, -(-end // bs)):
+                block, lo, hi = table[j], max(start, j * bs), min(end, (j + 1) * bs)
+                tokens = range(offset + lo - start, offset + hi - start)
+                slot = self._slot_of.get(block)
+                if slot is None and lo > j * bs:
+                    raise RuntimeError(f"block {block} holds tokens but no residual slot")
+                if slot is None:
+                    if hi == (j + 1) * bs:
+                        direct[0].extend(tokens)
+                        direct[1].append(block)
+                    else:
+                        opening.append((block, tokens, lo - j * bs))
+                    continue
+                before[0].extend(tokens)
+                before[1].extend(range(slot * bs + lo - j * bs, slot * bs + hi - j * bs))
+                if hi == (j + 1) * bs:
+                    filled[0].append(slot)
+                    filled[1].append(block)
+            offset += n
+        for block in filled[1]:
+            self._release(block)
+        after = ([], [])
+        for block, tokens, first in opening:
+            slot = self._take_slot(block)
+            after[0].extend(tokens)
+            after[1].extend(range(slot * bs + first, slot * bs + first + len(tokens)))
+        self._sync_residual_of(filled[1], [b for b, _, _ in opening])
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.residual.device)  # noqa: E731
+        return WritePlan((t(before[0]), t(before[1])), (t(after[0]), t(after[1])), t(filled[0]), t(filled[1]),
+                         t(direct[0]), t(direct[1]))
+
+    def _take_slot(self, block: int) -> int:
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.residual.shape[3]} residual slots are in use; the engine gives "
+                               "one to each sequence it may run (max_num_seqs)")
+        slot = self._free_slots.pop()
+        self._slot_of[block] = slot
+        return slot
+
+    def _release(self, block: int) -> None:
+        self._free_slots.append(self._slot_of.pop(block))
+
+    def _collect_freed(self) -> None:
+        """Return the slots of blocks that were freed while filling (their sequence ended)."""
+        if self._ref_counts is None:
+            return
+        freed = [b for b in self._slot_of if self._ref_counts[b] == 0]
+        for b in freed:
+            self._release(b)
+        self._sync_residual_of(freed, [])
+
+    def _sync_residual_of(self, released: list[int], taken: list[int]) -> None:
+        if released:
+            self.residual_of[released] = -1
+        if taken:
+            self.residual_of[taken] = torch.tensor([self._slot_of[b] for b in taken], device=self.residual_of.device)

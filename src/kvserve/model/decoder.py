@@ -37,7 +37,7 @@ class Attention(nn.Module):
         apply_rope_(qk, *rope)
         kv = qkv[:, self.q_size:].view(tokens, 2, nkv, hd)
         if kv_cache is not None:
-            backend.store(kv_cache, kv, batch.slot_mapping)
+            backend.store(kv_cache, kv, batch)
         out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], kv_cache, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 

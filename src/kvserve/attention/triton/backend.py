@@ -28,7 +28,7 @@ class TritonBackend(AttentionBackend):
         self.partition_size = partition_size
 
     @staticmethod
-    def store(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store_pages(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write the step's K and V [tokens, 2, kv_heads, head_dim] into a layer's pages at slot_mapping."""
         store_kv(kv_cache, kv[:, 0], kv[:, 1], slot_mapping)
 

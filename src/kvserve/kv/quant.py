@@ -1,0 +1,209 @@
+"""Quantized KV pages: the codecs of `kv_cache_dtype` and the layer cache that holds their pages.
+
+A codec turns full-precision pages [kv_heads, n, block_size, head_dim] of K or of V into stored
+numbers and their scales ("meta"), both with the block axis second so that a block table indexes
+them alike. A block is quantized once, when it fills; until then its tokens live in a
+full-precision residual slot (the block a sequence is still writing is exact).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import KV_CACHE_DTYPES
+
+FP8_MAX = 448.0          # largest finite float8_e4m3fn
+TINY = 1e-8              # floor of a scale, so that an all-zero group decodes to zeros
+
+
+class Codec:
+    """Quantizes K or V pages [KVH, n, BS, D]; `meta` holds the scales, [KVH, n, ...]."""
+
+    storage_dtype: torch.dtype = torch.int8
+    meta_dtype: torch.dtype = torch.float16
+    pack = 1                 # numbers per stored element along head_dim
+
+    def meta_shape(self, block_size: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one (head, block)'s scales."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def decode(self, q: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """float32 pages from stored numbers and scales gathered alike ([KVH, *ids, ...])."""
+        raise NotImplementedError
+
+    def bytes_per_block(self, block_size: int, head_dim: int) -> int:
+        """Bytes of one (head, block): numbers and scales."""
+        numbers = block_size * head_dim // self.pack * self.storage_dtype.itemsize
+        meta = self.meta_dtype.itemsize
+        for n in self.meta_shape(block_size, head_dim):
+            meta *= n
+        return numbers + meta
+
+
+class Int8PerToken(Codec):
+    """Symmetric int8, one scale per token and head."""
+
+    def meta_shape(self, block_size, head_dim):
+        return (block_size,)
+
+    def encode(self, x):
+        scale = (x.abs().amax(-1) / 127).clamp_min(TINY).to(self.meta_dtype)
+        q = (x / scale.float()[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        return q, scale
+
+    def decode(self, q, meta):
+        return q.float() * meta.float()[..., None]
+
+
+class Fp8PerBlock(Codec):
+    """float8_e4m3fn numbers with one float32 scale per head and block, set from the block's
+    largest magnitude when it is quantized: no calibration pass, and no token saturates.
+
+    Stored as their bytes (uint8): index_copy and gathers do not take float8 on every device.
+    """
+
+    storage_dtype = torch.uint8
+    meta_dtype = torch.float32
+
+    def meta_shape(self, block_size, head_dim):
+        return ()
+
+    def encode(self, x):
+        scale = (x.abs().amax((-2, -1)) / FP8_MAX).clamp_min(TINY)
+        q = (x / scale[..., None, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8), scale
+
+    def decode(self, q, meta):
+        return q.view(torch.float8_e4m3fn).float() * meta[..., None, None]
+
+
+class Int4(Codec):
+    """KIVI's asymmetric 4-bit quantization, two numbers per byte (even channel in the low nibble).
+
+    `axis` is the one the group runs along: keys are grouped per channel over the block's tokens
+    (axis -2: their outliers sit in fixed channels), values per token over the channels (axis -1).
+    meta is (scale, minimum) stacked on the axis before the per-group one.
+    """
+
+    storage_dtype = torch.uint8
+    pack = 2
+
+    def __init__(self, axis: int):
+        self.axis = axis
+
+    def meta_shape(self, block_size, head_dim):
+        return (2, head_dim if self.axis == -2 else block_size)
+
+    def encode(self, x):
+        lo, hi = x.amin(self.axis), x.amax(self.axis)
+        scale = ((hi - lo) / 15).clamp_min(TINY).to(self.meta_dtype)
+        lo = lo.to(self.meta_dtype)
+        q = ((x - self._expand(lo)) / self._expand(scale)).round_().clamp_(0, 15).to(torch.uint8)
+        return q[..., 0::2] | (q[..., 1::2] << 4), torch.stack((scale, lo), -2)
+
+    def decode(self, q, meta):
+        numbers = torch.stack((q & 15, q >> 4), -1).flatten(-2).float()
+        return numbers * self._expand(meta[..., 0, :]) + self._expand(meta[..., 1, :])
+
+    def _expand(self, group: torch.Tensor) -> torch.Tensor:
+        """Per-group values broadcast back over the group's axis (as float32)."""
+        return group.float().unsqueeze(self.axis)
+
+
+def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
+    """The (K, V) codecs of a `kv_cache_dtype`; None for `auto` (the model's dtype)."""
+    if kv_cache_dtype == "auto":
+        return None
+    if kv_cache_dtype == "int8":
+        return Int8PerToken(), Int8PerToken()
+    if kv_cache_dtype == "fp8":
+        return Fp8PerBlock(), Fp8PerBlock()
+    if kv_cache_dtype == "int4":
+        return Int4(axis=-2), Int4(axis=-1)
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+
+
+class QuantizedLayer:
+    """One layer's quantized pages, their scales, and the shared full-precision residual slots.
+
+    `residual_of[block]` is the residual slot holding a block that has not filled yet (-1 when the
+    block is quantized); it is shared by every layer and kept by KVStorage.
+    """
+
+    def __init__(self, codecs: tuple[Codec, Codec], num_kv_heads: int, num_blocks: int, block_size: int,
+                 head_dim: int, residual: torch.Tensor, residual_of: torch.Tensor):
+        dev = residual.device
+        self.k_codec, self.v_codec = codecs
+        self.data = [torch.zeros(num_kv_heads, num_blocks, block_size, head_dim // c.pack, dtype=c.storage_dtype,
+                                 device=dev) for c in codecs]
+        self.meta = [torch.zeros(num_kv_heads, num_blocks, *c.meta_shape(block_size, head_dim),
+                                 dtype=c.meta_dtype, device=dev) for c in codecs]
+        self.residual = residual           # [2, KVH, slots, BS, D], model dtype
+        self.residual_of = residual_of
+        self.dtype = residual.dtype
+        self.shape = (2, num_kv_heads, num_blocks, block_size, head_dim)   # of the pages it stands for
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype: the exact
+        tokens of blocks still filling, the dequantized ones of the rest; nothing else is decoded."""
+        k, v = (codec.decode(data[:, ids], meta[:, ids]).to(self.dtype)
+                for codec, data, meta in zip((self.k_codec, self.v_codec), self.data, self.meta))
+        pages = torch.stack((k, v))
+        slots = self.residual_of[ids]
+        filling = slots >= 0
+        if filling.any():
+            pages[:, :, filling] = self.residual[:, :, slots[filling]]
+        return pages
+
+    def quantize(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
+        """Encode full pages [2, KVH, n, BS, D] into blocks `blocks`."""
+        for i, codec in enumerate((self.k_codec, self.v_codec)):
+            q, meta = codec.encode(pages[i].float())
+            self.data[i].index_copy_(1, blocks, q)
+            self.meta[i].index_copy_(1, blocks, meta)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        for t in (*self.data, *self.meta):
+            t[:, dst] = t[:, src]
+
+
+@dataclass
+class WritePlan:
+    """Where one step's new K/V go in the quantized layers, worked out once for all of them.
+
+    Token indices are into the step's flat batch; residual indices are slot * block_size + offset.
+    """
+
+    before: tuple[torch.Tensor, torch.Tensor]   # (tokens, residual index): slots held before the step
+    after: tuple[torch.Tensor, torch.Tensor]    # (tokens, residual index): slots taken by this step
+    filled_slots: torch.Tensor                  # residual slots whose block fills: quantize them ...
+    filled_blocks: torch.Tensor                 # ... into these blocks
+    direct_tokens: torch.Tensor                 # whole blocks written by this step: quantize at once
+    direct_blocks: torch.Tensor
+
+    def write(self, layer: QuantizedLayer, kv: torch.Tensor) -> None:
+        """Store the step's K/V [tokens, 2, KVH, D] in a layer: residual writes, then the blocks that
+        fill (from the slots they had, or straight from the step), then writes into slots taken now
+        (which may be ones just freed by a filled block)."""
+        residual = layer.residual.flatten(2, 3)             # [2, KVH, slots * BS, D]
+        _put(residual, kv, *self.before)
+        blocks, pages = [], []
+        if len(self.filled_blocks):
+            blocks.append(self.filled_blocks)
+            pages.append(layer.residual[:, :, self.filled_slots])
+        if len(self.direct_blocks):
+            bs = layer.shape[3]
+            blocks.append(self.direct_blocks)
+            pages.append(kv[self.direct_tokens].unflatten(0, (-1, bs)).permute(2, 3, 0, 1, 4))
+        if blocks:
+            layer.quantize(torch.cat(blocks), torch.cat(pages, 2))
+        _put(residual, kv, *self.after)
+
+
+def _put(residual: torch.Tensor, kv: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor) -> None:
+    if len(tokens):
+        residual.index_copy_(2, index, kv[tokens].permute(1, 2, 0, 3))

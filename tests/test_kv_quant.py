@@ -1,0 +1,263 @@
+"""Quantized KV pages: codec error bounds, int4 packing, residual bookkeeping, attention over the pages."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_cases import make_case, quantize_case
+from kvserve import LLM, SamplingParams
+from kvserve.attention.flash import FlashBackend
+from kvserve.attention.paged import SdpaBackend
+from kvserve.attention.textbook import TextbookBackend
+from kvserve.eval.perplexity import perplexity
+from kvserve.kv.quant import FP8_MAX, Int4, codecs
+from kvserve.kv.spec import KVSpec
+from kvserve.kv.storage import KVStorage
+from tiny_models import make_checkpoint
+
+DTYPES = ["int8", "fp8", "int4"]
+
+
+def with_outliers(shape, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    x[..., 3] *= 20          # an outlier channel (as keys have)
+    x[:, :, 1] *= 8          # an outlier token
+    return x
+
+
+def test_int8_error_is_within_half_a_step_per_token():
+    x = with_outliers((2, 3, 16, 64))
+    codec = codecs("int8")[0]
+    q, meta = codec.encode(x)
+    assert q.dtype == torch.int8 and meta.shape == (2, 3, 16)
+    step = meta.float()[..., None]
+    assert ((codec.decode(q, meta) - x).abs() <= step / 2 + 1e-6).all()
+
+
+def test_fp8_keeps_three_mantissa_bits():
+    x = with_outliers((2, 3, 16, 64))
+    codec = codecs("fp8")[0]
+    q, scale = codec.encode(x)
+    assert q.dtype == torch.uint8 and scale.shape == (2, 3)
+    err = (codec.decode(q, scale) - x).abs()
+    # relative 2^-4 for normal numbers; below the smallest normal (2^-6 x scale), an absolute 2^-10 x scale
+    bound = torch.maximum(x.abs() * 2 ** -4, scale[..., None, None] * 2 ** -10)
+    assert (err <= bound + 1e-7).all()
+    assert (x.abs().amax((-2, -1)) / scale).allclose(torch.full_like(scale, FP8_MAX))
+
+
+@pytest.mark.parametrize("axis", [-2, -1])
+def test_int4_error_is_within_half_a_step_per_group(axis):
+    x = with_outliers((2, 3, 16, 64))
+    codec = Int4(axis)
+    q, meta = codec.encode(x)
+    assert q.shape == (2, 3, 16, 32) and q.dtype == torch.uint8
+    assert meta.shape == ((2, 3, 2, 64) if axis == -2 else (2, 3, 2, 16))
+    step = meta[..., 0, :].float().unsqueeze(axis)
+    err = (codec.decode(q, meta) - x).abs()
+    assert (err <= step / 2 + 1e-3 * step + 1e-6).all()   # fp16 minimum adds a rounding of its own
+
+
+def test_int4_packs_two_numbers_per_byte():
+    levels = torch.arange(16.0).repeat(2)[torch.randperm(32)]      # every level, even and odd channels
+    x = levels.view(1, 1, 1, 32).expand(1, 1, 4, 32).contiguous()
+    codec = Int4(axis=-1)
+    q, meta = codec.encode(x)
+    assert (q & 15).equal(x[..., 0::2].to(torch.uint8)) and (q >> 4).equal(x[..., 1::2].to(torch.uint8))
+    assert codec.decode(q, meta).equal(x)
+
+
+def test_bytes_per_token_count_the_scales():
+    # 8 layers, 4 KV heads, head_dim 64, block 16, bf16: 8 x 2 x 4 x 64 x 2 = 8192 bytes per token
+    spec = lambda dt, **kw: KVSpec(8, 4, 64, torch.bfloat16, 16, dt, **kw)  # noqa: E731
+    assert spec("auto").bytes_per_token == 8192
+    assert spec("int8").bytes_per_token == 8 * 2 * 4 * (64 + 2)                        # fp16 scale per token
+    assert spec("fp8").bytes_per_token == 8 * 2 * 4 * 64 + 8 * 2 * 4 * 4 / 16           # fp32 scale per block
+    assert spec("int4").bytes_per_token == 8 * 4 * (32 + 2 * 2 * 64 / 16 + 32 + 2 * 2)  # K per channel, V per token
+    assert spec("int8", skip_layers=(0,)).bytes_per_token == 1024 + 7 * 2 * 4 * 66
+    assert spec("int8").residual_slot_bytes == 16 * 8192
+    with pytest.raises(ValueError, match="not layers"):
+        spec("int8", skip_layers=(8,))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        spec("int3")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_storage_quantizes_a_block_when_it_fills(kv_cache_dtype):
+    """Chunked writes (partial blocks, blocks filled over several steps or in one), a copy-on-write,
+    a block freed while filling and handed to a new sequence, and the return of freed slots."""
+    bs, kvh, d = 4, 2, 64
+    spec = KVSpec(2, kvh, d, torch.float32, bs, kv_cache_dtype, skip_layers=(1,))
+    ref_counts = [1] * 16
+    storage = KVStorage(spec, 16, torch.device("cpu"), residual_slots=4, ref_counts=ref_counts)
+    layer = storage.layer(0)
+    assert isinstance(storage.layer(1), torch.Tensor)
+    codec = codecs(kv_cache_dtype)
+    tables, lens, truth = [[3, 7, 1], [0, 5, 9, 11], [2, 8]], [0, 0, 0], {}
+    g = torch.Generator().manual_seed(0)
+
+    def step(new: list[int]):
+        kv = torch.randn(sum(new), 2, kvh, d, generator=g)
+        storage.plan_writes(tables, list(lens), new).write(layer, kv)
+        t = 0
+        for i, n in enumerate(new):
+            for p in range(lens[i], lens[i] + n):
+                truth[i, p] = kv[t]
+                t += 1
+            lens[i] += n
+        check()
+
+    def check():
+        for i, table in enumerate(tables):
+            pages = layer.gather(torch.tensor(table))               # [2, KVH, blocks, BS, D]
+            for j in range(-(-lens[i] // bs)):
+                want = torch.stack([truth[i, p] for p in range(j * bs, min(lens[i], (j + 1) * bs))])
+                if (j + 1) * bs <= lens[i]:    # full: the codec's round trip of the exact block
+                    block = want.permute(1, 2, 0, 3)                 # [2, KVH, BS, D]
+                    want = torch.stack([c.decode(*c.encode(block[n][:, None]))[:, 0]
+                                        for n, c in enumerate(codec)]).permute(2, 0, 1, 3)
+                    assert storage.residual_of[table[j]] == -1
+                else:
+                    assert storage.residual_of[table[j]] >= 0
+                got = pages[:, :, j, :len(want)].permute(2, 0, 1, 3)   # [n, 2, KVH, D]
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+    step([3, 1, 2])       # all partial
+    step([1, 8, 1])       # seq 0 fills a block from its slot; seq 1 one from its slot and one at once
+    step([5, 6, 0])       # across block boundaries
+    storage.copy_blocks([(2, 6)])    # seq 3 forks seq 2 and copies its filling block
+    tables.append([6, 10])
+    lens.append(lens[2])
+    truth.update({(3, p): truth[2, p] for p in range(lens[2])})
+    step([0, 0, 1, 1])    # both fill their copy from their own slot
+    step([0, 0, 2, 2])
+    assert len(storage.filling_blocks) == 4
+    # seq 3 ends while filling block 10, which goes to a new sequence before any step: it starts afresh
+    tables[3], lens[3] = [10], 0
+    truth = {key: val for key, val in truth.items() if key[0] != 3}
+    step([0, 0, 0, 3])
+    ref_counts[10] = 0    # and ends; the next step returns its slot
+    tables.pop(), lens.pop()
+    step([0, 0, 1])
+    assert 10 not in storage.filling_blocks and storage.residual_of[10] == -1
+    assert len(storage.filling_blocks) + len(storage._free_slots) == 4
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+@pytest.mark.parametrize("backend", [FlashBackend(q_tile=8, k_tile=12, decode_k_tile=12), FlashBackend(),
+                                     SdpaBackend(), TextbookBackend()],
+                         ids=["flash-small-tiles", "flash", "sdpa", "textbook"])
+@pytest.mark.parametrize("shape", [(4, 4, 64), (8, 2, 80), (8, 1, 128)])
+def test_attention_over_quantized_pages_equals_attention_over_their_values(backend, shape, kv_cache_dtype):
+    h, kvh, d = shape
+    q_lens, ctx_lens, nd = [1, 1, 7, 13], [40, 3, 20, 13], 2
+    q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, nd, h, kvh, d, block_size=5)
+    layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, 5)
+    ref = TextbookBackend().forward(q, k, v, pages, batch, d ** -0.5)
+    out = backend.forward(q, k, v, layer, batch, d ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # and the quantization did change something: the exact pages give another answer
+    exact = TextbookBackend().forward(q, k, v, kv_cache, batch, d ** -0.5)
+    assert not torch.allclose(exact, ref, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the engine end to end
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # head_dim 64, 2 KV heads; small weights so that nearby caches give nearby logits
+    return make_checkpoint(tmp_path_factory.mktemp("quant"), "llama", hidden_size=256, num_attention_heads=4,
+                           num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=128)
+
+
+def prompts(n: int = 6) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    return [{"prompt_token_ids": torch.randint(3, 384, (k,), generator=g).tolist()} for k in [3, 9, 17, 30, 5, 22][:n]]
+
+
+def streamed_nll(ckpt, **kwargs) -> float:
+    """Next-token loss of a text fed one token per step, so that every token attends to the cache."""
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, long_prefill_token_threshold=1, **kwargs)
+    ids = torch.randint(3, 384, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    return perplexity(llm, ids, context=60).nll
+
+
+def test_quantized_caches_cost_little_and_are_read(ckpt):
+    full = streamed_nll(ckpt)
+    for kv_cache_dtype, rel in [("int8", 0.002), ("fp8", 0.01), ("int4", 0.03)]:
+        nll = streamed_nll(ckpt, kv_cache_dtype=kv_cache_dtype)
+        assert nll != full                                  # the quantized pages are what attention read
+        assert nll == pytest.approx(full, rel=rel), kv_cache_dtype
+    assert streamed_nll(ckpt, kv_cache_dtype="int4", kv_cache_dtype_skip_layers=[0, 1]) == full
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_pool_capacity_follows_the_bytes_per_block(ckpt, kv_cache_dtype):
+    full = LLM(str(ckpt), block_size=16, kv_cache_memory="4MiB", max_num_seqs=4).stats()
+    llm = LLM(str(ckpt), block_size=16, kv_cache_memory="4MiB", max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
+    stats, spec = llm.stats(), llm.engine.kv_spec
+    assert stats["kv_cache_dtype"] == kv_cache_dtype and stats["kv_bytes_per_token"] == spec.bytes_per_token
+    # the residual slots (one full-precision block per sequence) come out of the same budget
+    assert stats["kv_blocks_total"] == (4 * 2**20 - 4 * spec.residual_slot_bytes) // spec.bytes_per_block
+    assert stats["kv_cache_bytes"] <= 4 * 2**20
+    # fp32 model: 4 bytes a number become 1 (int8, fp8) or 1/2 (int4), plus scales and residual slots
+    ratio = stats["kv_blocks_total"] / full["kv_blocks_total"]
+    assert ratio > {"int8": 3.5, "fp8": 3.5, "int4": 5.0}[kv_cache_dtype]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_batching_and_forks_keep_tokens(ckpt, kv_cache_dtype):
+    """What a block stores depends on its tokens only: batching and backends do not change tokens,
+    and n forked samples equal separate runs with their seeds."""
+    alone = LLM(str(ckpt), block_size=4, num_kv_blocks=64, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)
+    want = [o.outputs[0].token_ids for o in (alone.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts())]
+    for backend in ["sdpa", "flash", "textbook"]:
+        llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want, backend
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    forked = llm.generate(prompts(1)[0], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5),
+                          use_tqdm=False)[0]
+    for i, completion in enumerate(forked.outputs):
+        solo = llm.generate(prompts(1)[0], SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i),
+                            use_tqdm=False)[0]
+        assert completion.token_ids == solo.outputs[0].token_ids
+    assert len(llm.engine.storage.filling_blocks) <= 1 + 3    # the last ones, returned at the next step
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_prefix_hit_reads_the_same_pages_as_a_chunked_prefill(ckpt, kv_cache_dtype):
+    """Tokens of earlier steps are read quantized, a step's own tokens exact: a prompt whose first two
+    blocks hit the prefix cache gives the tokens of a prefill chunked at the same place."""
+    prefix, suffix = prompts()[1]["prompt_token_ids"][:8], prompts()[2]["prompt_token_ids"][:5]
+    chunked = LLM(str(ckpt), block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype,
+                  enable_prefix_caching=False, long_prefill_token_threshold=8)
+    want = chunked.generate({"prompt_token_ids": prefix + suffix}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    cached = LLM(str(ckpt), block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    cached.generate({"prompt_token_ids": prefix + [7]}, GREEDY, use_tqdm=False)
+    out = cached.generate({"prompt_token_ids": prefix + suffix}, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 8 and out.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_preemption_recomputes_and_returns_everything(ckpt, kv_cache_dtype):
+    # 10 blocks of 4 tokens: the longest request (30 + 8 tokens) needs all of them alone
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=10, kv_cache_dtype=kv_cache_dtype)
+    outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.engine.storage.plan_writes([], [], [])               # a step returns the slots of freed blocks
+    assert not llm.engine.storage.filling_blocks
+
+
+def test_quantized_cache_options_are_checked(ckpt):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(str(ckpt), kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="needs cache_mode 'paged'"):
+        LLM(str(ckpt), kv_cache_dtype="int8", cache_mode="contiguous")
+    with pytest.raises(ValueError, match="not layers of this model"):
+        LLM(str(ckpt), kv_cache_dtype="int8", kv_cache_dtype_skip_layers=[2])
