@@ -215,7 +215,9 @@ def test_batching_and_forks_keep_tokens(ckpt, kv_cache_dtype):
     and n forked samples equal separate runs with their seeds."""
     alone = LLM(str(ckpt), block_size=4, num_kv_blocks=64, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)
     want = [o.outputs[0].token_ids for o in (alone.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts())]
-    for backend in ["sdpa", "flash", "textbook"]:
+    for backend in ["sdpa", "flash", "textbook", "triton"]:
+        if backend == "triton":
+            pytest.importorskip("triton")
         llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, attention_backend=backend)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want, backend
     llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)

@@ -7,6 +7,7 @@ import torch
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
 from kvserve.attention.triton.kernels import decode_attention, decode_workspace, prefill_attention, store_kv
+from kvserve.kv.quant import QuantizedLayer
 
 
 class TritonBackend(AttentionBackend):
@@ -14,6 +15,10 @@ class TritonBackend(AttentionBackend):
     some prefill has a cached prefix, else over the step's own K/V (the same values the layer has
     just stored, read without the block-table indirection). cache_mode "none" (kv_cache None):
     every sequence, decodes included, attends causally to its own tokens of the step only.
+
+    A quantized layer (QuantizedLayer) is read by the same paged kernels, which decode its pages
+    tile by tile (and read blocks still filling from its residual slots); fresh prefills still
+    attend to the step's own exact K/V. Writes go through AttentionBackend.store (torch ops).
 
     Tile sizes are parameters so that tests can force many tiles and partitions on small inputs.
     """
@@ -32,32 +37,36 @@ class TritonBackend(AttentionBackend):
         """Write the step's K and V [tokens, 2, kv_heads, head_dim] into a layer's pages at slot_mapping."""
         store_kv(kv_cache, kv[:, 0], kv[:, 1], slot_mapping)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | QuantizedLayer | None, batch: AttentionBatch, scale: float) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] (the step's tokens), kv_cache [2, KVH, blocks, page, D]
-        already holding them (or None) -> [T, H, D]."""
+        or a QuantizedLayer already holding them (or None) -> [T, H, D]."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if kv_cache is None:
             self._prefill(q, k, v, out, batch, 0, None, scale)
             return out
+        quant = kv_cache if isinstance(kv_cache, QuantizedLayer) else None
+        k_pages, v_pages = kv_cache.data if quant is not None else (kv_cache[0], kv_cache[1])
         nd = batch.num_decodes
         if nd:
-            self._decode(q[:nd], kv_cache, out[:nd], batch, scale)
+            self._decode(q[:nd], k_pages, v_pages, quant, out[:nd], batch, scale)
         if batch.num_prefills:
             if batch.has_prefix:
-                self._prefill(q[nd:], kv_cache[0], kv_cache[1], out[nd:], batch, nd, batch.block_tables[nd:], scale)
+                self._prefill(q[nd:], k_pages, v_pages, out[nd:], batch, nd, batch.block_tables[nd:], scale, quant)
             else:
                 self._prefill(q[nd:], k[nd:], v[nd:], out[nd:], batch, nd, None, scale)
         return out
 
     def _prefill(self, q, k, v, out, batch: AttentionBatch, first: int, block_tables: torch.Tensor | None,
-                 scale: float) -> None:
-        """Sequences first.. of the batch; block_tables None: k, v are the step's own [T, KVH, D]."""
+                 scale: float, quant: QuantizedLayer | None = None) -> None:
+        """Sequences first.. of the batch; block_tables None: k, v are the step's own [T, KVH, D].
+        quant: k, v are the quantized layer's stored numbers."""
         q_starts, q_lens, ctx_lens, max_q_len = _prefill_meta(batch, first, paged=block_tables is not None)
         prefill_attention(q, k, v, out, q_starts, q_lens, ctx_lens, block_tables, max_q_len, scale,
-                          block_m=self.prefill_block_m, block_n=self.prefill_block_n)
+                          block_m=self.prefill_block_m, block_n=self.prefill_block_n, quant=quant)
 
-    def _decode(self, q, kv_cache, out, batch: AttentionBatch, scale: float) -> None:
+    def _decode(self, q, k_pages, v_pages, quant: QuantizedLayer | None, out, batch: AttentionBatch,
+                scale: float) -> None:
         nd, num_heads, head_dim = q.shape
         ctx_lens, max_ctx = _decode_meta(batch)
         key = ("triton_decode_workspace", num_heads, head_dim)
@@ -65,8 +74,9 @@ class TritonBackend(AttentionBackend):
         if workspace is None:   # the same shapes in every layer: allocate once per step
             workspace = batch.scratch[key] = decode_workspace(nd, num_heads, head_dim, max_ctx,
                                                               self.partition_size, q.device)
-        decode_attention(q, kv_cache[0], kv_cache[1], out, ctx_lens, batch.block_tables[:nd], max_ctx, scale,
-                         partition_size=self.partition_size, block_n=self.decode_block_n, workspace=workspace)
+        decode_attention(q, k_pages, v_pages, out, ctx_lens, batch.block_tables[:nd], max_ctx, scale,
+                         partition_size=self.partition_size, block_n=self.decode_block_n, workspace=workspace,
+                         quant=quant)
 
 
 def _prefill_meta(batch: AttentionBatch, first: int, paged: bool):

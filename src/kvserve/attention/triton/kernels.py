@@ -10,12 +10,19 @@ the GPU) replaces exp. Log-sum-exps written by the decode kernel are base 2 as w
 
 head_dim need not be a power of two (80, 96): tiles span the next power of two and the extra
 lanes are masked to zero, which adds nothing to q·k and yields nothing in the output.
+
+Quantized pages (a kvserve.kv.quant.QuantizedLayer: int8, fp8, int4) are read by the same kernels
+compiled with KV_QUANT > 0: each K or V tile is loaded as stored numbers and scales and decoded in
+registers (_load_tile), or from the full-precision residual for blocks still filling; nothing is
+dequantized ahead of the kernel. KV_QUANT = 0 compiles the full-precision path alone.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
 
 LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16.
@@ -73,18 +80,70 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _key_offsets(k_pos, key_mask, table_row_ptr, row_start,
-                 stride_page, stride_slot, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
-    """Element offset (int64) of each key position's row, kv head excluded.
+def _key_pages(k_pos, key_mask, table_row_ptr, row_start, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """Page and offset in the page (both int64) of each key position.
 
     PAGED: through the sequence's block table, one page id per key (so any tile size works with
     any page size). Otherwise the keys are the step's own rows row_start + k_pos of a [T, KVH, D]
-    tensor whose token stride is stride_slot (cache_mode "none")."""
+    tensor (cache_mode "none"), taken as pages of one token (the token stride as the page stride)."""
     if PAGED:
         page = tl.load(table_row_ptr + k_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
-        return page * stride_page + (k_pos % PAGE_SIZE).to(tl.int64) * stride_slot
+        return page, (k_pos % PAGE_SIZE).to(tl.int64)
     else:
-        return (row_start + k_pos).to(tl.int64) * stride_slot
+        page = (row_start + k_pos).to(tl.int64)
+        return page, tl.zeros_like(page)
+
+
+@triton.jit
+def _load_tile(data_ptr, meta_ptr, res_ptr, rows, page, slot, res_slot, key_ok, chans, chan_ok,
+               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
+               PER_CHANNEL: tl.constexpr):
+    """K or V values of a tile's keys at channels `chans`, in the cache's (the model's) dtype; 0
+    where masked. The per-key arguments (rows, page, slot, res_slot, key_ok) come as [1, N] and
+    chans, chan_ok as [D, 1] to load Kᵀ [D, N], or as [N, 1] and [1, D] to load V [N, D]: the same
+    code serves both layouts.
+
+    rows: each key's row offset in data_ptr (page and slot through the data's strides; kv head
+    resolved in every pointer). KV_QUANT 0: that is all. Otherwise data_ptr holds the stored
+    numbers, meta_ptr the scales (contiguous [blocks, ...] of this head, hence indexed by page and
+    slot), and keys whose page has a residual slot (res_slot >= 0) are read exact from res_ptr, a
+    contiguous [slots, PAGE_SIZE, HEAD_DIM] in the model's dtype:
+      1 int8: x = q * scale[token]               (meta [blocks, PAGE_SIZE], float16)
+      2 fp8:  x = e4m3(byte) * scale[block]      (meta [blocks], float32)
+      3 int4: x = nibble * scale + min, two channels a byte, channel c in byte c // 2 at bit
+              4 * (c % 2); PER_CHANNEL (K): (scale, min) per channel over the block's tokens
+              (meta [blocks, 2, HEAD_DIM]), else (V) per token (meta [blocks, 2, PAGE_SIZE]).
+    """
+    if KV_QUANT == 0:
+        return tl.load(data_ptr + rows + chans, mask=key_ok & chan_ok, other=0.0)
+    from_res = res_slot >= 0
+    quantized = key_ok & ~from_res            # per key: read the stored numbers
+    mask = quantized & chan_ok
+    if KV_QUANT == 1:
+        x = tl.load(data_ptr + rows + chans, mask=mask, other=0).to(tl.float32)
+        x = x * tl.load(meta_ptr + page * PAGE_SIZE + slot, mask=quantized, other=0.0).to(tl.float32)
+    elif KV_QUANT == 2:
+        # The interpreter (3.8) bitcasts uint8 to float8e4nv and widens it exactly, as the GPU does
+        # (only the NaN bytes 0x7f / 0xff differ, and the codec never writes them).
+        byte = tl.load(data_ptr + rows + chans, mask=mask, other=0)
+        x = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = x * tl.load(meta_ptr + page, mask=quantized, other=0.0)
+    else:
+        byte = tl.load(data_ptr + rows + chans // 2, mask=mask, other=0).to(tl.int32)
+        x = ((byte >> (4 * (chans % 2))) & 15).to(tl.float32)
+        if PER_CHANNEL:
+            group = meta_ptr + page * (2 * HEAD_DIM) + chans     # [.., 2, HEAD_DIM]: scales, then mins
+            group_mask = mask
+            next_row = HEAD_DIM
+        else:
+            group = meta_ptr + page * (2 * PAGE_SIZE) + slot     # [.., 2, PAGE_SIZE]
+            group_mask = quantized
+            next_row = PAGE_SIZE
+        scale = tl.load(group, mask=group_mask, other=0.0).to(tl.float32)
+        x = x * scale + tl.load(group + next_row, mask=group_mask, other=0.0).to(tl.float32)
+    exact = tl.load(res_ptr + res_slot * (PAGE_SIZE * HEAD_DIM) + slot * HEAD_DIM + chans,
+                    mask=(key_ok & from_res) & chan_ok, other=0.0)
+    return tl.where(from_res, exact, x.to(exact.dtype))
 
 
 @triton.jit
@@ -99,16 +158,25 @@ def _dot(a, b, IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, k_base, v_base, key_mask, score_mask, qk_scale,
-                 dims, dim_mask, MASK_SCORES: tl.constexpr, DOT_FP32: tl.constexpr):
+def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, quant, page, slot, stride_page, stride_slot,
+                 key_mask, score_mask, qk_scale, dims, dim_mask,
+                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
+                 MASK_SCORES: tl.constexpr, DOT_FP32: tl.constexpr):
     """One FlashAttention-2 step: scores of the query tile against one key tile, the running max
     m_i and sum l_i updated, the accumulator rescaled once, then P @ V added.
 
-    k_base / v_base: pointers to each key's row [BLOCK_N] (head and page resolved). key_mask [N]
-    guards the loads; score_mask ([M, N] or [1, N]: causality, the context's end) is applied to
-    the scores only when MASK_SCORES, so the tiles wholly inside the context skip the select."""
-    load_mask = key_mask[None, :] & dim_mask[:, None]
-    k = tl.load(k_base[None, :] + dims[:, None], mask=load_mask, other=0.0)        # [D, N]: Kᵀ
+    k_ptr / v_ptr: this kv head's K and V; page, slot [BLOCK_N]: where each key is (_key_pages).
+    quant: (K scales, V scales, K residual, V residual, residual_of), heads resolved, read when
+    KV_QUANT > 0 (see _load_tile). key_mask [N] guards the loads; score_mask ([M, N] or [1, N]:
+    causality, the context's end) is applied to the scores only when MASK_SCORES, so the tiles
+    wholly inside the context skip the select."""
+    k_meta, v_meta, k_res, v_res, residual_of_ptr = quant
+    rows = page * stride_page + slot * stride_slot
+    res_slot = page                  # full precision: unused
+    if KV_QUANT != 0:                # the page's residual slot, -1 once it is quantized
+        res_slot = tl.load(residual_of_ptr + page, mask=key_mask, other=-1)
+    k = _load_tile(k_ptr, k_meta, k_res, rows[None, :], page[None, :], slot[None, :], res_slot[None, :],
+                   key_mask[None, :], dims[:, None], dim_mask[:, None], PAGE_SIZE, HEAD_DIM, KV_QUANT, True)  # Kᵀ
     s = _dot(q, k, DOT_FP32) * qk_scale                                        # [M, N], log2 units
     if MASK_SCORES:
         s = tl.where(score_mask, s, float("-inf"))
@@ -116,7 +184,8 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, key_mask, score_mask, qk_scal
     alpha = tl.exp2(m_i - m_new)           # how much the old max overstated: rescale once per tile
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base[:, None] + dims[None, :], mask=key_mask[:, None] & dim_mask[None, :], other=0.0)
+    v = _load_tile(v_ptr, v_meta, v_res, rows[:, None], page[:, None], slot[:, None], res_slot[:, None],
+                   key_mask[:, None], dims[None, :], dim_mask[None, :], PAGE_SIZE, HEAD_DIM, KV_QUANT, False)
     # P is rounded to V's dtype, as FlashAttention does, so the tensor cores take both operands.
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
     return acc, m_new, l_i
@@ -131,6 +200,29 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _INTERPRETED
 
 
+# KV_QUANT of each kv_cache_dtype's codecs (K's, V's); 0 is full precision.
+_KV_QUANT = {(Int8PerToken, Int8PerToken): 1, (Fp8PerBlock, Fp8PerBlock): 2, (Int4, Int4): 3}
+
+
+def _quantized_args(layer: QuantizedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """KV_QUANT, the pointers (K scales, V scales, residual, residual_of) and the strides (K and V
+    scales per head, residual per K/V and per head) that the kernels take for a quantized layer."""
+    kv_quant = _KV_QUANT.get((type(layer.k_codec), type(layer.v_codec)))
+    if kv_quant is None or (kv_quant == 3 and (layer.k_codec.axis, layer.v_codec.axis) != (-2, -1)):
+        raise ValueError(f"no kernel reads K codec {layer.k_codec!r} with V codec {layer.v_codec!r}")
+    if k is not layer.data[0] or v is not layer.data[1]:
+        raise ValueError("k and v must be the quantized layer's data[0] and data[1]")
+    k_meta, v_meta = layer.meta
+    res = layer.residual
+    # _load_tile indexes scales and residual slots from their shapes, not their strides.
+    if not (k_meta.is_contiguous() and v_meta.is_contiguous() and res[0, 0].is_contiguous()):
+        raise ValueError("a quantized layer's scales and residual slots must be contiguous")
+    if res.dtype != q.dtype:
+        raise ValueError(f"the residual ({res.dtype}) must be in the queries' dtype ({q.dtype})")
+    return (kv_quant, (k_meta, v_meta, res, layer.residual_of),
+            (k_meta.stride(0), v_meta.stride(0), res.stride(0), res.stride(1)))
+
+
 def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
@@ -142,17 +234,24 @@ def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
-                    q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_k_head, stride_k_page, stride_k_slot, stride_table,
-                    qk_scale,
-                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
+                          q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
+                          k_meta_ptr, v_meta_ptr, res_ptr, residual_of_ptr,
+                          stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                          stride_km_head, stride_vm_head, stride_res_kv, stride_res_head,
+                          qk_scale,
+                          GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                          KV_QUANT: tl.constexpr):
     """Grid (query tiles, heads, sequences). Query i of a sequence sits at absolute position
     context_len - query_len + i, so a cached prefix (chunked prefill, prefix caching) is attended in
-    full and only the new tokens are causal among themselves."""
+    full and only the new tokens are causal among themselves.
+
+    KV_QUANT > 0 (paged only): k_ptr, v_ptr are a QuantizedLayer's stored numbers, k_meta_ptr,
+    v_meta_ptr its scales, res_ptr its residual [2, KVH, slots, PAGE_SIZE, D] and residual_of_ptr
+    the residual slot of each block (see _load_tile). KV_QUANT 0 reads none of them."""
     tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
     m_start = tile * BLOCK_M
@@ -175,6 +274,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
     kv_head = (head // GROUP).to(tl.int64)
     k_head_ptr = k_ptr + kv_head * stride_k_head
     v_head_ptr = v_ptr + kv_head * stride_k_head
+    quant = (k_meta_ptr + kv_head * stride_km_head, v_meta_ptr + kv_head * stride_vm_head,
+             res_ptr + kv_head * stride_res_head, res_ptr + stride_res_kv + kv_head * stride_res_head,
+             residual_of_ptr)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -190,18 +292,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
     for n0 in range(0, unmasked_end, BLOCK_N):
         k_pos = n0 + offs_n
         key_mask = k_pos < ctx_len   # always true here; keeps the loads uniform
-        rows = _key_offsets(k_pos, key_mask, table_row, q_start, stride_k_page, stride_k_slot,
-                            PAGE_SIZE, PAGED)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
-                                     key_mask, key_mask, qk_scale, dims, dim_mask, False, DOT_FP32)
+        page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
+                                     stride_k_page, stride_k_slot, key_mask, key_mask, qk_scale, dims, dim_mask,
+                                     PAGE_SIZE, HEAD_DIM, KV_QUANT, False, DOT_FP32)
     for n0 in range(unmasked_end, keys_end, BLOCK_N):
         k_pos = n0 + offs_n
         key_mask = k_pos < ctx_len
         causal = (k_pos[None, :] <= q_pos[:, None]) & key_mask[None, :]
-        rows = _key_offsets(k_pos, key_mask, table_row, q_start, stride_k_page, stride_k_slot,
-                            PAGE_SIZE, PAGED)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
-                                     key_mask, causal, qk_scale, dims, dim_mask, True, DOT_FP32)
+        page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
+                                     stride_k_page, stride_k_slot, key_mask, causal, qk_scale, dims, dim_mask,
+                                     PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32)
 
     # Every row, padding rows included, saw key 0, so l_i > 0.
     out = acc / l_i[:, None]
@@ -209,16 +311,36 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
+                    q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                    qk_scale,
+                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Full-precision K/V: _prefill_quant_kernel with KV_QUANT 0, without the quantized layer's
+    arguments (the pointers handed in for them are never read)."""
+    _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
+                          k_ptr, v_ptr, k_ptr, table_ptr,
+                          stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_k_head, stride_k_page, stride_k_slot, stride_table, 0, 0, 0, 0,
+                          qk_scale, GROUP, PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DOT_FP32, 0)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor,
                       block_tables: torch.Tensor | None, max_q_len: int, scale: float,
-                      block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> None:
+                      block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                      quant: QuantizedLayer | None = None) -> None:
     """Causal attention of each sequence's queries, written into out [T, H, D].
 
     q [T, H, D]; q_starts, q_lens, ctx_lens [seqs] int (row of each sequence's first query in q).
     Paged (block_tables [seqs, max_blocks] given): k, v are a layer's K and V pages
     [KVH, blocks, page_size, D] and sequence s attends to its ctx_lens[s] cached tokens.
-    Flat (block_tables None): k, v are the step's own [T, KVH, D] and ctx_lens must equal q_lens."""
+    Flat (block_tables None): k, v are the step's own [T, KVH, D] and ctx_lens must equal q_lens.
+    Quantized pages (paged only): quant is the QuantizedLayer and k, v its quant.data[0], quant.data[1]."""
     tokens, num_heads, head_dim = q.shape
     num_seqs = q_lens.shape[0]
     if tokens == 0 or num_seqs == 0:
@@ -229,23 +351,27 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
         num_kv_heads, page_size = k.shape[0], k.shape[2]
         head_stride, page_stride, slot_stride = k.stride(0), k.stride(1), k.stride(2)
         table, table_stride = block_tables, block_tables.stride(0)
-    else:
+    else:   # each row a page of one token
         num_kv_heads, page_size = k.shape[1], 1
-        head_stride, page_stride, slot_stride = k.stride(1), 0, k.stride(0)
+        head_stride, page_stride, slot_stride = k.stride(1), k.stride(0), 0
         table, table_stride = q_lens, 0   # never read
     if k.stride() != v.stride():
         raise ValueError("k and v must share strides")
     grid = (triton.cdiv(max_q_len, block_m), num_heads, num_seqs)
-    _prefill_kernel[grid](
-        q, k, v, out, q_starts, q_lens, ctx_lens, table,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        head_stride, page_stride, slot_stride, table_stride,
-        scale * LOG2E,
-        GROUP=num_heads // num_kv_heads, PAGE_SIZE=page_size, PAGED=paged,
-        HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_FP32=_dot_in_fp32(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    consts = {"GROUP": num_heads // num_kv_heads, "PAGE_SIZE": page_size, "PAGED": paged,
+              "HEAD_DIM": head_dim, "BLOCK_D": max(MIN_DOT, triton.next_power_of_2(head_dim)),
+              "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": _dot_in_fp32(q.dtype),
+              "num_warps": num_warps, "num_stages": num_stages}
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), head_stride, page_stride, slot_stride,
+               table_stride)
+    if quant is None:
+        _prefill_kernel[grid](q, k, v, out, q_starts, q_lens, ctx_lens, table, *strides, scale * LOG2E, **consts)
+        return
+    if not paged:
+        raise ValueError("quantized K/V are read through block tables")
+    kv_quant, pointers, quant_strides = _quantized_args(quant, q, k, v)
+    _prefill_quant_kernel[grid](q, k, v, out, q_starts, q_lens, ctx_lens, table, *pointers,
+                                *strides, *quant_strides, scale * LOG2E, KV_QUANT=kv_quant, **consts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,19 +379,25 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
-                             ctx_len_ptr, table_ptr,
-                             stride_qt, stride_qh,
-                             stride_k_head, stride_k_page, stride_k_slot, stride_table,
-                             stride_po_seq, stride_po_head, stride_po_part,
-                             stride_pl_seq, stride_pl_head,
-                             qk_scale,
-                             GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PARTITION: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
+                                   ctx_len_ptr, table_ptr,
+                                   k_meta_ptr, v_meta_ptr, res_ptr, residual_of_ptr,
+                                   stride_qt, stride_qh,
+                                   stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                                   stride_po_seq, stride_po_head, stride_po_part,
+                                   stride_pl_seq, stride_pl_head,
+                                   stride_km_head, stride_vm_head, stride_res_kv, stride_res_head,
+                                   qk_scale,
+                                   GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+                                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                                   KV_QUANT: tl.constexpr):
     """Grid (sequences, kv heads, partitions). The GROUP query heads sharing a kv head form the
     query tile (padded to BLOCK_G rows for tl.dot), so each page is read once per kv head. Writes
-    the partition's normalized output and its base-2 log-sum-exp."""
+    the partition's normalized output and its base-2 log-sum-exp.
+
+    KV_QUANT > 0: k_ptr, v_ptr are a QuantizedLayer's stored numbers, read with its scales and
+    residual as in _prefill_quant_kernel. KV_QUANT 0 reads none of those."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(ctx_len_ptr + seq)
     start = part * PARTITION
@@ -281,8 +413,12 @@ def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
 
-    k_head_ptr = k_ptr + kv_head.to(tl.int64) * stride_k_head
-    v_head_ptr = v_ptr + kv_head.to(tl.int64) * stride_k_head
+    kv_head64 = kv_head.to(tl.int64)
+    k_head_ptr = k_ptr + kv_head64 * stride_k_head
+    v_head_ptr = v_ptr + kv_head64 * stride_k_head
+    quant = (k_meta_ptr + kv_head64 * stride_km_head, v_meta_ptr + kv_head64 * stride_vm_head,
+             res_ptr + kv_head64 * stride_res_head, res_ptr + stride_res_kv + kv_head64 * stride_res_head,
+             residual_of_ptr)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -295,21 +431,44 @@ def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
     for n0 in range(start, full_end, BLOCK_N):
         k_pos = n0 + offs_n
         key_mask = k_pos < end   # always true here; keeps the loads uniform
-        rows = _key_offsets(k_pos, key_mask, table_row, 0, stride_k_page, stride_k_slot, PAGE_SIZE, True)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
-                                     key_mask, key_mask[None, :], qk_scale, dims, dim_mask, False, DOT_FP32)
+        page, slot = _key_pages(k_pos, key_mask, table_row, 0, PAGE_SIZE, True)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
+                                     stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale,
+                                     dims, dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, False, DOT_FP32)
     for n0 in range(full_end, end, BLOCK_N):   # at most one partial tile
         k_pos = n0 + offs_n
         key_mask = k_pos < end
-        rows = _key_offsets(k_pos, key_mask, table_row, 0, stride_k_page, stride_k_slot, PAGE_SIZE, True)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr + rows, v_head_ptr + rows,
-                                     key_mask, key_mask[None, :], qk_scale, dims, dim_mask, True, DOT_FP32)
+        page, slot = _key_pages(k_pos, key_mask, table_row, 0, PAGE_SIZE, True)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
+                                     stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale,
+                                     dims, dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32)
 
     out = acc / l_i[:, None]
     lse = m_i + tl.log2(l_i)
     po = part_out_ptr + seq * stride_po_seq + heads[:, None] * stride_po_head + part * stride_po_part
     tl.store(po + dims[None, :], out, mask=head_mask[:, None] & dim_mask[None, :])
     tl.store(part_lse_ptr + seq * stride_pl_seq + heads * stride_pl_head + part, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
+                             ctx_len_ptr, table_ptr,
+                             stride_qt, stride_qh,
+                             stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                             stride_po_seq, stride_po_head, stride_po_part,
+                             stride_pl_seq, stride_pl_head,
+                             qk_scale,
+                             GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PARTITION: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Full-precision pages: _decode_partition_quant_kernel with KV_QUANT 0, without the quantized
+    layer's arguments (the pointers handed in for them are never read)."""
+    _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, ctx_len_ptr, table_ptr,
+                                   k_ptr, v_ptr, k_ptr, table_ptr,
+                                   stride_qt, stride_qh, stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                                   stride_po_seq, stride_po_head, stride_po_part, stride_pl_seq, stride_pl_head,
+                                   0, 0, 0, 0, qk_scale,
+                                   GROUP, PAGE_SIZE, PARTITION, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, DOT_FP32, 0)
 
 
 @triton.jit
@@ -362,9 +521,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      ctx_lens: torch.Tensor, block_tables: torch.Tensor, max_ctx_len: int, scale: float,
                      partition_size: int = 512, block_n: int = 64,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     num_warps: int = 4) -> None:
+                     num_warps: int = 4, quant: QuantizedLayer | None = None) -> None:
     """One query per sequence, q [seqs, H, D], against its ctx_lens[s] cached tokens (the query's
     own included) in k_cache, v_cache [KVH, blocks, page_size, D]; written into out [seqs, H, D].
+    Quantized pages: quant is the QuantizedLayer and k_cache, v_cache its quant.data[0], quant.data[1].
 
     The context is cut into partitions of partition_size keys computed by separate programs (so a
     few long sequences still fill the GPU), then merged by log-sum-exp."""
@@ -383,18 +543,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_out, part_lse = workspace
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_ctx_len, partition_size))
-    _decode_partition_kernel[grid](
-        q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        scale * LOG2E,
-        GROUP=group, PAGE_SIZE=k_cache.shape[2], PARTITION=partition_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n, DOT_FP32=_dot_in_fp32(q.dtype),
-        num_warps=num_warps,
-    )
+    strides = (q.stride(0), q.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               part_out.stride(0), part_out.stride(1), part_out.stride(2),
+               part_lse.stride(0), part_lse.stride(1))
+    consts = {"GROUP": group, "PAGE_SIZE": k_cache.shape[2], "PARTITION": partition_size,
+              "HEAD_DIM": head_dim, "BLOCK_D": block_d,
+              "BLOCK_G": max(MIN_DOT, triton.next_power_of_2(group)), "BLOCK_N": block_n,
+              "DOT_FP32": _dot_in_fp32(q.dtype), "num_warps": num_warps}
+    if quant is None:
+        _decode_partition_kernel[grid](q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
+                                       *strides, scale * LOG2E, **consts)
+    else:
+        kv_quant, pointers, quant_strides = _quantized_args(quant, q, k_cache, v_cache)
+        _decode_partition_quant_kernel[grid](q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
+                                             *pointers, *strides, *quant_strides, scale * LOG2E,
+                                             KV_QUANT=kv_quant, **consts)
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, ctx_lens,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
