@@ -144,3 +144,23 @@ def test_bench_quant_json(tmp_path):
     assert rows["int8"]["tokens_per_gib"] > 3.5 * rows["auto"]["tokens_per_gib"]
     assert rows["auto"]["kl"] == 0 and rows["auto"]["top1_agreement"] == 1
     assert rows["int4"]["kl"] > 0
+
+
+def test_bench_eviction_json(tmp_path):
+    from tiny_models import make_checkpoint as tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "m", initializer_range=0.02, max_position_embeddings=192)
+    path = tmp_path / "eviction.json"
+    args = ["--model", str(ckpt), "--block-size", "8", "--budgets", "0.5", "--decode-batch", "1",
+            "--decode-tokens", "4", "--repeats", "1"]
+    assert main(["bench", "eviction", "--quick", "--json", str(path), *args]) == 0
+    res = json.loads(path.read_text())
+    rows = {(r["policy"], r["budget"]): r for r in res["rows"]}
+    assert set(rows) == {("full", 1.0), ("window", 0.5), ("sink", 0.5), ("h2o", 0.5), ("snapkv", 0.5)}
+    assert res["text_tokens"] == 2 * 192 + 1
+    for key, r in rows.items():
+        assert 0 <= r["passkey_acc"] <= 1 and _positive(r["decode_tok_s"]), key
+        if key[0] != "snapkv":
+            assert _positive(r["perplexity"]) and len(r["segments"]) == 2 and _positive(r["peak_kv_bytes"])
+    # a budget of half the context holds less than the whole text
+    assert rows["sink", 0.5]["peak_kv_bytes"] < rows["full", 1.0]["peak_kv_bytes"] / 2

@@ -120,6 +120,12 @@ def test_n_seed_and_logprobs(client, offline):
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_per_request_eviction(client):
+    out = client.completions.create(model=MODEL, prompt="a b c d e f g h i j k l m n o p", max_tokens=4,
+                                    extra_body={"eviction": "sink:sinks=4,window=8", "ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+
+
 def test_stop_string_and_token_ids_prompt(client, offline):
     base = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=16, temperature=0)
     text = base.choices[0].text
@@ -159,6 +165,7 @@ def test_models_health_tokenize(url):
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x " * 200, "max_tokens": 10}, 400, "max_model_len"),
     ({"model": MODEL, "prompt": [5, 999999]}, 400, "out of range"),
+    ({"model": MODEL, "prompt": "x", "eviction": "lru:budget=4"}, 400, "unknown eviction policy 'lru'"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "gpt-4"),
     ({"model": MODEL, "prompt": "y" * 200_000}, 413, "bytes"),
 ])

@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="store K/V as int8, fp8 or int4 pages (auto: the model's dtype)")
     p.add_argument("--kv-cache-dtype-skip-layers", type=layer_list, default=(),
                    help="comma-separated layers kept in the model's dtype, e.g. 0,31")
+    p.add_argument("--eviction", default=None,
+                   help='KV eviction of every request: "sink:sinks=4,window=1020", "h2o:budget=512,recent=64" '
+                        'or "snapkv:budget=512,window=32"')
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="accept a --max-model-len past the model's trained positions")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -40,7 +45,8 @@ def layer_list(text: str) -> tuple[int, ...]:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
-            "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers"]
+            "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
+            "allow_long_max_model_len"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -194,8 +194,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     kv_cache_dtype_skip_layers: tuple[int, ...] = ()
+    eviction: str | dict | None = None      # the default policy of requests (kvserve.kv.eviction)
+    allow_long_max_model_len: bool = False  # max_model_len past the model's trained positions
 
     def __post_init__(self):
+        from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
+
+        parse_eviction(self.eviction)
+        if self.eviction is not None and self.cache_mode != "paged":
+            raise ValueError(f"eviction needs cache_mode 'paged' (it drops blocks), got {self.cache_mode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.cache_mode != "paged":

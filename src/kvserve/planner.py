@@ -144,10 +144,10 @@ def _paged_bytes_per_user(cfg: ModelConfig, dtype: str, block_size: int, kv_dtyp
 def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",
                kv_dtype: str = "auto", max_num_seqs: int = 256) -> int:
     """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses
-    (a quantized pool first sets aside one full-precision block per sequence that may run)."""
+    (a quantized pool first sets aside one full-precision block per sequence that may run, and one more)."""
     _, cfg = load_model_config(model)
     spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
-    return spec.num_blocks_for(parse_bytes(kv_cache_memory), max_num_seqs if spec.quantized_layers else 0)
+    return spec.num_blocks_for(parse_bytes(kv_cache_memory), max_num_seqs + 1 if spec.quantized_layers else 0)
 
 
 def add_plan_parser(sub) -> None:

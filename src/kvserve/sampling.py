@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.eviction import parse_eviction
+
 _EPS = 1e-5
 MAX_SEED = 2**63 - 1
 
@@ -26,8 +28,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # the KV eviction policy of this request ("sink:sinks=4,window=1020", ..., "none"): overrides
+    # the engine's default (kvserve.kv.eviction)
+    eviction: str | dict | None = None
 
     def __post_init__(self):
+        if self.eviction is not None:
+            parse_eviction(self.eviction)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -23,8 +23,12 @@ class AttentionBatch:
     context_lens: torch.Tensor                 # [seqs] tokens attended to, new ones included
     query_lens: list[int]                      # [seqs] new tokens per sequence
     context_lens_list: list[int]               # context_lens as Python ints (for shapes)
-    has_prefix: bool                           # prefills read the pages: some has a cached prefix, or they are quantized
+    has_prefix: bool                           # prefills read the pages (a cached prefix, or quantized pages)
     kv_write: WritePlan | None = None          # where the quantized layers put the step's K/V
+    # (row, first flat token, count): queries whose attention mass over the cache is summed into
+    # mass[row] by every layer (for the eviction policies that evict by it)
+    mass_requests: list[tuple[int, int, int]] = field(default_factory=list)
+    mass: dict[int, torch.Tensor] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
 
     @property
@@ -54,10 +58,3 @@ class AttentionBackend:
         """q [T, H, D] and the step's k, v [T, KVH, D] -> [T, H, D], over the pages when kv_cache is given."""
         raise NotImplementedError
 
-
-def read_pages(kv_cache: torch.Tensor | QuantizedLayer, ids: torch.Tensor) -> torch.Tensor:
-    """K/V pages of blocks `ids` as [2, kv_heads, *ids.shape, block_size, head_dim] (quantized ones
-    dequantized: only these blocks)."""
-    if isinstance(kv_cache, QuantizedLayer):
-        return kv_cache.gather(ids)
-    return kv_cache[:, :, ids]

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.attention.batch import AttentionBackend, AttentionBatch, read_pages
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.kv.storage import read_pages
 
 Q_TILE = 512
 K_TILE = 512

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.batch import AttentionBackend, AttentionBatch, read_pages
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.kv.storage import read_pages
 
 
 def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:

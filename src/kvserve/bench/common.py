@@ -113,6 +113,19 @@ def step_times(engine, prompt: list[int], tokens: int, request_id: str = "bench"
     return times
 
 
+def decode_seconds(llm, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def decode_rate(llm, prompts: list[list[int]], tokens: int) -> float:
+    """Decode tokens/s of the batch: a long and a short generation differ by `tokens` decode steps
+    per sequence, and by nothing else (the prompts are computed alike in both)."""
+    return len(prompts) * tokens / (decode_seconds(llm, prompts, tokens + 2) - decode_seconds(llm, prompts, 2))
+
+
 def _fastest_linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The faster of F.linear and the engine's own (oneDNN-prepacked) Linear for this weight."""
     lin = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)

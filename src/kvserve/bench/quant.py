@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from kvserve.bench.common import print_table, random_prompts, write_json
+from kvserve.bench.common import decode_rate, print_table, random_prompts, write_json
 from kvserve.eval.data import held_out_text
 from kvserve.eval.perplexity import perplexity
 from kvserve.eval.retrieval import passkey_accuracy
 from kvserve.llm import LLM
-from kvserve.sampling import SamplingParams
 
 NAME = "quant"
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
@@ -69,6 +67,11 @@ class Agreement:
                 self.top1.append(bool(ref.argmax() == lp.argmax()))
 
 
+def _residual_slots(llm: LLM) -> int:
+    """The full-precision blocks the engine sets aside beside a quantized pool."""
+    return llm.engine.storage.residual.shape[3]
+
+
 def quality(llm: LLM, ids: list[int], context: int, agreement: Agreement) -> dict:
     llm.engine.prompt_logits_hook = agreement
     result = perplexity(llm, ids, context)
@@ -80,19 +83,6 @@ def quality(llm: LLM, ids: list[int], context: int, agreement: Agreement) -> dic
         out.update(kl=0.0, top1_agreement=1.0)
     agreement.kl, agreement.top1 = [], []
     return out
-
-
-def decode_seconds(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start
-
-
-def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
-    """Decode tokens/s of the batch: a long and a short generation differ by `tokens` decode steps
-    per sequence, and by nothing else (the prompts are computed alike in both)."""
-    return len(prompts) * tokens / (decode_seconds(llm, prompts, tokens + 2) - decode_seconds(llm, prompts, 2))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     for d, llm in llms.items():
         spec = llm.engine.kv_spec
         rows[d] = {"kv_cache_dtype": d, "bytes_per_token": spec.bytes_per_token,
-                   "tokens_per_gib": spec.num_blocks_for(2**30, args.max_num_seqs) * spec.block_size,
+                   "tokens_per_gib": spec.num_blocks_for(2**30, _residual_slots(llm)) * spec.block_size,
                    **quality(llm, ids, context, agreement)}
         agreement.compare = True
         cells = passkey_accuracy(llm, lengths, list(DEPTHS), trials, seed=0)

@@ -14,10 +14,12 @@ from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import detokenize_step
+from kvserve.engine.evictor import Evictor
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
+from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
@@ -50,6 +52,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.storage, self.kv.block_tables if self.kv else {},
                                   get_backend(config.attention_backend, self.device), self.device)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.eviction = parse_eviction(config.eviction)
+        self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
         # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
         # need whole distributions (KL divergence), not just the logprobs a request returns
@@ -63,7 +67,7 @@ class LLMEngine:
             limit = min(limit, mcfg.sliding_window)
         if config.max_model_len is None:
             return limit
-        if config.max_model_len > limit:
+        if config.max_model_len > limit and not config.allow_long_max_model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of "
                              f"{limit} positions")
         return config.max_model_len
@@ -77,8 +81,9 @@ class LLMEngine:
         if config.cache_mode == "none":
             return CacheConfig(cache_mode="none"), None, None
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
-        # a quantized cache keeps the block each sequence is filling in full precision
-        residual_slots = config.max_num_seqs if spec.quantized_layers else 0
+        # a quantized cache keeps the block each sequence is filling in full precision (and one more
+        # for the fresh block of an eviction's compaction, while the old one is still held)
+        residual_slots = config.max_num_seqs + 1 if spec.quantized_layers else 0
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
             memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
@@ -128,10 +133,13 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
+        policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
+        if policy is not None and self.kv is None:
+            raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        self._check_fits(len(ids), max_tokens, params.n)
+        self._check_fits(len(ids), max_tokens, params.n, policy)
         seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),
-                       self._generator(params, 0), cache_salt=cache_salt)
+                       self._generator(params, 0), cache_salt=cache_salt, eviction=policy)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         return seq
@@ -166,14 +174,27 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         return text, ids
 
-    def _check_fits(self, prompt_len: int, max_tokens: int, n: int) -> None:
+    def _check_fits(self, prompt_len: int, max_tokens: int, n: int, policy: EvictionPolicy | None = None) -> None:
         total = prompt_len + max_tokens
-        if max_tokens < 1 or total > self.max_model_len:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        held, blocks = total, 0
+        if isinstance(policy, Sink):
+            # the cache holds the sink blocks and the window, and a prompt chunk on top while it is computed
+            bs, cfg = self.kv.block_size, self.scheduler_config
+            chunk = min(prompt_len, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
+            held = min(total, policy.max_cache_tokens(bs) + chunk)
+            blocks = policy.sink_blocks(bs)   # the unrotated originals, pinned
+            if held > self.max_model_len:
+                raise ValueError(f"{policy.spec()} with prompt chunks of {chunk} tokens holds up to {held} tokens, "
+                                 f"more than max_model_len ({self.max_model_len}); use a smaller window or "
+                                 f"long_prefill_token_threshold")
+        elif total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
                              f"exceeds max_model_len ({self.max_model_len})")
-        if self.kv is not None and self.kv.blocks_for(total) > self.kv.num_blocks:
+        if self.kv is not None and self.kv.blocks_for(held) + blocks > self.kv.num_blocks:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
-                             f"{self.kv.blocks_for(total)} KV blocks of {self.kv.block_size} tokens; "
+                             f"{self.kv.blocks_for(held) + blocks} KV blocks of {self.kv.block_size} tokens; "
                              f"the whole pool has {self.kv.num_blocks}")
         if n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
@@ -205,6 +226,8 @@ class LLMEngine:
                         self.scheduler.preempt(seq)
             raise
         self.scheduler.commit(sched)
+        if self.evictor is not None:
+            self.evictor.after_step(sched.seqs, out.attention_mass)
         try:
             if out.prompt_spans:
                 self._score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
@@ -276,7 +299,9 @@ class LLMEngine:
         delta = detokenize_step(self.tokenizer, seq)
         if p.stop and delta and self._stop_string(seq, len(delta)):
             return None
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        # a sink cache holds a bounded window: only max_tokens ends such a sequence
+        bounded = isinstance(seq.eviction, Sink)
+        if seq.num_output_tokens >= seq.max_tokens or (seq.num_tokens >= self.max_model_len and not bounded):
             self._finish(seq, "length")
 
     def _stop_string(self, seq: Sequence, delta_len: int) -> bool:
@@ -323,6 +348,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_evicted_tokens": self.evictor.num_evicted_tokens if self.evictor else 0,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,

@@ -28,6 +28,7 @@ class StepOutput:
     sample_rows: list[int]
     prompt_logits: torch.Tensor    # [scored prompt tokens, vocab], in prompt_spans order
     prompt_spans: list[tuple[int, int, int]]
+    attention_mass: dict[int, torch.Tensor]   # row -> mass per cached token, for eviction policies
 
 
 class ModelRunner:
@@ -43,14 +44,20 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         input_ids, starts, q_lens, ctx_lens, logits_indices, sample_rows = [], [], [], [], [], []
-        prompt_indices, prompt_spans = [], []
+        prompt_indices, prompt_spans, evicted, mass_requests = [], [], [], []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
             start = seq.num_computed_tokens
             offset = len(input_ids)
             input_ids += seq.token_ids[start:start + n]
             starts.append(start)
             q_lens.append(n)
-            ctx_lens.append(start + n)
+            # positions count every token (RoPE); the cache holds those not evicted
+            evicted.append(seq.num_evicted_tokens)
+            ctx_lens.append(seq.num_cache_tokens + n)
+            if seq.eviction is not None and seq.eviction.needs_scores:
+                scored = self._scored_queries(seq, n)
+                if scored:
+                    mass_requests.append((i, offset + n - scored, scored))
             if start + n == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sample_rows.append(i)
@@ -66,14 +73,16 @@ class ModelRunner:
         rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens_t)
         cu = torch.cumsum(q_lens_t, 0) - q_lens_t
         positions = torch.tensor(starts, device=dev)[rows] + torch.arange(len(input_ids), device=dev) - cu[rows]
+        self.model.ensure_rope(max(s + n for s, n in zip(starts, q_lens)))
+        cache_positions = positions - torch.tensor(evicted, device=dev)[rows] if any(evicted) else positions
         block_tables = slot_mapping = kv_write = None
         if self.storage is not None:
             tables = [self.block_tables[s.seq_id] for s in sched.seqs]
             width = max(len(t) for t in tables)
             block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
             bs = self.storage.block_size
-            slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs
-            kv_write = self.storage.plan_writes(tables, starts, q_lens)
+            slot_mapping = block_tables[rows, cache_positions // bs] * bs + cache_positions % bs
+            kv_write = self.storage.plan_writes(tables, [s - e for s, e in zip(starts, evicted)], q_lens)
         nd = sched.num_decodes
         batch = AttentionBatch(
             num_decodes=nd,
@@ -86,10 +95,21 @@ class ModelRunner:
             # which others share its step (the step's own K/V would be exact, the cache's are not)
             has_prefix=kv_write is not None or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
             kv_write=kv_write,
+            mass_requests=mass_requests,
         )
         as_index = lambda xs: torch.tensor(xs, device=dev, dtype=torch.long)  # noqa: E731
         return StepInputs(as_index(input_ids), positions, batch, as_index(logits_indices), sample_rows,
                           as_index(prompt_indices), prompt_spans)
+
+    @staticmethod
+    def _scored_queries(seq, n: int) -> int:
+        """How many of the step's last queries the sequence's policy scores the cache with: all of
+        them for h2o; for snapkv, the prompt's last `window` once, in the step that ends the prompt."""
+        policy = seq.eviction
+        if policy.name == "h2o":
+            return n
+        ends_prompt = seq.num_computed_tokens + n >= seq.num_prompt_tokens
+        return min(n, policy.window) if ends_prompt and not seq.prompt_compacted else 0
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> StepOutput:
@@ -100,4 +120,5 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.backend, self.storage)
         num_sample = len(inputs.sample_rows)
         logits = self.model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
-        return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans)
+        return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans,
+                          inputs.batch.mass)

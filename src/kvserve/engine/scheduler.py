@@ -85,12 +85,12 @@ class Scheduler:
         """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
         if self.kv is None:
             return True
-        while self.kv.num_new_blocks(seq.seq_id, seq.num_computed_tokens, n) > self.kv.num_free_blocks:
+        while self.kv.num_new_blocks(seq.seq_id, seq.num_cache_tokens, n) > self.kv.num_free_blocks:
             victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
             self.preempt(victim)
             if victim is seq:
                 return False
-        out.block_copies += self.kv.allocate(seq.seq_id, seq.num_computed_tokens, n)
+        out.block_copies += self.kv.allocate(seq.seq_id, seq.num_cache_tokens, n)
         self._cache_full_blocks(seq, seq.num_computed_tokens + n)
         return True
 
@@ -155,7 +155,8 @@ class Scheduler:
         """Index the blocks this step fills, now: a request admitted later in the same step can share
         them, since every layer writes the step's K/V before any sequence attends."""
         bs = self.kv.block_size
-        if self.prefix_caching and num_tokens // bs > seq.num_cached_blocks:
+        # once a sequence evicted, its blocks no longer hold the tokens their keys name
+        if self.prefix_caching and not seq.num_evicted_tokens and num_tokens // bs > seq.num_cached_blocks:
             keys = seq.full_block_keys(bs, num_tokens)
             self.kv.cache_blocks(seq.seq_id, seq.num_cached_blocks, keys[seq.num_cached_blocks:])
             seq.num_cached_blocks = len(keys)
@@ -166,6 +167,8 @@ class Scheduler:
             return
         bs = self.kv.block_size
         for seq in out.seqs:
+            if seq.num_evicted_tokens:
+                continue
             computed = seq.num_computed_tokens // bs
             if seq.num_cached_blocks > computed and seq.seq_id in self.kv.block_tables:
                 self.kv.uncache_blocks(seq.seq_id, computed, seq.block_keys[computed:seq.num_cached_blocks])
@@ -182,7 +185,7 @@ class Scheduler:
         self.running.remove(seq)
         if self.kv is not None:
             self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = seq.num_cached_blocks = 0
+        seq.reset_cache_state()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kv.blocks import BlockKey, block_key
+from kvserve.kv.eviction import EvictionPolicy
 from kvserve.sampling import Logprob, SamplingParams
 
 
@@ -45,6 +46,11 @@ class Sequence:
     num_cached_blocks: int = 0        # leading blocks of the table already in the prefix index
     num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
     prefix_queried: bool = False
+    # eviction: tokens dropped from the cache still count in positions (RoPE), not in cache slots
+    eviction: EvictionPolicy | None = None
+    num_evicted_tokens: int = 0
+    kv_scores: torch.Tensor | None = None    # attention mass each cached token received (h2o, snapkv)
+    prompt_compacted: bool = False           # snapkv has made its choice
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -58,6 +64,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_cache_tokens(self) -> int:
+        """Tokens whose K/V the cache holds now."""
+        return self.num_computed_tokens - self.num_evicted_tokens
+
+    def reset_cache_state(self) -> None:
+        """Forget everything about the cache (a preempted sequence is recomputed from scratch)."""
+        self.num_computed_tokens = self.num_cached_blocks = self.num_evicted_tokens = 0
+        self.kv_scores, self.prompt_compacted = None, False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,7 +28,10 @@ def passkey_accuracy(llm: LLM, lengths: list[int], depths: list[float], trials: 
     rng = random.Random(seed)
     cases = [(length, depth, *make_passkey_prompt(length, depth, rng=rng, count=count))
              for length in lengths for depth in depths for _ in range(trials)]
-    outs = llm.generate([p for _, _, p, _ in cases], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    # as many tokens as the answer takes: the document (prompt and answer) fits `length`
+    params = [SamplingParams(max_tokens=max(1, count(p + " " + key) - count(p)), temperature=0)
+              for _, _, p, key in cases]
+    outs = llm.generate([p for _, _, p, _ in cases], params, use_tqdm=False)
     cells: dict[tuple[int, float], Cell] = {}
     for (length, depth, _, key), out in zip(cases, outs):
         cell = cells.setdefault((length, depth), Cell(length, depth, 0, 0))

@@ -15,6 +15,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        # blocks a sequence owns outside its table (the unrotated sink blocks of a `sink` policy)
+        self.pinned: dict[int, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -99,11 +101,46 @@ class KVCacheManager:
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id} already has blocks")
         table = self.block_tables.get(parent_id, [])
-        for b in table:
+        pinned = self.pinned.get(parent_id, [])
+        for b in table + pinned:
             self.pool.incref(b)
         self.block_tables[child_id] = list(table)
+        if pinned:
+            self.pinned[child_id] = list(pinned)
 
     def free(self, seq_id: int) -> None:
         """Return a sequence's blocks; shared blocks stay with their other owners."""
-        for b in reversed(self.block_tables.pop(seq_id, [])):
+        for b in reversed(self.block_tables.pop(seq_id, []) + self.pinned.pop(seq_id, [])):
+            self.pool.decref(b)
+
+    def drop(self, seq_id: int, indices: range) -> None:
+        """Remove entries `indices` of a sequence's table and let go of their blocks (eviction)."""
+        table = self.block_tables[seq_id]
+        for b in table[indices.start:indices.stop]:
+            self.pool.decref(b)
+        del table[indices.start:indices.stop]
+
+    def replace(self, seq_id: int, indices: range, pin: bool = False) -> list[int]:
+        """Give entries `indices` of a sequence's table fresh blocks; the blocks they held are returned
+        (and pinned to the sequence when `pin`, else left to the caller to `release`)."""
+        if len(indices) > self.pool.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {len(indices)} blocks, {self.pool.num_free} free")
+        table = self.block_tables[seq_id]
+        old = table[indices.start:indices.stop]
+        table[indices.start:indices.stop] = self.pool.allocate(len(indices))
+        if pin:
+            self.pinned.setdefault(seq_id, []).extend(old)
+        return old
+
+    def rebuild(self, seq_id: int, num_blocks: int) -> list[int]:
+        """Give a sequence a table of `num_blocks` fresh blocks; returns the old table, whose blocks
+        it still owns until `release` (its tokens are copied over first)."""
+        if num_blocks > self.pool.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {num_blocks} blocks, {self.pool.num_free} free")
+        old = self.block_tables[seq_id]
+        self.block_tables[seq_id] = self.pool.allocate(num_blocks)
+        return old
+
+    def release(self, block_ids: list[int]) -> None:
+        for b in block_ids:
             self.pool.decref(b)

@@ -1,6 +1,8 @@
 """KVStorage: the preallocated K and V pages of every layer, full precision or quantized."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvserve.kv.quant import QuantizedLayer, WritePlan, codecs
@@ -44,6 +46,10 @@ class KVStorage:
         return self.layers[i]
 
     @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
     def nbytes(self) -> int:
         tensors = [self.kv, self.residual] + [t for layer in self.quantized for t in (*layer.data, *layer.meta)]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -76,6 +82,36 @@ class KVStorage:
                         slot = self._take_slot(d)
                         self.residual_of[d] = slot
                     self.residual[:, :, :, slot] = self.residual[:, :, :, self._slot_of[s]]
+
+    def rewrite(self, old_table: list[int], keep: torch.Tensor, new_table: list[int]) -> None:
+        """Copy the tokens at cache positions `keep` (through old_table) to positions 0, 1, ... of
+        new_table, in every layer: how an eviction compacts a sequence's cache into fresh blocks."""
+        dev = self.device
+        pos = torch.arange(len(keep), device=dev)
+        new = torch.tensor(new_table, device=dev)
+        slots = new[pos // self.block_size] * self.block_size + pos % self.block_size
+        old = torch.tensor(old_table, device=dev)
+        plan = self.plan_writes([new_table], [0], [len(keep)])
+        for layer in self.layers:
+            kv = read_pages(layer, old).flatten(2, 3)[:, :, keep].permute(2, 0, 1, 3)   # [n, 2, KVH, D]
+            if isinstance(layer, QuantizedLayer):
+                plan.write(layer, kv)
+            else:
+                self.write(layer, kv, slots)
+
+    def rotate_keys(self, src: list[int], dst: list[int], rotate: Callable[[torch.Tensor], None]) -> None:
+        """Write full blocks src into blocks dst with their keys passed through `rotate` (in place,
+        [..., head_dim]), in every layer: how `sink` moves its sink tokens next to the window."""
+        dev = self.device
+        src_t, dst_t = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        self._forget(dst)
+        for layer in self.layers:
+            pages = read_pages(layer, src_t).clone()             # [2, KVH, n, BS, D]
+            rotate(pages[0])
+            if isinstance(layer, QuantizedLayer):
+                layer.quantize(dst_t, pages)
+            else:
+                layer[:, :, dst_t] = pages
 
     def plan_writes(self, tables: list[list[int]], starts: list[int], num_new: list[int]) -> WritePlan | None:
         """Where the step's tokens go in the quantized layers: sequence i writes tokens
@@ -130,6 +166,13 @@ class KVStorage:
     def _release(self, block: int) -> None:
         self._free_slots.append(self._slot_of.pop(block))
 
+    def _forget(self, blocks: list[int]) -> None:
+        """Blocks about to be written whole: a slot left from an earlier owner must not shadow them."""
+        stale = [b for b in blocks if b in self._slot_of]
+        for b in stale:
+            self._release(b)
+        self._sync_residual_of(stale, [])
+
     def _collect_freed(self) -> None:
         """Return the slots of blocks that were freed while filling (their sequence ended)."""
         if self._ref_counts is None:
@@ -144,3 +187,11 @@ class KVStorage:
             self.residual_of[released] = -1
         if taken:
             self.residual_of[taken] = torch.tensor([self._slot_of[b] for b in taken], device=self.residual_of.device)
+
+
+def read_pages(kv_cache: torch.Tensor | QuantizedLayer, ids: torch.Tensor) -> torch.Tensor:
+    """K/V pages of blocks `ids` as [2, kv_heads, *ids.shape, block_size, head_dim] (quantized ones
+    dequantized: only these blocks)."""
+    if isinstance(kv_cache, QuantizedLayer):
+        return kv_cache.gather(ids)
+    return kv_cache[:, :, ids]

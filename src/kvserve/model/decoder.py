@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope_
@@ -39,6 +40,8 @@ class Attention(nn.Module):
         if kv_cache is not None:
             backend.store(kv_cache, kv, batch)
         out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], kv_cache, batch, self.scale)
+        if batch.mass_requests:
+            accumulate_attention_mass(qk[:, :nh], kv_cache, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -100,6 +103,12 @@ class CausalLM(nn.Module):
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         cfg = self.config
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+
+    def ensure_rope(self, num_positions: int) -> None:
+        """Cover positions below num_positions: a `sink` cache lets generation run past max_model_len."""
+        size = len(self.rope.cos)
+        if num_positions > size:
+            self.init_rope(max(num_positions, 2 * size), self.rope.cos.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 backend, storage: KVStorage | None) -> torch.Tensor:

@@ -32,6 +32,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    eviction: str | dict | None = None      # this request's KV eviction policy (kvserve.kv.eviction)
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -45,7 +46,7 @@ class _SamplingRequest(BaseModel):
             n=self.n, max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, eviction=self.eviction)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -1,0 +1,35 @@
+"""How much attention each cached token receives: the scores that h2o and snapkv evict by.
+
+Computed beside the backend's own attention, for the few sequences whose policy asks, with the
+textbook recipe over their pages (chunks of queries, so a long prompt never holds L x L scores).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.paged import gather_context
+
+Q_CHUNK = 256
+
+
+def accumulate_attention_mass(q: torch.Tensor, kv_cache, batch: AttentionBatch, scale: float) -> None:
+    """For each (row, first, count) of batch.mass_requests: add the softmax probabilities of the
+    step's queries first..first+count-1 of that sequence (flat indices into q [T, H, D]) over its
+    cached keys, summed over heads and queries, to batch.mass[row] [context]."""
+    for row, first, count in batch.mass_requests:
+        ctx = batch.context_lens_list[row]
+        keys = gather_context(kv_cache, batch.block_tables[row:row + 1], ctx)[0, :, 0].float()   # [KVH, L, D]
+        kvh = keys.shape[0]
+        # query j of the step sits at cache position ctx - q_len + (its index within the step)
+        q_start = first - sum(batch.query_lens[:row])
+        first_pos = ctx - batch.query_lens[row] + q_start
+        mass = batch.mass.setdefault(row, torch.zeros(ctx, device=q.device))
+        for c in range(0, count, Q_CHUNK):
+            qs = q[first + c:first + min(count, c + Q_CHUNK)].float()                    # [n, H, D]
+            qg = qs.view(len(qs), kvh, -1, qs.shape[-1]).transpose(0, 1)                  # [KVH, n, G, D]
+            scores = torch.einsum("hngd,hld->hngl", qg, keys) * scale
+            pos = first_pos + c + torch.arange(len(qs), device=q.device)
+            future = torch.arange(ctx, device=q.device)[None, :] > pos[:, None]          # [n, L]
+            scores.masked_fill_(future[None, :, None], float("-inf"))
+            mass += scores.softmax(-1).sum((0, 1, 2))

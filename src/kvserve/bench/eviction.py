@@ -1,0 +1,146 @@
+"""Eviction policies at budgets of 10/20/50%: perplexity past the training length, passkey, memory, speed.
+
+On the demo model (or --model):
+- perplexity of a long held-out text (8x the model's context; quick: 2x) streamed through the cache
+  one token a step, per segment of `context` positions: the full cache (allowed past the trained
+  positions), a window alone (sink with no sinks), sink+window (StreamingLLM) and h2o, each budget
+  a share of the training context;
+- passkey accuracy of training-length prompts whose cache is cut to each budget after the prompt:
+  sink+window, h2o and snapkv (the prompt is computed whole, as a server does);
+- peak KV bytes and decode tokens/s of a batch under each policy.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+from kvserve.bench.common import decode_rate, print_table, random_prompts, write_json
+from kvserve.eval.data import held_out_text
+from kvserve.eval.retrieval import passkey_accuracy
+from kvserve.llm import LLM
+from kvserve.sampling import SamplingParams
+
+NAME = "eviction"
+BUDGETS = (0.1, 0.2, 0.5)
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+SINK_TARGET = 0.10          # sink+window: every segment within 10% of the in-context perplexity
+PASSKEY_TARGET = 0.80       # h2o and snapkv at a 20% budget
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint (default: the bundled demo model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--budgets", default=None, help="shares of the context kept (default 0.1,0.2,0.5; quick: 0.2)")
+    p.add_argument("--length-factor", type=int, default=None, help="text length in contexts (default 8; quick: 2)")
+    p.add_argument("--passkey-trials", type=int, default=None, help="per depth (default 4; quick: 1)")
+    p.add_argument("--decode-batch", type=int, default=8)
+    p.add_argument("--decode-tokens", type=int, default=None, help="timed tokens (default 64; quick: 16)")
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def policies(budget: int, block_size: int) -> dict[str, str | None]:
+    """The policies compared at a budget of `budget` tokens (sink's rounding to blocks included)."""
+    window = max(1, budget - 2 * block_size)        # sink keeps its window's partial blocks too
+    return {"window": f"sink:sinks=0,window={window + block_size}",
+            "sink": f"sink:sinks=4,window={window}",
+            "h2o": f"h2o:budget={budget},recent={max(1, budget // 4)}",
+            "snapkv": f"snapkv:budget={budget},window={min(32, budget // 2)}"}
+
+
+def streamed_nll(llm: LLM, ids: list[int]) -> tuple[list[float], int]:
+    """Next-token losses of the text fed one token a step through the cache, and the peak KV bytes."""
+    engine = llm.engine
+    engine.add_request("text", {"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True))
+    peak, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        peak = max(peak, engine.kv_bytes_in_use())
+    return [-entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])], peak
+
+
+def segments(nll: list[float], context: int) -> list[float]:
+    """Perplexity of each run of `context` positions."""
+    return [math.exp(statistics.fmean(nll[i:i + context])) for i in range(0, len(nll), context)]
+
+
+def run(args: argparse.Namespace) -> int:
+    budgets = [float(b) for b in (args.budgets or ("0.2" if args.quick else ",".join(map(str, BUDGETS)))).split(",")]
+    factor = args.length_factor or (2 if args.quick else 8)
+    trials = args.passkey_trials or (1 if args.quick else 4)
+    timed = args.decode_tokens or (16 if args.quick else 64)
+    probe = LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=1)
+    context, bs, vocab = probe.engine.max_model_len, args.block_size, probe.engine.model_config.vocab_size
+    ids = probe.get_tokenizer().encode(held_out_text(), add_special_tokens=False)[:factor * context + 1]
+    common = dict(dtype=args.dtype, block_size=bs, long_prefill_token_threshold=1,
+                  max_model_len=len(ids) + 1, allow_long_max_model_len=True)
+    print(f"eviction: {probe.engine.model_path.name}, context {context}; {len(ids)}-token text one token a step; "
+          f"budgets {budgets} of the context; passkey {trials} x {len(DEPTHS)} depths at length {context}")
+    del probe
+    rows = []
+    nll, peak = streamed_nll(LLM(args.model, **common), ids)
+    rows.append(_row("full", None, 1.0, nll, peak, context))
+    for share in budgets:
+        budget = int(share * context)
+        for name, spec in policies(budget, bs).items():
+            if name == "snapkv":        # it compresses a prompt once; streamed text never ends its prompt
+                continue
+            nll, peak = streamed_nll(LLM(args.model, eviction=spec, **common), ids)
+            rows.append(_row(name, spec, share, nll, peak, context))
+            print(f"  {name} {share:.0%}: perplexity {rows[-1]['perplexity']:.3f}, segments "
+                  + " ".join(f"{p:.2f}" for p in rows[-1]["segments"]), flush=True)
+    prompts = random_prompts(args.decode_batch, context - timed - 4, vocab)
+    _passkey_and_speed(args, rows, budgets, context, trials, prompts, timed)
+    report(rows, budgets)
+    write_json(args.json_path, {"model": args.model or "demo", "context": context, "text_tokens": len(ids),
+                                "block_size": bs, "budgets": budgets, "rows": rows})
+    return 0
+
+
+def _row(name: str, spec: str | None, share: float, nll: list[float], peak: int, context: int) -> dict:
+    return {"policy": name, "spec": spec, "budget": share, "perplexity": math.exp(statistics.fmean(nll)),
+            "segments": segments(nll, context), "peak_kv_bytes": peak}
+
+
+def _passkey_and_speed(args, rows: list[dict], budgets: list[float], context: int, trials: int,
+                       prompts: list[list[int]], timed: int) -> None:
+    """Passkey accuracy and decode speed of every (policy, budget), full cache included."""
+    by_key = {(r["policy"], r["budget"]): r for r in rows}
+    setups = [("full", 1.0, None)] + [(name, share, spec) for share in budgets
+                                      for name, spec in policies(int(share * context), args.block_size).items()]
+    for name, share, spec in setups:
+        llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, eviction=spec, enable_prefix_caching=False)
+        cells = passkey_accuracy(llm, [context], list(DEPTHS), trials)
+        row = by_key.setdefault((name, share), {"policy": name, "spec": spec, "budget": share, "perplexity": None,
+                                                "segments": None, "peak_kv_bytes": None})
+        if row not in rows:
+            rows.append(row)
+        row["passkey_acc"] = sum(c.correct for c in cells) / sum(c.trials for c in cells)
+        row["decode_tok_s"] = statistics.median(decode_rate(llm, prompts, timed) for _ in range(args.repeats))
+        print(f"  {name} {share:.0%}: passkey {row['passkey_acc']:.0%}, decode {row['decode_tok_s']:.0f} tok/s",
+              flush=True)
+
+
+def report(rows: list[dict], budgets: list[float]) -> None:
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    print_table(["policy", "budget", "perplexity", "first segment", "last segment", "peak KV MiB", "passkey",
+                 "decode tok/s"],
+                [[r["policy"], f"{r['budget']:.0%}", fmt(r["perplexity"], ".3f"),
+                  fmt(r["segments"] and r["segments"][0], ".2f"), fmt(r["segments"] and r["segments"][-1], ".2f"),
+                  fmt(r["peak_kv_bytes"] and r["peak_kv_bytes"] / 2**20, ".2f"), f"{r['passkey_acc']:.0%}",
+                  f"{r['decode_tok_s']:.0f}"] for r in rows])
+    full = next(r for r in rows if r["policy"] == "full")
+    in_context = full["segments"][0]
+    for r in rows:
+        if r["policy"] == "sink" and r["segments"]:
+            worst = max(r["segments"]) / in_context - 1
+            print(f"target sink+window {r['budget']:.0%}: every segment within {SINK_TARGET:.0%} of the in-context "
+                  f"perplexity {in_context:.2f} (worst {worst:+.1%}): {'met' if worst <= SINK_TARGET else 'NOT met'}")
+    for r in rows:
+        if r["policy"] in ("h2o", "snapkv") and r["budget"] == 0.2:
+            ok = r["passkey_acc"] >= PASSKEY_TARGET
+            print(f"target {r['policy']} 20%: passkey >= {PASSKEY_TARGET:.0%} ({r['passkey_acc']:.0%}): "
+                  f"{'met' if ok else 'NOT met'}")

@@ -1,0 +1,104 @@
+"""Evictor: carries out the sequences' eviction policies after each step, on whole blocks.
+
+sink drops the blocks that left the window. Its sink blocks keep their keys rotated for the
+positions they were computed at, so once tokens are dropped they are copied next to the window:
+the original blocks stay pinned to the sequence, and a working copy, rotated by the number of
+evicted tokens (one exact rotation from the original, never a rotation of a rotation), takes
+their place in the table. With RoPE only relative positions matter, so this is StreamingLLM's
+"positions within the cache". h2o and snapkv pick tokens and compact them into fresh blocks; a
+block that others share (prefix cache, forks) is never written, only let go of.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.blocks import NoFreeBlocksError
+from kvserve.kv.eviction import H2O, Sink, SnapKV
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import KVStorage
+from kvserve.model.decoder import CausalLM
+from kvserve.model.layers import apply_rope_
+
+
+class Evictor:
+    def __init__(self, kv: KVCacheManager, storage: KVStorage, model: CausalLM):
+        self.kv, self.storage, self.model = kv, storage, model
+        self.num_evicted_tokens = 0
+
+    def after_step(self, seqs: list[Sequence], attention_mass: dict[int, torch.Tensor]) -> None:
+        """Once the step's tokens are committed: add their attention mass, then evict what is due."""
+        for row, seq in enumerate(seqs):
+            policy = seq.eviction
+            if policy is None:
+                continue
+            if row in attention_mass:
+                self._add_scores(seq, attention_mass[row])
+            try:
+                if isinstance(policy, Sink):
+                    self._sink(seq, policy)
+                elif isinstance(policy, H2O):
+                    keep = policy.keep(self._scores(seq), self.kv.block_size)
+                    if keep is not None:
+                        self._compact(seq, keep)
+                elif isinstance(policy, SnapKV) and not seq.prompt_compacted \
+                        and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    keep = policy.keep(self._scores(seq))
+                    if keep is not None:
+                        self._compact(seq, keep)
+                    seq.prompt_compacted, seq.kv_scores = True, None
+            except NoFreeBlocksError:
+                # the copies need fresh blocks first: the cache stays as it is until a later step
+                continue
+
+    @staticmethod
+    def _scores(seq: Sequence) -> torch.Tensor:
+        """The mass of each cached token (tokens never scored have 0)."""
+        n = seq.num_cache_tokens
+        scores = seq.kv_scores if seq.kv_scores is not None else torch.zeros(0)
+        return torch.cat((scores, scores.new_zeros(n - len(scores)))) if len(scores) < n else scores
+
+    def _add_scores(self, seq: Sequence, mass: torch.Tensor) -> None:
+        scores = self._scores(seq).to(mass.device)
+        seq.kv_scores = scores + torch.cat((mass, mass.new_zeros(len(scores) - len(mass))))
+
+    def _sink(self, seq: Sequence, policy: Sink) -> None:
+        bs = self.kv.block_size
+        drop = policy.blocks_to_drop(seq.num_cache_tokens, bs)
+        if not drop:
+            return
+        sink_blocks = policy.sink_blocks(bs)
+        if sink_blocks and not self.kv.pinned.get(seq.seq_id):
+            self.kv.replace(seq.seq_id, range(sink_blocks), pin=True)
+        self.kv.drop(seq.seq_id, drop)
+        seq.num_evicted_tokens += len(drop) * bs
+        self.num_evicted_tokens += len(drop) * bs
+        if sink_blocks:
+            self._rotate_sinks(seq, sink_blocks)
+
+    def _rotate_sinks(self, seq: Sequence, sink_blocks: int) -> None:
+        """The working sink blocks := the originals with keys rotated forward by the evicted count."""
+        delta = seq.num_evicted_tokens
+        self.model.ensure_rope(delta + 1)
+        cos, sin = self.model.rope(torch.tensor([delta], device=self.model.rope.cos.device), torch.float32)
+
+        def rotate(keys: torch.Tensor) -> None:
+            rotated = keys.float()
+            apply_rope_(rotated, cos[0, 0], sin[0, 0])
+            keys.copy_(rotated)
+
+        table = self.kv.block_tables[seq.seq_id]
+        self.storage.rotate_keys(self.kv.pinned[seq.seq_id], table[:sink_blocks], rotate)
+
+    def _compact(self, seq: Sequence, keep: torch.Tensor) -> None:
+        """Copy the kept tokens, in order, into fresh blocks; the old ones are let go of."""
+        scores = self._scores(seq)[keep] if seq.kv_scores is not None else None
+        old = self.kv.rebuild(seq.seq_id, math.ceil(len(keep) / self.kv.block_size))
+        self.storage.rewrite(old, keep.to(self.storage.device), self.kv.block_tables[seq.seq_id])
+        self.kv.release(old)
+        evicted = seq.num_cache_tokens - len(keep)
+        seq.num_evicted_tokens += evicted
+        self.num_evicted_tokens += evicted
+        seq.kv_scores = scores

@@ -1,0 +1,150 @@
+"""Eviction policies: which cached tokens a sequence keeps once its cache outgrows a budget.
+
+Spelled `"sink:sinks=4,window=1020"`, `"h2o:budget=512,recent=64"`, `"snapkv:budget=512,window=32"`
+(or a dict with a "policy" key and the same options). Budgets count tokens. The policies only
+choose; the engine's Evictor moves the blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    name: ClassVar[str] = ""
+    needs_scores: ClassVar[bool] = False   # the attention mass each cached token receives
+
+    def max_cache_tokens(self, block_size: int) -> int | None:
+        """The most tokens the cache of one sequence ever holds (None: unbounded)."""
+        return None
+
+    def spec(self) -> str:
+        return f"{self.name}:" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+@dataclass(frozen=True)
+class Sink(EvictionPolicy):
+    """StreamingLLM: the first `sinks` tokens and the last `window`, counted in whole blocks: the
+    blocks holding the sinks stay, and a block is dropped once all its tokens left the window."""
+
+    name: ClassVar[str] = "sink"
+    sinks: int = 4
+    window: int = 1020
+
+    def __post_init__(self):
+        _check(self.sinks >= 0 and self.window >= 1, "sink needs sinks >= 0 and window >= 1")
+
+    def sink_blocks(self, block_size: int) -> int:
+        return math.ceil(self.sinks / block_size)
+
+    def max_cache_tokens(self, block_size: int) -> int:
+        # the sink blocks, the window, and the blocks it straddles (at most one partial at each end)
+        return (self.sink_blocks(block_size) + math.ceil(self.window / block_size) + 1) * block_size
+
+    def blocks_to_drop(self, num_cached: int, block_size: int) -> range:
+        """Blocks of the table (after the sink blocks) whose tokens are all older than the window."""
+        first = self.sink_blocks(block_size)
+        last = max(first, (num_cached - self.window) // block_size)   # blocks wholly before the window
+        return range(first, last)
+
+
+@dataclass(frozen=True)
+class H2O(EvictionPolicy):
+    """Heavy-Hitter Oracle: the last `recent` tokens and the `budget - recent` others that received
+    the most attention so far. Holes are compacted once a block's worth of tokens is over budget."""
+
+    name: ClassVar[str] = "h2o"
+    needs_scores: ClassVar[bool] = True
+    budget: int = 512
+    recent: int = 64
+
+    def __post_init__(self):
+        _check(0 <= self.recent < self.budget, "h2o needs 0 <= recent < budget")
+
+    def max_cache_tokens(self, block_size: int) -> int:
+        return self.budget + block_size
+
+    def keep(self, scores: torch.Tensor, block_size: int) -> torch.Tensor | None:
+        """Sorted indices of the tokens to keep, or None while within budget + a block."""
+        n = len(scores)
+        if n < self.budget + block_size:
+            return None
+        return _top_and_recent(scores, n - self.recent, self.budget - self.recent)
+
+
+@dataclass(frozen=True)
+class SnapKV(EvictionPolicy):
+    """SnapKV: once the prompt is computed, its last `window` tokens' queries vote (attention
+    pooled over `pool` neighbours) for the `budget - window` earlier tokens to keep; decoding then
+    proceeds with the cache that remains."""
+
+    name: ClassVar[str] = "snapkv"
+    needs_scores: ClassVar[bool] = True
+    budget: int = 512
+    window: int = 32
+    pool: int = 7
+
+    def __post_init__(self):
+        _check(0 < self.window < self.budget and self.pool >= 1 and self.pool % 2 == 1,
+               "snapkv needs 0 < window < budget and an odd pool >= 1")
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """Sorted indices of the prompt tokens to keep, or None if the prompt fits the budget."""
+        n = len(scores)
+        if n <= self.budget:
+            return None
+        pooled = F.max_pool1d(scores[None, None], self.pool, stride=1, padding=self.pool // 2)[0, 0]
+        return _top_and_recent(pooled, n - self.window, self.budget - self.window)
+
+
+POLICIES = {p.name: p for p in (Sink, H2O, SnapKV)}
+
+
+def _top_and_recent(scores: torch.Tensor, recent_start: int, top: int) -> torch.Tensor:
+    """The `top` best-scored tokens before recent_start, and every token from it on, in order."""
+    best = scores[:recent_start].topk(top).indices
+    recent = torch.arange(recent_start, len(scores), device=scores.device)
+    return torch.cat((best.sort().values, recent))
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def parse_eviction(spec: str | dict | EvictionPolicy | None) -> EvictionPolicy | None:
+    """A policy from "name:key=value,..." or {"policy": name, key: value}; None or "none": no eviction."""
+    if spec is None or isinstance(spec, EvictionPolicy):
+        return spec
+    form = ('expected "sink:sinks=4,window=1020", "h2o:budget=512,recent=64", "snapkv:budget=512,window=32" '
+            '(options may be left out) or a dict with a "policy" key')
+    if isinstance(spec, dict):
+        options = dict(spec)
+        name = options.pop("policy", None)
+    elif isinstance(spec, str):
+        name, _, rest = spec.strip().partition(":")
+        if name == "none" and not rest:
+            return None
+        try:
+            options = dict(item.split("=", 1) for item in rest.split(",") if item.strip())
+        except ValueError:
+            raise ValueError(f"malformed eviction {spec!r}: {form}") from None
+    else:
+        raise ValueError(f"eviction must be a string or a dict, got {type(spec).__name__}: {form}")
+    policy = POLICIES.get(name)
+    if policy is None:
+        raise ValueError(f"unknown eviction policy {name!r}: {form}")
+    known = {f.name for f in fields(policy)}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"{name} has no option {', '.join(sorted(unknown))} (it takes {', '.join(sorted(known))}): "
+                         f"{form}")
+    try:
+        return policy(**{k.strip(): int(v) for k, v in options.items()})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"malformed eviction {spec!r} ({e}): {form}") from None
