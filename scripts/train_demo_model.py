@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
                    help="loss weight of a passkey document's answer tokens (the rest weigh 1)")
     p.add_argument("--short-contexts", default="128,256,512",
                    help="sequence lengths trained before --context, each for an equal share of --curriculum")
-    p.add_argument("--curriculum", type=float, default=0.6,
+    p.add_argument("--curriculum", type=float, default=0.45,
                    help="share of training spent on --short-contexts (same tokens per step, more sequences)")
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--eval-windows", type=int, default=16)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvserve.bench.common import linear_params, make_checkpoint
+from kvserve.bench.report import plot_eviction, plot_quant
 from kvserve.cli import main
 from kvserve.config import ModelConfig
 
@@ -144,6 +145,8 @@ def test_bench_quant_json(tmp_path):
     assert rows["int8"]["tokens_per_gib"] > 3.5 * rows["auto"]["tokens_per_gib"]
     assert rows["auto"]["kl"] == 0 and rows["auto"]["top1_agreement"] == 1
     assert rows["int4"]["kl"] > 0
+    plot_quant(res, tmp_path / "quant.png", "here")            # the report's figure
+    assert (tmp_path / "quant.png").stat().st_size > 0
 
 
 def test_bench_eviction_json(tmp_path):
@@ -164,3 +167,5 @@ def test_bench_eviction_json(tmp_path):
             assert _positive(r["perplexity"]) and len(r["segments"]) == 2 and _positive(r["peak_kv_bytes"])
     # a budget of half the context holds less than the whole text
     assert rows["sink", 0.5]["peak_kv_bytes"] < rows["full", 1.0]["peak_kv_bytes"] / 2
+    plot_eviction(res, tmp_path / "eviction.png", "here")      # the report's figure
+    assert (tmp_path / "eviction.png").stat().st_size > 0

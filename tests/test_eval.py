@@ -9,9 +9,9 @@ import torch
 
 from kvserve import LLM
 from kvserve.cli import main
-from kvserve.eval.perplexity import perplexity, windows
+from kvserve.eval.perplexity import perplexity, transformers_nll, windows
 from kvserve.eval.retrieval import passkey_accuracy
-from tiny_models import hf_model, make_checkpoint
+from tiny_models import make_checkpoint
 
 TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
 
@@ -21,23 +21,13 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("eval"), "llama", initializer_range=0.02)
 
 
-def hf_nll(ckpt, ids: list[int], context: int) -> float:
-    model, total, count = hf_model(ckpt), 0.0, 0
-    with torch.inference_mode():
-        for w in windows(ids, context):
-            logp = model(torch.tensor([w])).logits[0, :-1].log_softmax(-1)
-            total -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
-            count += len(w) - 1
-    return total / count
-
-
 @pytest.mark.parametrize("kwargs", [dict(long_prefill_token_threshold=1), dict(long_prefill_token_threshold=7),
                                     dict(cache_mode="none")])
 def test_perplexity_through_the_cache_equals_transformers(ckpt, kwargs):
     llm = LLM(str(ckpt), block_size=4, num_kv_blocks=128, **kwargs)
     ids = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
     result = perplexity(llm, ids, context=40)
-    ref = hf_nll(ckpt, ids, 40)
+    ref = transformers_nll(ckpt, ids, 40, torch.float32)
     assert result.tokens == sum(len(w) - 1 for w in windows(ids, 40)) and result.windows == len(windows(ids, 40))
     assert result.nll == pytest.approx(ref, rel=1e-4)
     assert result.perplexity == pytest.approx(math.exp(ref), rel=1e-4)
@@ -57,8 +47,10 @@ def test_eval_cli(ckpt, tmp_path):
     text.write_text(TEXT)
     out = tmp_path / "ppl.json"
     assert main(["eval", "perplexity", "--model", str(ckpt), "--text", str(text), "--context", "32",
-                 "--num-kv-blocks", "64", "--block-size", "4", "--json", str(out)]) == 0
-    assert set(json.loads(out.read_text())) >= {"tokens", "nll", "perplexity", "peak_kv_bytes"}
+                 "--num-kv-blocks", "64", "--block-size", "4", "--transformers", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result) >= {"tokens", "nll", "perplexity", "peak_kv_bytes"}
+    assert result["transformers_perplexity"] == pytest.approx(result["perplexity"], rel=1e-4)
     out = tmp_path / "passkey.json"
     assert main(["eval", "passkey", "--model", str(ckpt), "--lengths", "200", "--depths", "0,1", "--trials", "1",
                  "--num-kv-blocks", "64", "--json", str(out)]) == 0

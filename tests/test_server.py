@@ -1,6 +1,8 @@
 """The OpenAI-compatible server, driven by the real openai client on a loopback port."""
 from __future__ import annotations
 
+import json
+
 import asyncio
 import socket
 import threading
@@ -233,7 +235,8 @@ def test_graceful_shutdown_finishes_in_flight_streams(ckpt):
     engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
     server = ServerThread(build_app(engine, MODEL))
     base = server.__enter__()
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
     lines = []
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
         for line in filter(None, r.iter_lines()):
@@ -242,7 +245,8 @@ def test_graceful_shutdown_finishes_in_flight_streams(ckpt):
                 server.server.should_exit = True     # shut down while the stream runs
     server.thread.join(timeout=60)
     assert not server.thread.is_alive()
-    assert lines[-1] == "data: [DONE]" and sum(x.startswith("data: {") for x in lines) == 30
+    # every token reaches the client (a client that falls behind gets them in fewer, larger chunks)
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"] == 30
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 

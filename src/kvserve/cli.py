@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     add_engine_args(g)
-    g.set_defaults(func=cmd_generate)
+    # one prompt: a cache for one sequence (not 256), which also starts faster
+    g.set_defaults(func=cmd_generate, max_num_seqs=1)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)

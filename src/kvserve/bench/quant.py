@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     llms = {d: LLM(args.model, kv_cache_dtype=d, **common) for d in kv_dtypes}
     ref = llms["auto"]
     max_len = ref.engine.max_model_len
-    context = min(args.context or max_len, max_len)
+    context = min(args.context or max_len - 1, max_len - 1)   # a window is a prompt, and one token is sampled
     lengths = [int(x) for x in (args.passkey_lengths or f"256,512,{max_len}").split(",") if int(x) <= max_len]
     ids = ref.get_tokenizer().encode(held_out_text(), add_special_tokens=False)[:n_tokens]
     print(f"quant: {ref.engine.model_path.name}, {ref.engine.dtype}, block size {args.block_size}; "

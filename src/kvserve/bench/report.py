@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from kvserve.bench.common import write_json
 
 NAME = "all"
-SUITES = ("decode", "throughput", "prefix", "capacity", "attention", "serve")
+SUITES = ("decode", "throughput", "prefix", "capacity", "attention", "serve", "quant", "eviction")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -154,5 +154,40 @@ def plot_attention(data: dict, path: Path, where: str) -> None:
     plot(data["rows"], str(path), f"{data['dtype']} on {data['device']}")
 
 
+def plot_quant(data: dict, path: Path, where: str) -> None:
+    fig, (ax1, ax2) = _figure(2)
+    rows = data["rows"]
+    for r in rows:
+        ax1.scatter(r["bytes_per_token"], r["perplexity"], s=40)
+        ax1.annotate(r["kv_cache_dtype"], (r["bytes_per_token"], r["perplexity"]), textcoords="offset points",
+                     xytext=(4, 4))
+    ax1.set(xlabel="KV bytes per token (scales included)", ylabel="held-out perplexity through the cache")
+    names = [r["kv_cache_dtype"] for r in rows]
+    ax2.bar(names, [r["decode_tok_s"] for r in rows])
+    ax2.set(ylabel="decode tok/s")
+    _save(fig, path, f"quantized KV pages, {data['dtype']}, block {data['block_size']}; {where}")
+
+
+def plot_eviction(data: dict, path: Path, where: str) -> None:
+    fig, (ax1, ax2) = _figure(2)
+    context = data["context"]
+    for r in data["rows"]:
+        if r.get("segments"):
+            xs = [context * (i + 0.5) for i in range(len(r["segments"]))]
+            label = r["policy"] if r["policy"] == "full" else f"{r['policy']} {r['budget']:.0%}"
+            ax1.plot(xs, r["segments"], marker="o", label=label)
+    ax1.axvline(context, color="grey", linestyle=":", linewidth=1)
+    ax1.set(xlabel="position (tokens)", ylabel="perplexity per context-long segment", yscale="log")
+    ax1.legend(fontsize=7)
+    for policy in ("sink", "h2o", "snapkv"):
+        rows = sorted((r for r in data["rows"] if r["policy"] == policy), key=lambda r: r["budget"])
+        ax2.plot([r["budget"] for r in rows], [r["passkey_acc"] for r in rows], marker="o", label=policy)
+    full = next(r for r in data["rows"] if r["policy"] == "full")
+    ax2.axhline(full["passkey_acc"], color="grey", linestyle=":", label="full cache")
+    ax2.set(xlabel="budget (share of the context)", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
+    ax2.legend(fontsize=7)
+    _save(fig, path, f"eviction, {data.get('dtype', '')}, context {context}; {where}")
+
+
 PLOTS = {"decode": plot_decode, "throughput": plot_throughput, "prefix": plot_prefix, "capacity": plot_capacity,
-         "serve": plot_serve, "attention": plot_attention}
+         "serve": plot_serve, "attention": plot_attention, "quant": plot_quant, "eviction": plot_eviction}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from kvserve.bench.common import write_json
@@ -12,9 +13,11 @@ def add_eval_parser(sub, add_engine_args, engine_kwargs) -> None:
     tasks = e.add_subparsers(dest="task", required=True)
     p = tasks.add_parser("perplexity", help="perplexity of a text streamed through the cache")
     p.add_argument("--text", default=None, help="a text file (default: the held-out standard-library modules)")
-    p.add_argument("--context", type=int, default=None, help="tokens per window (default: max_model_len)")
+    p.add_argument("--context", type=int, default=None, help="tokens per window (default: max_model_len - 1)")
     p.add_argument("--chunk", type=int, default=1, help="prompt tokens per step through the cache")
     p.add_argument("--limit-tokens", type=int, default=16384, help="score at most this many tokens of the text")
+    p.add_argument("--transformers", action="store_true",
+                   help="also score the same windows with transformers (whole windows, no cache) and compare")
     p.add_argument("--json", dest="json_path", default=None)
     add_engine_args(p)
     p.set_defaults(func=lambda args: run_perplexity(args, engine_kwargs(args)))
@@ -36,12 +39,19 @@ def run_perplexity(args: argparse.Namespace, kwargs: dict) -> int:
     llm = LLM(args.model, **kwargs)
     text = Path(args.text).read_text() if args.text else held_out_text()
     ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:args.limit_tokens]
-    context = args.context or llm.engine.max_model_len
+    context = args.context or llm.engine.max_model_len - 1   # a window is a prompt, and one token is sampled
     result = perplexity(llm, ids, context).as_dict()
     print(f"perplexity: {result['tokens']} tokens in {result['windows']} windows of {context}, chunk {args.chunk}, "
           f"cache {llm.engine.cache_config.cache_mode}")
     print(f"nll {result['nll']:.4f} nats/token, perplexity {result['perplexity']:.3f}, "
           f"peak KV {result['peak_kv_bytes'] / 2**20:.2f} MiB")
+    if args.transformers:
+        from kvserve.eval.perplexity import transformers_nll
+
+        nll = transformers_nll(llm.engine.model_path, ids, context, llm.engine.dtype)
+        result["transformers_perplexity"] = math.exp(nll)
+        print(f"transformers: nll {nll:.4f}, perplexity {math.exp(nll):.3f}; kvserve / transformers "
+              f"{result['perplexity'] / math.exp(nll):.4f}")
     write_json(args.json_path, {**result, "context": context, "chunk": args.chunk})
     return 0
 

@@ -51,3 +51,18 @@ def perplexity(llm: LLM, token_ids: list[int], context: int) -> PerplexityResult
            for t, entry in zip(w[1:], results[f"ppl-{i}"].prompt_logprobs[1:])]
     mean = sum(nll) / len(nll)
     return PerplexityResult(len(nll), mean, math.exp(mean), peak, len(wins))
+
+
+def transformers_nll(model_path, token_ids: list[int], context: int, dtype) -> float:
+    """The same windows' mean next-token loss from transformers (each window whole, no cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for w in windows(token_ids, context):
+            logp = model(torch.tensor([w])).logits[0, :-1].float().log_softmax(-1)
+            total -= logp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
+            count += len(w) - 1
+    return total / count

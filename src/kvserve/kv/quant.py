@@ -31,8 +31,9 @@ class Codec:
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def decode(self, q: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-        """float32 pages from stored numbers and scales gathered alike ([KVH, *ids, ...])."""
+    def decode(self, q: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Pages in `dtype` from stored numbers and scales gathered alike ([KVH, *ids, ...]); the
+        stored numbers are exact in any float dtype, so a bf16 model decodes in bf16 directly."""
         raise NotImplementedError
 
     def bytes_per_block(self, block_size: int, head_dim: int) -> int:
@@ -55,8 +56,8 @@ class Int8PerToken(Codec):
         q = (x / scale.float()[..., None]).round_().clamp_(-127, 127).to(torch.int8)
         return q, scale
 
-    def decode(self, q, meta):
-        return q.float() * meta.float()[..., None]
+    def decode(self, q, meta, dtype=torch.float32):
+        return q.to(dtype) * meta.to(dtype)[..., None]
 
 
 class Fp8PerBlock(Codec):
@@ -77,8 +78,8 @@ class Fp8PerBlock(Codec):
         q = (x / scale[..., None, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8), scale
 
-    def decode(self, q, meta):
-        return q.view(torch.float8_e4m3fn).float() * meta[..., None, None]
+    def decode(self, q, meta, dtype=torch.float32):
+        return q.view(torch.float8_e4m3fn).to(dtype) * meta.to(dtype)[..., None, None]
 
 
 class Int4(Codec):
@@ -105,13 +106,13 @@ class Int4(Codec):
         q = ((x - self._expand(lo)) / self._expand(scale)).round_().clamp_(0, 15).to(torch.uint8)
         return q[..., 0::2] | (q[..., 1::2] << 4), torch.stack((scale, lo), -2)
 
-    def decode(self, q, meta):
-        numbers = torch.stack((q & 15, q >> 4), -1).flatten(-2).float()
-        return numbers * self._expand(meta[..., 0, :]) + self._expand(meta[..., 1, :])
+    def decode(self, q, meta, dtype=torch.float32):
+        numbers = torch.stack((q & 15, q >> 4), -1).flatten(-2).to(dtype)
+        return numbers * self._expand(meta[..., 0, :], dtype) + self._expand(meta[..., 1, :], dtype)
 
-    def _expand(self, group: torch.Tensor) -> torch.Tensor:
-        """Per-group values broadcast back over the group's axis (as float32)."""
-        return group.float().unsqueeze(self.axis)
+    def _expand(self, group: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Per-group values broadcast back over the group's axis."""
+        return group.to(dtype).unsqueeze(self.axis)
 
 
 def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
@@ -150,7 +151,7 @@ class QuantizedLayer:
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype: the exact
         tokens of blocks still filling, the dequantized ones of the rest; nothing else is decoded."""
-        k, v = (codec.decode(data[:, ids], meta[:, ids]).to(self.dtype)
+        k, v = (codec.decode(data[:, ids], meta[:, ids], self.dtype)
                 for codec, data, meta in zip((self.k_codec, self.v_codec), self.data, self.meta))
         pages = torch.stack((k, v))
         slots = self.residual_of[ids]

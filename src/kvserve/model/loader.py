@@ -1,6 +1,8 @@
 """Find a checkpoint (local directory or hub id), load its weights and tokenizer."""
 from __future__ import annotations
 
+import json
+
 import logging
 from pathlib import Path
 
@@ -117,5 +119,11 @@ def _part(param: str, shard: int | None) -> str:
 
 
 def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer. A plain PreTrainedTokenizerFast (the demo model's) is built
+    directly: AutoTokenizer would first import the model's config classes, a second of startup."""
+    config = path / "tokenizer_config.json"
+    if config.exists() and json.loads(config.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))

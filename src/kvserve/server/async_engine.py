@@ -80,6 +80,10 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.queue.get()
+                # outputs are cumulative: a consumer that fell behind the engine takes the newest one
+                # only, so a loaded server writes fewer, larger chunks instead of falling further behind
+                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
