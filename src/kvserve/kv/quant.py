@@ -17,6 +17,19 @@ FP8_MAX = 448.0          # largest finite float8_e4m3fn
 TINY = 1e-8              # floor of a scale, so that an all-zero group decodes to zeros
 
 
+def take_blocks(t: torch.Tensor, ids: torch.Tensor, axis: int) -> torch.Tensor:
+    """t indexed by block ids along `axis` (everything after it moves as one row per block).
+
+    Rows move as 8-byte words where their size allows: the CPU's index kernel copies element by
+    element, so 1- and 2-byte numbers gather several times slower than the same bytes as int64.
+    """
+    rows = t.flatten(axis + 1) if t.dim() > axis + 1 else t.unsqueeze(-1)
+    width = next(w for w in (8, 4, 2, 1) if rows.shape[-1] * t.itemsize % w == 0)
+    words = rows.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
+    index = (slice(None),) * axis + (ids,)
+    return words[index].view(t.dtype).reshape(*t.shape[:axis], *ids.shape, *t.shape[axis + 1:])
+
+
 class Codec:
     """Quantizes K or V pages [KVH, n, BS, D]; `meta` holds the scales, [KVH, n, ...]."""
 
@@ -79,7 +92,15 @@ class Fp8PerBlock(Codec):
         return q.view(torch.uint8), scale
 
     def decode(self, q, meta, dtype=torch.float32):
-        return q.view(torch.float8_e4m3fn).to(dtype) * meta.to(dtype)[..., None, None]
+        # float8 -> float conversion is slow on the CPU. An e4m3 byte's bits placed in a bfloat16's
+        # exponent and mantissa fields give the same number times 2^-120, subnormals included, so
+        # two integer ops and the scale's multiply decode it exactly.
+        x = q.to(torch.int16)
+        numbers = (((x & 0x7F) << 4) | ((x & 0x80) << 8)).view(torch.bfloat16)
+        scale = (meta.float() * 2.0 ** 120)[..., None, None]
+        if dtype == torch.bfloat16:
+            return numbers * scale.to(dtype)
+        return (numbers.float() * scale).to(dtype)
 
 
 class Int4(Codec):
@@ -138,9 +159,12 @@ class QuantizedLayer:
     def __init__(self, codecs: tuple[Codec, Codec], num_kv_heads: int, num_blocks: int, block_size: int,
                  head_dim: int, residual: torch.Tensor, residual_of: torch.Tensor):
         dev = residual.device
-        self.k_codec, self.v_codec = codecs
-        self.data = [torch.zeros(num_kv_heads, num_blocks, block_size, head_dim // c.pack, dtype=c.storage_dtype,
-                                 device=dev) for c in codecs]
+        self.k_codec, self.v_codec = k_codec, v_codec = codecs
+        assert (k_codec.storage_dtype, k_codec.pack) == (v_codec.storage_dtype, v_codec.pack)
+        # K and V numbers in one tensor, so that a gather indexes both at once; data[0], data[1] view it
+        self.pages = torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim // k_codec.pack,
+                                 dtype=k_codec.storage_dtype, device=dev)
+        self.data = list(self.pages)
         self.meta = [torch.zeros(num_kv_heads, num_blocks, *c.meta_shape(block_size, head_dim),
                                  dtype=c.meta_dtype, device=dev) for c in codecs]
         self.residual = residual           # [2, KVH, slots, BS, D], model dtype
@@ -151,8 +175,9 @@ class QuantizedLayer:
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype: the exact
         tokens of blocks still filling, the dequantized ones of the rest; nothing else is decoded."""
-        k, v = (codec.decode(data[:, ids], meta[:, ids], self.dtype)
-                for codec, data, meta in zip((self.k_codec, self.v_codec), self.data, self.meta))
+        numbers = take_blocks(self.pages, ids, 2)
+        k, v = (codec.decode(numbers[i], take_blocks(meta, ids, 1), self.dtype)
+                for i, (codec, meta) in enumerate(zip((self.k_codec, self.v_codec), self.meta)))
         pages = torch.stack((k, v))
         slots = self.residual_of[ids]
         filling = slots >= 0
@@ -168,7 +193,8 @@ class QuantizedLayer:
             self.meta[i].index_copy_(1, blocks, meta)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        for t in (*self.data, *self.meta):
+        self.pages[:, :, dst] = self.pages[:, :, src]
+        for t in self.meta:
             t[:, dst] = t[:, src]
 
 

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.kv.quant import QuantizedLayer, WritePlan, codecs
+from kvserve.kv.quant import QuantizedLayer, WritePlan, codecs, take_blocks
 from kvserve.kv.spec import KVSpec
 
 
@@ -194,4 +194,4 @@ def read_pages(kv_cache: torch.Tensor | QuantizedLayer, ids: torch.Tensor) -> to
     dequantized: only these blocks)."""
     if isinstance(kv_cache, QuantizedLayer):
         return kv_cache.gather(ids)
-    return kv_cache[:, :, ids]
+    return take_blocks(kv_cache, ids, 2)
