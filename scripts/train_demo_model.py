@@ -317,7 +317,7 @@ def main() -> None:
     run = train(model, loss_fn, batches, evals, args)
 
     model.to(torch.bfloat16).save_pretrained(args.out)   # save first: the final eval may fail or be cut short
-    summary = {"command": " ".join(sys.argv), "seed": args.seed, "parameters": params,
+    summary = {"command": command_line(args), "seed": args.seed, "parameters": params,
                "python": platform.python_version(), "torch": torch.__version__,
                "config": {k: v for k, v in vars(args).items() if k != "out"}, **run}
     write_summary(args.out, summary)
@@ -330,6 +330,11 @@ def main() -> None:
                     "wall_seconds": time.time() - t0})
     write_summary(args.out, summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=1), flush=True)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command run, its output directory written OUT: the summary ships with the model."""
+    return " ".join("OUT" if Path(a) == args.out else a for a in sys.argv)
 
 
 def write_summary(out: Path, summary: dict) -> None:

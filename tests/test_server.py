@@ -122,10 +122,15 @@ def test_n_seed_and_logprobs(client, offline):
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
 
-def test_per_request_eviction(client):
-    out = client.completions.create(model=MODEL, prompt="a b c d e f g h i j k l m n o p", max_tokens=4,
-                                    extra_body={"eviction": "sink:sinks=4,window=8", "ignore_eos": True})
-    assert out.usage.completion_tokens == 4
+def test_per_request_eviction(client, offline):
+    prompt, eviction = "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2, "sink:sinks=4,window=8"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"eviction": eviction, "ignore_eos": True})
+    params = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    evicted = offline.generate(prompt, SamplingParams(eviction=eviction, **params), use_tqdm=False)[0]
+    full = offline.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+    assert evicted.outputs[0].text != full.outputs[0].text      # the policy shows in the tokens
+    assert out.choices[0].text == evicted.outputs[0].text
 
 
 def test_stop_string_and_token_ids_prompt(client, offline):

@@ -15,28 +15,13 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+from triton_setup import DEVICE, SMALL_TILES, TOL  # noqa: I001  (first: it sets TRITON_INTERPRET)
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.paged import gather_context
 from kvserve.attention.textbook import TextbookBackend, attend
 from kvserve.attention.triton import TritonBackend, kernels, store_kv
 from kvserve.kv.storage import KVStorage
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-if DEVICE.type == "cpu" and not kernels._INTERPRETED:
-    pytest.skip("kvserve.attention.triton was imported before TRITON_INTERPRET=1 was set",
-                allow_module_level=True)
-
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5},
-       torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
-       torch.float16: {"atol": 3e-3, "rtol": 3e-3}}
-
-SMALL_TILES = {"prefill_block_m": 16, "prefill_block_n": 16, "decode_block_n": 16, "partition_size": 32}
 
 
 class Step:

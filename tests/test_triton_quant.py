@@ -16,24 +16,11 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+from triton_setup import DEVICE, SMALL_TILES, TOL  # noqa: I001  (first: it sets TRITON_INTERPRET)
 
 from attention_cases import make_case, quantize_case
-
 from kvserve.attention.textbook import TextbookBackend
-from kvserve.attention.triton import TritonBackend, kernels
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-if DEVICE.type == "cpu" and not kernels._INTERPRETED:
-    pytest.skip("kvserve.attention.triton was imported before TRITON_INTERPRET=1 was set",
-                allow_module_level=True)
-
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
-SMALL_TILES = {"prefill_block_m": 16, "prefill_block_n": 16, "decode_block_n": 16, "partition_size": 32}
+from kvserve.attention.triton import TritonBackend
 
 # ((query_len, context_len) per sequence, number of decodes). 40: two decode partitions of 32.
 MIXED = ([(1, 40), (1, 3), (1, 21), (7, 20), (13, 13), (9, 31)], 3)   # prefixes and a fresh prompt

@@ -25,7 +25,7 @@ class AttentionBatch:
     context_lens_list: list[int]               # context_lens as Python ints (for shapes)
     has_prefix: bool                           # prefills read the pages (a cached prefix, or quantized pages)
     kv_write: WritePlan | None = None          # where the quantized layers put the step's K/V
-    # (row, first flat token, count): queries whose attention mass over the cache is summed into
+    # (row, first flat token, count): a row's last queries, whose attention mass over the cache is summed into
     # mass[row] by every layer (for the eviction policies that evict by it)
     mass_requests: list[tuple[int, int, int]] = field(default_factory=list)
     mass: dict[int, torch.Tensor] = field(default_factory=dict)

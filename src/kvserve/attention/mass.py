@@ -15,15 +15,13 @@ Q_CHUNK = 256
 
 def accumulate_attention_mass(q: torch.Tensor, kv_cache, batch: AttentionBatch, scale: float) -> None:
     """For each (row, first, count) of batch.mass_requests: add the softmax probabilities of the
-    step's queries first..first+count-1 of that sequence (flat indices into q [T, H, D]) over its
-    cached keys, summed over heads and queries, to batch.mass[row] [context]."""
+    step's queries first..first+count-1 (flat indices into q [T, H, D]; the row's last `count`)
+    over its cached keys, summed over heads and queries, to batch.mass[row] [context]."""
     for row, first, count in batch.mass_requests:
         ctx = batch.context_lens_list[row]
         keys = gather_context(kv_cache, batch.block_tables[row:row + 1], ctx)[0, :, 0].float()   # [KVH, L, D]
         kvh = keys.shape[0]
-        # query j of the step sits at cache position ctx - q_len + (its index within the step)
-        q_start = first - sum(batch.query_lens[:row])
-        first_pos = ctx - batch.query_lens[row] + q_start
+        first_pos = ctx - count     # the scored queries are the sequence's last ones of the step
         mass = batch.mass.setdefault(row, torch.zeros(ctx, device=q.device))
         for c in range(0, count, Q_CHUNK):
             qs = q[first + c:first + min(count, c + Q_CHUNK)].float()                    # [n, H, D]

@@ -17,8 +17,8 @@ class KVStorage:
     further copy: the layout the attention matmuls take directly.
 
     With quantized layers, each block still being filled has a residual slot: `residual_slots`
-    (one per sequence that can run) full-precision blocks. `ref_counts` (the BlockPool's) tells
-    which blocks were freed, so that their slots return.
+    full-precision blocks (the engine gives one per sequence that can run, and a spare).
+    `ref_counts` (the BlockPool's) tells which blocks were freed, so that their slots return.
     """
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, residual_slots: int = 0,
@@ -143,14 +143,15 @@ class KVStorage:
                     filled[0].append(slot)
                     filled[1].append(block)
             offset += n
-        for block in filled[1]:
-            self._release(block)
+        self._release(filled[1])
         after = ([], [])
         for block, tokens, first in opening:
             slot = self._take_slot(block)
             after[0].extend(tokens)
             after[1].extend(range(slot * bs + first, slot * bs + first + len(tokens)))
-        self._sync_residual_of(filled[1], [b for b, _, _ in opening])
+        if opening:
+            taken = [b for b, _, _ in opening]
+            self.residual_of[taken] = torch.tensor([self._slot_of[b] for b in taken], device=self.residual_of.device)
         t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.residual.device)  # noqa: E731
         return WritePlan((t(before[0]), t(before[1])), (t(after[0]), t(after[1])), t(filled[0]), t(filled[1]),
                          t(direct[0]), t(direct[1]))
@@ -163,30 +164,21 @@ class KVStorage:
         self._slot_of[block] = slot
         return slot
 
-    def _release(self, block: int) -> None:
-        self._free_slots.append(self._slot_of.pop(block))
+    def _release(self, blocks: list[int]) -> None:
+        """Return the slots of these blocks; they read as quantized from now on."""
+        for b in blocks:
+            self._free_slots.append(self._slot_of.pop(b))
+        if blocks:
+            self.residual_of[blocks] = -1
 
     def _forget(self, blocks: list[int]) -> None:
         """Blocks about to be written whole: a slot left from an earlier owner must not shadow them."""
-        stale = [b for b in blocks if b in self._slot_of]
-        for b in stale:
-            self._release(b)
-        self._sync_residual_of(stale, [])
+        self._release([b for b in blocks if b in self._slot_of])
 
     def _collect_freed(self) -> None:
         """Return the slots of blocks that were freed while filling (their sequence ended)."""
-        if self._ref_counts is None:
-            return
-        freed = [b for b in self._slot_of if self._ref_counts[b] == 0]
-        for b in freed:
-            self._release(b)
-        self._sync_residual_of(freed, [])
-
-    def _sync_residual_of(self, released: list[int], taken: list[int]) -> None:
-        if released:
-            self.residual_of[released] = -1
-        if taken:
-            self.residual_of[taken] = torch.tensor([self._slot_of[b] for b in taken], device=self.residual_of.device)
+        if self._ref_counts is not None:
+            self._release([b for b in self._slot_of if self._ref_counts[b] == 0])
 
 
 def read_pages(kv_cache: torch.Tensor | QuantizedLayer, ids: torch.Tensor) -> torch.Tensor:
