@@ -86,3 +86,13 @@ def test_planner_blocks_equal_the_engines_on_the_demo_model():
 def test_generate_cli_runs_on_the_default_model(capsys):
     assert main(["generate", "def fibonacci(n):", "--max-tokens", "24"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_the_kvserve_command_flushes_its_output_and_exit_code():
+    # `kvserve` exits without the interpreter's teardown: what it printed must still arrive, piped.
+    cmd = [sys.executable, "-m", "kvserve.cli", "generate"]
+    ok = subprocess.run(cmd + ["def fibonacci(n):", "--max-tokens", "8"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("def fibonacci(n):") and len(ok.stdout) > 20
+    bad = subprocess.run(cmd + ["x", "--max-tokens", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "max_tokens" in bad.stderr

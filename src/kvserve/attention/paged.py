@@ -55,7 +55,7 @@ class SdpaBackend(AttentionBackend):
         # only [seqs, heads, context], never L x L. GQA: the G query heads of a KV head share its keys.
         nd, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[1]
-        tables, max_len, bias = _decode_meta(batch, num_kv_heads, q.dtype)
+        tables, max_len, bias = _decode_meta(batch, kv_cache.shape[3], num_kv_heads, q.dtype)
         k, v = gather_context(kv_cache, tables, max_len).flatten(1, 2)           # [KVH*B, L, D] each
         qg = q.view(nd, num_kv_heads, -1, head_dim).transpose(0, 1).reshape(num_kv_heads * nd, -1, head_dim)
         scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)        # [KVH*B, G, L]
@@ -86,12 +86,16 @@ class SdpaBackend(AttentionBackend):
         return _unpad(out, q_lens)
 
 
-def _decode_meta(batch: AttentionBatch, num_kv_heads: int, dtype: torch.dtype):
-    """Block tables, context length and additive padding mask of the decodes, built once per step."""
+def _decode_meta(batch: AttentionBatch, block_size: int, num_kv_heads: int, dtype: torch.dtype):
+    """Block tables, context length and additive padding mask of the decodes, built once per step.
+
+    The length is whole blocks: the matmuls' shapes then change once a block, not every step (the
+    CPU's bf16 matmul builds a kernel for each new shape), and the gather needs no slicing copy.
+    """
     meta = batch.scratch.get("decode")
     if meta is None:
         nd = batch.num_decodes
-        max_len = max(batch.context_lens_list[:nd])
+        max_len = -(-max(batch.context_lens_list[:nd]) // block_size) * block_size
         pad = torch.arange(max_len, device=batch.context_lens.device) >= batch.context_lens[:nd, None]
         bias = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(pad, float("-inf"))
         meta = batch.scratch["decode"] = (batch.block_tables[:nd], max_len, bias.repeat(num_kv_heads, 1)[:, None])

@@ -16,11 +16,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 
 from kvserve.bench.common import print_table, random_prompts, write_json
+
+if TYPE_CHECKING:   # imported where used: every kvserve command builds this module's parser
+    import httpx
 
 NAME = "serve"
 CONCURRENCIES = (1, 16, 64, 256)
@@ -52,6 +55,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 async def one_request(http: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> RequestResult:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    import httpx
+
     start = time.perf_counter()
     res, last = RequestResult(ok=False), None
     try:
@@ -88,6 +93,8 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
         await asyncio.sleep(delay)
         async with limit:
             return await one_request(http, url, prompt, output_len)
+
+    import httpx
 
     delays = np.cumsum(rng.exponential(1 / rate, len(prompts))) if rate else np.zeros(len(prompts))
     limits = httpx.Limits(max_connections=concurrency + 8)
@@ -126,6 +133,8 @@ def start_server(args: argparse.Namespace, max_model_len: int) -> tuple[subproce
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    import httpx
+
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -9,7 +9,7 @@ from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
-from kvserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope_
+from kvserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope_
 
 
 class Attention(nn.Module):
@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

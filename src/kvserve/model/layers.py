@@ -1,4 +1,7 @@
-"""Building blocks of the decoder: RMSNorm and rotary position embeddings."""
+"""Building blocks of the decoder: linear and embedding layers, RMSNorm, rotary position embeddings.
+
+Parameters are not initialised: the loader fills every one from the checkpoint (and checks it did).
+"""
 from __future__ import annotations
 
 import math
@@ -16,6 +19,9 @@ class Linear(nn.Linear):
     """nn.Linear that can prepack its weight for oneDNN, 2-3x faster than MKL's GEMM on many CPUs."""
 
     packed: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        pass
 
     def pack(self, free_weight: bool = True) -> bool:
         """Prepack the weight (CPU, float32/bfloat16, torch built with oneDNN); False if not possible.
@@ -40,11 +46,17 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class Embedding(nn.Embedding):
+    # Random init on the meta device would import torch._dynamo: a second of start-up for nothing.
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

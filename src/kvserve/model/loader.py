@@ -58,16 +58,24 @@ def choose_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devic
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, pack_weights: bool = True) -> CausalLM:
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = _empty_model(cfg, dtype, device)
     load_weights(model, path)
     if pack_weights:
         model.pack_weights()
     model.init_rope(max_positions, device)
     return model.eval().requires_grad_(False)
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model with uninitialised parameters, allocated where and as they will be used (not on the
+    meta device: moving off it goes through torch's Python reference ops, half a second of imports)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def load_weights(model: CausalLM, path: Path) -> None:
