@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.kv.quant import QuantizedLayer
 from kvserve.kv.storage import read_pages
 
 
@@ -54,13 +55,16 @@ class SdpaBackend(AttentionBackend):
         # One query per sequence: batched matmuls beat SDPA's CPU kernel here, and the scores are
         # only [seqs, heads, context], never L x L. GQA: the G query heads of a KV head share its keys.
         nd, num_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[1]
-        tables, max_len, bias = _decode_meta(batch, kv_cache.shape[3], num_kv_heads, q.dtype)
-        k, v = gather_context(kv_cache, tables, max_len).flatten(1, 2)           # [KVH*B, L, D] each
+        num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
         qg = q.view(nd, num_kv_heads, -1, head_dim).transpose(0, 1).reshape(num_kv_heads * nd, -1, head_dim)
-        scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)        # [KVH*B, G, L]
-        probs = scores.float().softmax(-1).to(q.dtype)
-        out = torch.bmm(probs, v).view(num_kv_heads, nd, -1, head_dim)
+        out = _decode_scaled(qg, kv_cache, batch, scale) if isinstance(kv_cache, QuantizedLayer) else None
+        if out is None:
+            tables, max_len, bias = _decode_meta(batch, block_size, num_kv_heads, q.dtype)
+            k, v = gather_context(kv_cache, tables, max_len).flatten(1, 2)       # [KVH*B, L, D] each
+            scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)    # [KVH*B, G, L]
+            probs = scores.float().softmax(-1).to(q.dtype)
+            out = torch.bmm(probs, v)
+        out = out.view(num_kv_heads, nd, -1, head_dim)
         return out.transpose(0, 1).reshape(nd, num_heads, head_dim)
 
     @staticmethod
@@ -86,17 +90,35 @@ class SdpaBackend(AttentionBackend):
         return _unpad(out, q_lens)
 
 
+def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatch, scale: float):
+    """Decode over quantized pages whose scales are one per token: the keys' scales multiply the
+    scores and the values' the probabilities, so the numbers are only converted, never scaled (or
+    None where the codec's scales are not one per token)."""
+    num_kv_heads = layer.shape[1]
+    tables, max_len, bias = _decode_meta(batch, layer.shape[3], num_kv_heads, torch.float32)
+    gathered = layer.gather_scaled(tables)
+    if gathered is None:
+        return None
+    pages, scales = gathered
+    k, v = pages.flatten(3, 4).flatten(1, 2)                                  # [KVH*B, L, D] each
+    k_scale, v_scale = scales.flatten(3, 4).flatten(1, 2).unsqueeze(2)        # [KVH*B, 1, L] each
+    scores = torch.addcmul(bias, torch.bmm(qg, k.transpose(1, 2)).float(), k_scale, value=scale)
+    probs = scores.softmax(-1).mul_(v_scale).to(qg.dtype)
+    return torch.bmm(probs, v)
+
+
 def _decode_meta(batch: AttentionBatch, block_size: int, num_kv_heads: int, dtype: torch.dtype):
     """Block tables, context length and additive padding mask of the decodes, built once per step.
 
     The length is whole blocks: the matmuls' shapes then change once a block, not every step (the
     CPU's bf16 matmul builds a kernel for each new shape), and the gather needs no slicing copy.
     """
-    meta = batch.scratch.get("decode")
+    meta = batch.scratch.get(("decode", dtype))
     if meta is None:
         nd = batch.num_decodes
         max_len = -(-max(batch.context_lens_list[:nd]) // block_size) * block_size
         pad = torch.arange(max_len, device=batch.context_lens.device) >= batch.context_lens[:nd, None]
         bias = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(pad, float("-inf"))
-        meta = batch.scratch["decode"] = (batch.block_tables[:nd], max_len, bias.repeat(num_kv_heads, 1)[:, None])
+        bias = bias.repeat(num_kv_heads, 1)[:, None]
+        meta = batch.scratch[("decode", dtype)] = (batch.block_tables[:nd, :max_len // block_size], max_len, bias)
     return meta

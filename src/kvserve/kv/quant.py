@@ -17,17 +17,21 @@ FP8_MAX = 448.0          # largest finite float8_e4m3fn
 TINY = 1e-8              # floor of a scale, so that an all-zero group decodes to zeros
 
 
-def take_blocks(t: torch.Tensor, ids: torch.Tensor, axis: int) -> torch.Tensor:
-    """t indexed by block ids along `axis` (everything after it moves as one row per block).
+def _words(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """t with everything after `axis` as one row of the widest words that fit it.
 
-    Rows move as 8-byte words where their size allows: the CPU's index kernel copies element by
-    element, so 1- and 2-byte numbers gather several times slower than the same bytes as int64.
+    Indexing moves rows of 8-byte words where their size allows: the CPU's index kernels copy
+    element by element, so 1- and 2-byte numbers move several times slower than the same bytes as int64.
     """
     rows = t.flatten(axis + 1) if t.dim() > axis + 1 else t.unsqueeze(-1)
     width = next(w for w in (8, 4, 2, 1) if rows.shape[-1] * t.itemsize % w == 0)
-    words = rows.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
+    return rows.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
+
+
+def take_blocks(t: torch.Tensor, ids: torch.Tensor, axis: int) -> torch.Tensor:
+    """t indexed by block ids along `axis` (everything after it moves as one row per block)."""
     index = (slice(None),) * axis + (ids,)
-    return words[index].view(t.dtype).reshape(*t.shape[:axis], *ids.shape, *t.shape[axis + 1:])
+    return _words(t, axis)[index].view(t.dtype).reshape(*t.shape[:axis], *ids.shape, *t.shape[axis + 1:])
 
 
 class Codec:
@@ -47,7 +51,17 @@ class Codec:
     def decode(self, q: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Pages in `dtype` from stored numbers and scales gathered alike ([KVH, *ids, ...]); the
         stored numbers are exact in any float dtype, so a bf16 model decodes in bf16 directly."""
+        return self.numbers(q, dtype) * self.token_scales(meta, q.shape[-2]).to(dtype)[..., None]
+
+    def numbers(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stored numbers as floats (exactly), without their scales; only for per-token scales."""
         raise NotImplementedError
+
+    def token_scales(self, meta: torch.Tensor, block_size: int) -> torch.Tensor | None:
+        """float32 [KVH, *ids, BS]: one scale per token such that decode() = numbers() * scale, or
+        None where the scales are not one per token. Attention can then apply them to its scores
+        and probabilities instead of to every number."""
+        return None
 
     def bytes_per_block(self, block_size: int, head_dim: int) -> int:
         """Bytes of one (head, block): numbers and scales."""
@@ -69,8 +83,11 @@ class Int8PerToken(Codec):
         q = (x / scale.float()[..., None]).round_().clamp_(-127, 127).to(torch.int8)
         return q, scale
 
-    def decode(self, q, meta, dtype=torch.float32):
-        return q.to(dtype) * meta.to(dtype)[..., None]
+    def numbers(self, q, dtype):
+        return q.to(dtype)
+
+    def token_scales(self, meta, block_size):
+        return meta.float()
 
 
 class Fp8PerBlock(Codec):
@@ -91,16 +108,18 @@ class Fp8PerBlock(Codec):
         q = (x / scale[..., None, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8), scale
 
-    def decode(self, q, meta, dtype=torch.float32):
+    def numbers(self, q, dtype):
         # float8 -> float conversion is slow on the CPU. An e4m3 byte's bits placed in a bfloat16's
-        # exponent and mantissa fields give the same number times 2^-120, subnormals included, so
-        # two integer ops and the scale's multiply decode it exactly.
-        x = q.to(torch.int16)
-        numbers = (((x & 0x7F) << 4) | ((x & 0x80) << 8)).view(torch.bfloat16)
-        scale = (meta.float() * 2.0 ** 120)[..., None, None]
-        if dtype == torch.bfloat16:
-            return numbers * scale.to(dtype)
-        return (numbers.float() * scale).to(dtype)
+        # exponent and mantissa fields give the same number times 2^-120 (subnormals included),
+        # exactly: token_scales() puts the 2^120 back. Sign-extending the byte and shifting it by 4
+        # puts its sign in bit 15; the mask 0x87F0 clears the copies of it in bits 11-14.
+        x = q.view(torch.int8).to(torch.int16)
+        x <<= 4
+        x &= -0x7810
+        return x.view(torch.bfloat16).to(dtype)
+
+    def token_scales(self, meta, block_size):
+        return (meta.float() * 2.0 ** 120)[..., None].expand(*meta.shape, block_size)
 
 
 class Int4(Codec):
@@ -179,11 +198,34 @@ class QuantizedLayer:
         k, v = (codec.decode(numbers[i], take_blocks(meta, ids, 1), self.dtype)
                 for i, (codec, meta) in enumerate(zip((self.k_codec, self.v_codec), self.meta)))
         pages = torch.stack((k, v))
-        slots = self.residual_of[ids]
-        filling = slots >= 0
-        if filling.any():
-            pages[:, :, filling] = self.residual[:, :, slots[filling]]
+        self._put_filling(ids, pages)
         return pages
+
+    def gather_scaled(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype and float32 scales
+        [2, KVH, *ids.shape, BS] whose product is gather(ids) (blocks still filling: their exact
+        tokens, scale 1); None when the codecs' scales are not one per token."""
+        k_scales = self.k_codec.token_scales(take_blocks(self.meta[0], ids, 1), self.shape[3])
+        v_scales = self.v_codec.token_scales(take_blocks(self.meta[1], ids, 1), self.shape[3])
+        if k_scales is None or v_scales is None or type(self.k_codec) is not type(self.v_codec):
+            return None
+        pages = self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype)
+        scales = torch.stack((k_scales, v_scales))
+        filling = self._put_filling(ids, pages)
+        if filling is not None:
+            scales.flatten(2, -2).index_fill_(2, filling, 1.0)
+        return pages, scales
+
+    def _put_filling(self, ids: torch.Tensor, pages: torch.Tensor) -> torch.Tensor | None:
+        """Overwrite the gathered pages [2, KVH, *ids.shape, BS, D] of blocks still filling with their
+        exact tokens; returns their positions in ids.flatten() (None: every block is quantized)."""
+        slots = self.residual_of[ids.flatten()]
+        filling = (slots >= 0).nonzero().squeeze(1)
+        if not len(filling):
+            return None
+        exact = take_blocks(self.residual, slots[filling], 2)
+        _words(pages.flatten(2, -3), 2).index_copy_(2, filling, _words(exact, 2))
+        return filling
 
     def quantize(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode full pages [2, KVH, n, BS, D] into blocks `blocks`."""
