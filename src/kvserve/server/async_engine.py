@@ -5,6 +5,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -26,12 +27,26 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Admission:
+    """A request waiting for the next step boundary to enter the engine."""
+
+    request_id: str
+    prompt: object
+    params: SamplingParams
+    cache_salt: str | None
+    stream: _Stream
+    admitted: asyncio.Future
+
+
 class AsyncEngine:
     """Thread-safe front of an LLMEngine for an asyncio server.
 
-    The engine is only touched under `_lock`; the stepping thread releases it between steps, so
-    requests are added and aborted at step boundaries. A request whose consumer goes away (a client
-    disconnect cancels its generator) is aborted and its blocks return to the pool at once.
+    The engine is only touched by the stepping thread (and under `_lock`): requests that arrive
+    during a step queue up and all enter at the next step boundary, as do aborts, so a burst of new
+    requests joins the batch at once instead of waiting for the lock one by one. A request whose
+    consumer goes away (a client disconnect cancels its generator) is aborted and its blocks return
+    to the pool at once.
     """
 
     def __init__(self, engine: LLMEngine, max_queue: int | None = None, metrics=None):
@@ -41,13 +56,14 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._admissions: deque[_Admission] = deque()
         self._aborts: list[str] = []
         self._running = False
         self._thread: threading.Thread | None = None
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + len(self._admissions)
 
     def start(self) -> None:
         self._running = True
@@ -57,6 +73,9 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Abort every request in flight and stop the stepping thread."""
         with self._lock:
+            while self._admissions:
+                a = self._admissions.popleft()
+                a.stream.loop.call_soon_threadsafe(_settle, a.admitted, RuntimeError("the server is shutting down"))
             for request_id, stream in list(self._streams.items()):
                 self._abort_now(request_id)
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError("the server is shutting down"))
@@ -71,8 +90,18 @@ class AsyncEngine:
 
         The caller must iterate the stream to its end or abort the request.
         """
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        await asyncio.to_thread(self._add, request_id, prompt, params, cache_salt, stream)
+        if self.max_queue is not None and self.num_in_flight >= self.max_queue:
+            raise QueueFullError(f"the server has {self.num_in_flight} requests in flight, its limit (--max-queue)")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        admission = _Admission(request_id, prompt, params, cache_salt, stream, loop.create_future())
+        self._admissions.append(admission)
+        self._wake.set()
+        try:
+            await admission.admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)       # after its admission, if it was admitted
+            raise
         return self._outputs(request_id, stream)
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -97,14 +126,17 @@ class AsyncEngine:
         self._aborts.append(request_id)
         self._wake.set()
 
-    def _add(self, request_id, prompt, params, cache_salt, stream: _Stream) -> None:
-        with self._lock:
-            if self.max_queue is not None and len(self._streams) >= self.max_queue:
-                raise QueueFullError(f"the server has {len(self._streams)} requests in flight, "
-                                     f"its limit (--max-queue)")
-            self.engine.add_request(request_id, prompt, params, cache_salt)
-            self._streams[request_id] = stream
-        self._wake.set()
+    def _admit(self) -> None:
+        """Add the queued requests to the engine; each caller learns whether its request is valid."""
+        while self._admissions:
+            a = self._admissions.popleft()
+            try:
+                self.engine.add_request(a.request_id, a.prompt, a.params, a.cache_salt)
+            except Exception as e:  # noqa: BLE001  (ValueError: an invalid request, the caller's 400)
+                a.stream.loop.call_soon_threadsafe(_settle, a.admitted, e)
+                continue
+            self._streams[a.request_id] = a.stream
+            a.stream.loop.call_soon_threadsafe(_settle, a.admitted, None)
 
     def _abort_now(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -115,6 +147,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while self._running:
             with self._lock:
+                self._admit()
                 while self._aborts:
                     self._abort_now(self._aborts.pop())
                 busy = self.engine.has_unfinished_requests()
@@ -122,8 +155,11 @@ class AsyncEngine:
             if not busy:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for out, stream in outputs:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            for loop, deliveries in by_loop.items():     # one wake-up of each loop per step, not one per output
+                loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _step(self) -> list[tuple[RequestOutput | BaseException, _Stream]]:
         try:
@@ -149,3 +185,17 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             routed.append((out, stream))
         return routed
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in deliveries:
+        queue.put_nowait(item)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():              # the caller gave up (cancelled) meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
