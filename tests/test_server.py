@@ -17,6 +17,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import build_app
+from kvserve.server.async_engine import AsyncEngine
 from tiny_models import make_checkpoint
 
 MODEL = "tiny-llama"
@@ -267,3 +268,59 @@ def test_chunked_oversized_body_is_413(url, client):
                    headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
     assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def slowed_engine(ckpt, seen: list, in_step: threading.Event) -> LLMEngine:
+    """An engine whose every step records how many requests it holds, then takes 0.1 s longer."""
+    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
+    step = engine.step
+
+    def slow_step():
+        seen.append(len(engine.requests))
+        in_step.set()
+        time.sleep(0.1)
+        return step()
+    engine.step = slow_step
+    return engine
+
+
+def test_requests_arriving_during_a_step_enter_together(ckpt):
+    seen, in_step = [], threading.Event()
+    server = AsyncEngine(slowed_engine(ckpt, seen, in_step))
+    server.start()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def burst():
+        first = await server.submit("a", "x", params)
+        await asyncio.to_thread(in_step.wait)           # the engine is inside its first step
+        streams = await asyncio.gather(*(server.submit(f"b{i}", "x", params) for i in range(8)))
+        for stream in (first, *streams):
+            async for _ in stream:
+                pass
+    asyncio.run(burst())
+    server.shutdown()
+    assert seen[:2] == [1, 9]
+
+
+def test_a_request_cancelled_before_it_enters_the_engine_leaves_nothing_behind(ckpt):
+    seen, in_step = [], threading.Event()
+    engine = slowed_engine(ckpt, seen, in_step)
+    server = AsyncEngine(engine)
+    server.start()
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def cancel_early():
+        first = await server.submit("a", "x", SamplingParams(max_tokens=2))
+        await asyncio.to_thread(in_step.wait)
+        late = asyncio.create_task(server.submit("late", "x", params))
+        await asyncio.sleep(0)                            # queued, not yet admitted
+        late.cancel()
+        async for _ in first:
+            pass
+    asyncio.run(cancel_early())
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() or server.num_in_flight:
+        assert time.monotonic() < deadline, "the cancelled request is still in the engine"
+        time.sleep(0.05)
+    server.shutdown()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
