@@ -162,14 +162,13 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(backe
     assert not torch.allclose(exact, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_bf16_decode_that_applies_per_token_scales_to_scores_matches_the_dequantized_pages(kv_cache_dtype):
-    # sdpa decodes int8/fp8 pages by scaling scores and probabilities, not the numbers: in bf16 that
-    # rounds differently from attention over the dequantized values, but only within bf16's precision
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_bf16_decode_that_scales_queries_scores_and_probabilities_matches_the_dequantized_pages(kv_cache_dtype):
+    # sdpa decodes quantized pages by scaling queries, scores and probabilities, not the numbers: in
+    # bf16 that rounds differently from attention over the dequantized values, within bf16's precision
     q_lens, ctx_lens = [1, 1, 1], [40, 3, 21]
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, 3, 8, 2, 64, block_size=5, dtype=torch.bfloat16)
     layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, 5)
-    assert layer.gather_scaled(batch.block_tables) is not None
     ref = TextbookBackend().forward(q.float(), k.float(), v.float(), pages.float(), batch, 0.125)
     out = SdpaBackend().forward(q, k, v, layer, batch, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
-from kvserve.kv.quant import QuantizedLayer
+from kvserve.kv.quant import QuantizedLayer, merge_channels, split_channels
 from kvserve.kv.storage import read_pages
 
 
@@ -57,8 +57,9 @@ class SdpaBackend(AttentionBackend):
         nd, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
         qg = q.view(nd, num_kv_heads, -1, head_dim).transpose(0, 1).reshape(num_kv_heads * nd, -1, head_dim)
-        out = _decode_scaled(qg, kv_cache, batch, scale) if isinstance(kv_cache, QuantizedLayer) else None
-        if out is None:
+        if isinstance(kv_cache, QuantizedLayer):
+            out = _decode_scaled(qg, kv_cache, batch, scale)
+        else:
             tables, max_len, bias = _decode_meta(batch, block_size, num_kv_heads, q.dtype)
             k, v = gather_context(kv_cache, tables, max_len).flatten(1, 2)       # [KVH*B, L, D] each
             scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale)    # [KVH*B, G, L]
@@ -90,21 +91,33 @@ class SdpaBackend(AttentionBackend):
         return _unpad(out, q_lens)
 
 
-def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatch, scale: float):
-    """Decode over quantized pages whose scales are one per token: the keys' scales multiply the
-    scores and the values' the probabilities, so the numbers are only converted, never scaled (or
-    None where the codec's scales are not one per token)."""
-    num_kv_heads = layer.shape[1]
-    tables, max_len, bias = _decode_meta(batch, layer.shape[3], num_kv_heads, torch.float32)
-    gathered = layer.gather_scaled(tables)
-    if gathered is None:
-        return None
-    pages, scales = gathered
-    k, v = pages.flatten(3, 4).flatten(1, 2)                                  # [KVH*B, L, D] each
-    k_scale, v_scale = scales.flatten(3, 4).flatten(1, 2).unsqueeze(2)        # [KVH*B, 1, L] each
-    scores = torch.addcmul(bias, torch.bmm(qg, k.transpose(1, 2)).float(), k_scale, value=scale)
-    probs = scores.softmax(-1).mul_(v_scale).to(qg.dtype)
-    return torch.bmm(probs, v)
+def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Decode over quantized pages without scaling their numbers: per-token key scales multiply the
+    scores, per-channel ones (int4 keys, one set per block) the queries, and the values' scales and
+    offsets the probabilities."""
+    num_kv_heads, block_size, head_dim = layer.shape[1], layer.shape[3], layer.shape[4]
+    tables, max_len, bias = _decode_meta(batch, block_size, num_kv_heads, torch.float32)
+    pages, k_affine, v_affine = layer.gather_affine(tables)
+    if layer.split_channels:
+        qg = split_channels(qg)
+    k, v = pages.flatten(3, 4).flatten(1, 2)                              # [KVH*B, L, D] each
+    rows, groups = qg.shape[:2]
+    if k_affine.per_channel:
+        k_scale = k_affine.scale.flatten(0, 1)[:, :, None]                # [KVH*B, nb, 1, D]
+        qb = (qg.float()[:, None] * k_scale).to(k.dtype).flatten(0, 1)     # [KVH*B*nb, G, D]
+        scores = torch.bmm(qb, k.reshape(-1, block_size, head_dim).transpose(1, 2)).float()
+        scores = scores.view(rows, -1, groups, block_size)
+        scores += torch.einsum("rgd,rnd->rng", qg.float(), k_affine.offset.flatten(0, 1))[..., None]
+        scores = scores.transpose(1, 2).reshape(rows, groups, max_len)
+        scores = torch.add(bias, scores, alpha=scale)
+    else:
+        k_scale = k_affine.scale.flatten(0, 1).flatten(1, 2)[:, None]     # [KVH*B, 1, L]
+        scores = torch.addcmul(bias, torch.bmm(qg, k.transpose(1, 2)).float(), k_scale, value=scale)
+    probs = scores.softmax(-1)
+    out = torch.bmm((probs * v_affine.scale.flatten(0, 1).flatten(1, 2)[:, None]).to(qg.dtype), v)
+    if v_affine.offset is not None:
+        out = out + (probs * v_affine.offset.flatten(0, 1).flatten(1, 2)[:, None]).sum(-1, keepdim=True).to(out.dtype)
+    return merge_channels(out) if layer.split_channels else out
 
 
 def _decode_meta(batch: AttentionBatch, block_size: int, num_kv_heads: int, dtype: torch.dtype):

@@ -28,10 +28,31 @@ def _words(t: torch.Tensor, axis: int) -> torch.Tensor:
     return rows.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
 
 
+def split_channels(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] with the even channels first, then the odd ones."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def merge_channels(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of split_channels."""
+    return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
 def take_blocks(t: torch.Tensor, ids: torch.Tensor, axis: int) -> torch.Tensor:
     """t indexed by block ids along `axis` (everything after it moves as one row per block)."""
     index = (slice(None),) * axis + (ids,)
     return _words(t, axis)[index].view(t.dtype).reshape(*t.shape[:axis], *ids.shape, *t.shape[axis + 1:])
+
+
+@dataclass
+class Affine:
+    """decode() = numbers() * scale + offset, in float32: one per token [KVH, *ids, BS], or with
+    `per_channel` one per channel of each block [KVH, *ids, D] (in numbers()' order of channels).
+    Attention applies them to its queries, scores and probabilities instead of to every number."""
+
+    scale: torch.Tensor
+    offset: torch.Tensor | None = None
+    per_channel: bool = False
 
 
 class Codec:
@@ -48,20 +69,20 @@ class Codec:
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    split_channels = False   # numbers() and per-channel scales hold the even channels, then the odd
+
     def decode(self, q: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Pages in `dtype` from stored numbers and scales gathered alike ([KVH, *ids, ...]); the
         stored numbers are exact in any float dtype, so a bf16 model decodes in bf16 directly."""
-        return self.numbers(q, dtype) * self.token_scales(meta, q.shape[-2]).to(dtype)[..., None]
+        return self.numbers(q, dtype) * self.affine(meta, q.shape[-2]).scale.to(dtype)[..., None]
 
     def numbers(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The stored numbers as floats (exactly), without their scales; only for per-token scales."""
+        """The stored numbers as floats (exactly), without their scales."""
         raise NotImplementedError
 
-    def token_scales(self, meta: torch.Tensor, block_size: int) -> torch.Tensor | None:
-        """float32 [KVH, *ids, BS]: one scale per token such that decode() = numbers() * scale, or
-        None where the scales are not one per token. Attention can then apply them to its scores
-        and probabilities instead of to every number."""
-        return None
+    def affine(self, meta: torch.Tensor, block_size: int) -> Affine:
+        """The scales of gathered meta such that decode() = numbers() * scale + offset."""
+        raise NotImplementedError
 
     def bytes_per_block(self, block_size: int, head_dim: int) -> int:
         """Bytes of one (head, block): numbers and scales."""
@@ -86,8 +107,8 @@ class Int8PerToken(Codec):
     def numbers(self, q, dtype):
         return q.to(dtype)
 
-    def token_scales(self, meta, block_size):
-        return meta.float()
+    def affine(self, meta, block_size):
+        return Affine(meta.float())
 
 
 class Fp8PerBlock(Codec):
@@ -118,8 +139,8 @@ class Fp8PerBlock(Codec):
         x &= -0x7810
         return x.view(torch.bfloat16).to(dtype)
 
-    def token_scales(self, meta, block_size):
-        return (meta.float() * 2.0 ** 120)[..., None].expand(*meta.shape, block_size)
+    def affine(self, meta, block_size):
+        return Affine((meta.float() * 2.0 ** 120)[..., None].expand(*meta.shape, block_size))
 
 
 class Int4(Codec):
@@ -132,6 +153,7 @@ class Int4(Codec):
 
     storage_dtype = torch.uint8
     pack = 2
+    split_channels = True
 
     def __init__(self, axis: int):
         self.axis = axis
@@ -149,6 +171,19 @@ class Int4(Codec):
     def decode(self, q, meta, dtype=torch.float32):
         numbers = torch.stack((q & 15, q >> 4), -1).flatten(-2).to(dtype)
         return numbers * self._expand(meta[..., 0, :], dtype) + self._expand(meta[..., 1, :], dtype)
+
+    def numbers(self, q, dtype):
+        # the low nibbles (even channels), then the high ones (odd): no interleaving pass
+        half = q.shape[-1]
+        out = torch.empty(*q.shape[:-1], 2 * half, dtype=dtype, device=q.device)
+        out[..., :half] = q & 15
+        out[..., half:] = q >> 4
+        return out
+
+    def affine(self, meta, block_size):
+        if self.axis == -1:
+            return Affine(*meta.float().unbind(-2))
+        return Affine(*split_channels(meta.float()).unbind(-2), per_channel=True)
 
     def _expand(self, group: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Per-group values broadcast back over the group's axis."""
@@ -179,7 +214,7 @@ class QuantizedLayer:
                  head_dim: int, residual: torch.Tensor, residual_of: torch.Tensor):
         dev = residual.device
         self.k_codec, self.v_codec = k_codec, v_codec = codecs
-        assert (k_codec.storage_dtype, k_codec.pack) == (v_codec.storage_dtype, v_codec.pack)
+        assert type(k_codec) is type(v_codec)        # K and V numbers share one tensor and decode alike
         # K and V numbers in one tensor, so that a gather indexes both at once; data[0], data[1] view it
         self.pages = torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim // k_codec.pack,
                                  dtype=k_codec.storage_dtype, device=dev)
@@ -190,6 +225,7 @@ class QuantizedLayer:
         self.residual_of = residual_of
         self.dtype = residual.dtype
         self.shape = (2, num_kv_heads, num_blocks, block_size, head_dim)   # of the pages it stands for
+        self.split_channels = k_codec.split_channels
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype: the exact
@@ -201,22 +237,23 @@ class QuantizedLayer:
         self._put_filling(ids, pages)
         return pages
 
-    def gather_scaled(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype and float32 scales
-        [2, KVH, *ids.shape, BS] whose product is gather(ids) (blocks still filling: their exact
-        tokens, scale 1); None when the codecs' scales are not one per token."""
-        k_scales = self.k_codec.token_scales(take_blocks(self.meta[0], ids, 1), self.shape[3])
-        v_scales = self.v_codec.token_scales(take_blocks(self.meta[1], ids, 1), self.shape[3])
-        if k_scales is None or v_scales is None or type(self.k_codec) is not type(self.v_codec):
-            return None
+    def gather_affine(self, ids: torch.Tensor) -> tuple[torch.Tensor, Affine, Affine]:
+        """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype (channels as
+        `split_channels` says) and the K and V scales that make them gather(ids); blocks still
+        filling hold their exact tokens, with scale 1 and offset 0."""
+        bs = self.shape[3]
+        k_affine = self.k_codec.affine(take_blocks(self.meta[0], ids, 1), bs)
+        v_affine = self.v_codec.affine(take_blocks(self.meta[1], ids, 1), bs)
         pages = self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype)
-        scales = torch.stack((k_scales, v_scales))
-        filling = self._put_filling(ids, pages)
+        filling = self._put_filling(ids, pages, self.split_channels)
         if filling is not None:
-            scales.flatten(2, -2).index_fill_(2, filling, 1.0)
-        return pages, scales
+            for affine in (k_affine, v_affine):
+                affine.scale = affine.scale.flatten(1, -2).index_fill(1, filling, 1.0).view(affine.scale.shape)
+                if affine.offset is not None:
+                    affine.offset = affine.offset.flatten(1, -2).index_fill(1, filling, 0.0).view(affine.offset.shape)
+        return pages, k_affine, v_affine
 
-    def _put_filling(self, ids: torch.Tensor, pages: torch.Tensor) -> torch.Tensor | None:
+    def _put_filling(self, ids: torch.Tensor, pages: torch.Tensor, split: bool = False) -> torch.Tensor | None:
         """Overwrite the gathered pages [2, KVH, *ids.shape, BS, D] of blocks still filling with their
         exact tokens; returns their positions in ids.flatten() (None: every block is quantized)."""
         slots = self.residual_of[ids.flatten()]
@@ -224,6 +261,8 @@ class QuantizedLayer:
         if not len(filling):
             return None
         exact = take_blocks(self.residual, slots[filling], 2)
+        if split:
+            exact = split_channels(exact)
         _words(pages.flatten(2, -3), 2).index_copy_(2, filling, _words(exact, 2))
         return filling
 
