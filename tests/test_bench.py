@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +172,16 @@ def test_bench_eviction_json(tmp_path):
     assert rows["sink", 0.5]["peak_kv_bytes"] < rows["full", 1.0]["peak_kv_bytes"] / 2
     plot_eviction(res, tmp_path / "eviction.png", "here")      # the report's figure
     assert (tmp_path / "eviction.png").stat().st_size > 0
+
+
+def test_the_gpu_check_script_runs_dry_on_the_cpu(tmp_path):
+    # issue 10's one-call device check, with tiny shapes and Triton's interpreter: its plumbing must
+    # work before a GPU session spends device time on it
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    run = subprocess.run(["bash", str(script)], env={**os.environ, "OUT": str(tmp_path), "GPU_CHECK_DRY": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert [line.split(":")[0] for line in summary.splitlines()] == ["kernels", "attention", "throughput"]
+    assert json.loads((tmp_path / "throughput.json").read_text())["float32"]["ours_tok_s"] > 0
+    assert json.loads((tmp_path / "attention.json").read_text())["rows"]

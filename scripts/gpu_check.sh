@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU check of issue 10, in one call of at most ten minutes on the device machine:
+#   1. the Triton kernel tests (and the engine's backend-equality tests) on CUDA, against the textbook;
+#   2. kvserve bench attention --device cuda (Triton kernels vs torch SDPA: TFLOP/s, GB/s);
+#   3. decode throughput of a random Llama-3.2-1B-shaped model in bf16, 1 and 256 concurrent requests
+#      of 512 prompt + 256 output tokens, kvserve vs transformers generate, in the same run.
+# Everything lands in $OUT (default ./gpu-check). The device machine reaches no registry, so the
+# project runs from the source tree; pytest and hypothesis come from $GPU_CHECK_DEPS when given
+# (a `pip install --target DIR pytest hypothesis` carried along).
+#
+# Dry run on a CPU (tiny shapes, Triton under its interpreter): GPU_CHECK_DRY=1 scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${GPU_CHECK_DEPS:+:$GPU_CHECK_DEPS}${PYTHONPATH:+:$PYTHONPATH}"
+DRY=${GPU_CHECK_DRY:-0}
+status=0
+
+step() {   # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going on failure
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+    tail -n 25 "$OUT/$name.log"
+    [ $rc -eq 0 ] || status=1
+}
+
+: > "$OUT/summary.txt"
+{ nvidia-smi 2>&1 || echo "no nvidia-smi"; python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.is_available())"; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+if [ "$DRY" = 1 ]; then
+    export TRITON_INTERPRET=1
+    DEVICE=cpu
+    ATTN_ARGS=(--dtype float32 --prefill-lengths 64,160 --decode-lengths 64,160 --repeats 1)
+    SHAPE=(--hidden-size 128 --intermediate-size 256 --num-layers 2 --num-heads 4 --num-kv-heads 2 --vocab-size 512)
+    LOAD=(--requests 4 --prompt-len 32 --tokens 8 --batch1-prompt-len 32 --batch1-tokens 8 --repeats 1 --dtype float32)
+    TESTS=(tests/test_triton_attention.py -k "mixed_decodes_and_fresh_prefills")
+else
+    DEVICE=cuda
+    ATTN_ARGS=(--dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --repeats 3)
+    SHAPE=(--hidden-size 2048 --intermediate-size 8192 --num-layers 16 --num-heads 32 --num-kv-heads 8 --vocab-size 128256)
+    LOAD=(--requests 256 --prompt-len 512 --tokens 256 --batch1-prompt-len 512 --batch1-tokens 256 --repeats 1 --dtype bfloat16)
+    TESTS=(tests/test_triton_attention.py tests/test_triton_quant.py tests/test_engine.py -k "triton or backend")
+fi
+
+step kernels 200 python -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+step attention 120 python -m kvserve.cli bench attention --device "$DEVICE" "${ATTN_ARGS[@]}" \
+    --json "$OUT/attention.json" --plot "$OUT/attention.png"
+step throughput 240 python -m kvserve.cli bench throughput --device "$DEVICE" --attention-backend auto "${SHAPE[@]}" \
+    "${LOAD[@]}" --json "$OUT/throughput.json"
+exit $status
