@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         'or "snapkv:budget=512,window=32"')
     p.add_argument("--allow-long-max-model-len", action="store_true",
                    help="accept a --max-model-len past the model's trained positions")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU for weights, activations and the KV cache (when its size is not given)")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -48,7 +50,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
-            "allow_long_max_model_len"]
+            "allow_long_max_model_len", "gpu_memory_utilization"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -196,6 +196,7 @@ class EngineConfig:
     kv_cache_dtype_skip_layers: tuple[int, ...] = ()
     eviction: str | dict | None = None      # the default policy of requests (kvserve.kv.eviction)
     allow_long_max_model_len: bool = False  # max_model_len past the model's trained positions
+    gpu_memory_utilization: float = 0.9     # share of the GPU for weights, activations and the KV pool
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -214,6 +215,8 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)

@@ -15,6 +15,7 @@ from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import detokenize_step
 from kvserve.engine.evictor import Evictor
+from kvserve.engine.gpu_memory import profile_kv_memory
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
@@ -41,16 +42,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_ids()
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len)
-        self.cache_config, self.kv, self.storage = self._init_cache(config)
+        self.backend = get_backend(config.attention_backend, self.device)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
                                                 config.long_prefill_token_threshold)
+        self.cache_config, self.kv, self.storage = self._init_cache(config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
                                    config.enable_prefix_caching and config.cache_mode == "paged")
         self.runner = ModelRunner(self.model, self.storage, self.kv.block_tables if self.kv else {},
-                                  get_backend(config.attention_backend, self.device), self.device)
+                                  self.backend, self.device)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
         self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None
@@ -86,9 +88,10 @@ class LLMEngine:
         residual_slots = config.max_num_seqs + 1 if spec.quantized_layers else 0
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
-            memory = cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            profile = cache.kv_cache_memory is None and self.device.type == "cuda"
+            memory = self._gpu_kv_memory(config) if profile else cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
             num_blocks = spec.num_blocks_for(memory, residual_slots)
-            if cache.kv_cache_memory is None:   # the default need not exceed what could ever be used
+            if cache.kv_cache_memory is None and not profile:   # the default need not exceed what could be used
                 num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // block_size))
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "
@@ -97,9 +100,24 @@ class LLMEngine:
         cache.num_kv_blocks = num_blocks
         kv = KVCacheManager(num_blocks, block_size)
         storage = KVStorage(spec, num_blocks, self.device, residual_slots, kv.pool.ref_counts)
-        log.info("KV cache: %d blocks of %d tokens, %s (%.1f MiB)", num_blocks, block_size,
-                 config.kv_cache_dtype, storage.nbytes / 2**20)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB); maximum concurrency at "
+                 "max_model_len %d: %.2fx", num_blocks, block_size, num_blocks * block_size, config.kv_cache_dtype,
+                 storage.nbytes / 2**20, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
         return cache, kv, storage
+
+    def _gpu_kv_memory(self, config: EngineConfig) -> int:
+        """On a GPU with no size given: the KV pool's bytes, from one step of the largest batch."""
+        sched = self.scheduler_config
+        memory = profile_kv_memory(self.model, self.backend, self.device, sched.max_num_batched_tokens,
+                                   self.max_model_len, min(sched.max_num_seqs, sched.max_num_batched_tokens),
+                                   config.gpu_memory_utilization)
+        if memory <= 0:
+            raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization} leaves no memory for the "
+                             f"KV cache after the weights, what else is on the GPU and the activations of a "
+                             f"{sched.max_num_batched_tokens}-token step; raise it or lower max_num_batched_tokens")
+        log.info("KV cache: %.2f GiB of the GPU (gpu_memory_utilization %s)", memory / 2**30,
+                 config.gpu_memory_utilization)
+        return memory
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of the blocks that running sequences hold, and of their residual slots."""
