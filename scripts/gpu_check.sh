@@ -44,7 +44,8 @@ else
     ATTN_ARGS=(--dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --repeats 3)
     SHAPE=(--hidden-size 2048 --intermediate-size 8192 --num-layers 16 --num-heads 32 --num-kv-heads 8 --vocab-size 128256)
     LOAD=(--requests 256 --prompt-len 512 --tokens 256 --batch1-prompt-len 512 --batch1-tokens 256 --repeats 1 --dtype bfloat16)
-    TESTS=(tests/test_triton_attention.py tests/test_triton_quant.py tests/test_engine.py -k "triton or backend")
+    TESTS=(tests/test_triton_attention.py tests/test_triton_quant.py tests/test_engine.py tests/test_gpu_memory.py
+           -k "triton or backend or gpu")
 fi
 
 step kernels 200 python -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
