@@ -38,7 +38,11 @@ def test_gpu_memory_utilization_is_checked(ckpt):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_pool_on_a_gpu_comes_from_the_profile(ckpt):
-    llm = LLM(str(ckpt), device="cuda", gpu_memory_utilization=0.5, max_model_len=128)
+    # requests long and many enough that the card, not the cap of what they could use, bounds the pool
+    llm = LLM(str(ckpt), device="cuda", gpu_memory_utilization=0.5, max_model_len=10**6, max_num_seqs=1024,
+              allow_long_max_model_len=True, max_num_batched_tokens=8192)
     total = torch.cuda.mem_get_info()[1]
     # far more than the fixed default a CPU gets, and within the share it was given
     assert 2 * 2**30 < llm.engine.storage.nbytes <= 0.5 * total
+    small = LLM(str(ckpt), device="cuda", max_model_len=128, max_num_seqs=4)
+    assert small.stats()["kv_blocks_total"] == 4 * 128 // small.engine.kv.block_size

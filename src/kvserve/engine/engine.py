@@ -88,10 +88,11 @@ class LLMEngine:
         residual_slots = config.max_num_seqs + 1 if spec.quantized_layers else 0
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
-            profile = cache.kv_cache_memory is None and self.device.type == "cuda"
-            memory = self._gpu_kv_memory(config) if profile else cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            memory = cache.kv_cache_memory
+            if memory is None:
+                memory = self._gpu_kv_memory(config) if self.device.type == "cuda" else DEFAULT_KV_CACHE_MEMORY
             num_blocks = spec.num_blocks_for(memory, residual_slots)
-            if cache.kv_cache_memory is None and not profile:   # the default need not exceed what could be used
+            if cache.kv_cache_memory is None:   # a default need not exceed what could ever be used
                 num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // block_size))
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "
