@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
-from kvserve.kv.quant import QuantizedLayer, merge_channels, split_channels
+from kvserve.kv.quant import Affine, QuantizedLayer, merge_channels, split_channels
 from kvserve.kv.storage import read_pages
 
 
@@ -92,32 +92,37 @@ class SdpaBackend(AttentionBackend):
 
 
 def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """Decode over quantized pages without scaling their numbers: per-token key scales multiply the
-    scores, per-channel ones (int4 keys, one set per block) the queries, and the values' scales and
-    offsets the probabilities."""
-    num_kv_heads, block_size, head_dim = layer.shape[1], layer.shape[3], layer.shape[4]
-    tables, max_len, bias = _decode_meta(batch, block_size, num_kv_heads, torch.float32)
+    """Decode over quantized pages without scaling their numbers: the keys' scales go to the scores
+    (or, one per channel of a block, to the queries) and the values' to the probabilities."""
+    tables, max_len, bias = _decode_meta(batch, layer.shape[3], layer.shape[1], torch.float32)
     pages, k_affine, v_affine = layer.gather_affine(tables)
     if layer.split_channels:
         qg = split_channels(qg)
     k, v = pages.flatten(3, 4).flatten(1, 2)                              # [KVH*B, L, D] each
-    rows, groups = qg.shape[:2]
-    if k_affine.per_channel:
-        k_scale = k_affine.scale.flatten(0, 1)[:, :, None]                # [KVH*B, nb, 1, D]
-        qb = (qg.float()[:, None] * k_scale).to(k.dtype).flatten(0, 1)     # [KVH*B*nb, G, D]
-        scores = torch.bmm(qb, k.reshape(-1, block_size, head_dim).transpose(1, 2)).float()
-        scores = scores.view(rows, -1, groups, block_size)
-        scores += torch.einsum("rgd,rnd->rng", qg.float(), k_affine.offset.flatten(0, 1))[..., None]
-        scores = scores.transpose(1, 2).reshape(rows, groups, max_len)
-        scores = torch.add(bias, scores, alpha=scale)
-    else:
-        k_scale = k_affine.scale.flatten(0, 1).flatten(1, 2)[:, None]     # [KVH*B, 1, L]
-        scores = torch.addcmul(bias, torch.bmm(qg, k.transpose(1, 2)).float(), k_scale, value=scale)
-    probs = scores.softmax(-1)
-    out = torch.bmm((probs * v_affine.scale.flatten(0, 1).flatten(1, 2)[:, None]).to(qg.dtype), v)
+    probs = torch.add(bias, _key_scores(qg, k, k_affine, layer.shape[3]), alpha=scale).softmax(-1)
+    out = torch.bmm((probs * _per_token(v_affine.scale)).to(qg.dtype), v)
     if v_affine.offset is not None:
-        out = out + (probs * v_affine.offset.flatten(0, 1).flatten(1, 2)[:, None]).sum(-1, keepdim=True).to(out.dtype)
+        out += (probs * _per_token(v_affine.offset)).sum(-1, keepdim=True).to(out.dtype)
     return merge_channels(out) if layer.split_channels else out
+
+
+def _key_scores(qg: torch.Tensor, k: torch.Tensor, k_affine: Affine, block_size: int) -> torch.Tensor:
+    """q . k for numbers k [KVH*B, L, D] and their scales: float32 [KVH*B, G, L]."""
+    if not k_affine.per_channel:
+        return torch.bmm(qg, k.transpose(1, 2)).float() * _per_token(k_affine.scale)
+    # int4 keys: each block has its own channel scales and minimums, so the queries are scaled per
+    # block and the minimums add q . min to every key of their block
+    rows, groups, head_dim = qg.shape
+    qb = qg.float()[:, None] * k_affine.scale.flatten(0, 1)[:, :, None]   # [KVH*B, nb, G, D]
+    scores = torch.bmm(qb.to(k.dtype).flatten(0, 1), k.reshape(-1, block_size, head_dim).transpose(1, 2)).float()
+    scores = scores.view(rows, -1, groups, block_size)
+    scores += torch.einsum("rgd,rnd->rng", qg.float(), k_affine.offset.flatten(0, 1))[..., None]
+    return scores.transpose(1, 2).reshape(rows, groups, -1)
+
+
+def _per_token(t: torch.Tensor) -> torch.Tensor:
+    """Per-token values [KVH, B, nb, BS] as [KVH*B, 1, L], to broadcast over a row's queries."""
+    return t.flatten(0, 1).flatten(1, 2)[:, None]
 
 
 def _decode_meta(batch: AttentionBatch, block_size: int, num_kv_heads: int, dtype: torch.dtype):
