@@ -96,14 +96,14 @@ def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatc
     (or, one per channel of a block, to the queries) and the values' to the probabilities."""
     tables, max_len, bias = _decode_meta(batch, layer.shape[3], layer.shape[1], torch.float32)
     pages, k_affine, v_affine = layer.gather_affine(tables)
-    if layer.split_channels:
+    if layer.splits_channels:
         qg = split_channels(qg)
     k, v = pages.flatten(3, 4).flatten(1, 2)                              # [KVH*B, L, D] each
     probs = torch.add(bias, _key_scores(qg, k, k_affine, layer.shape[3]), alpha=scale).softmax(-1)
     out = torch.bmm((probs * _per_token(v_affine.scale)).to(qg.dtype), v)
     if v_affine.offset is not None:
         out += (probs * _per_token(v_affine.offset)).sum(-1, keepdim=True).to(out.dtype)
-    return merge_channels(out) if layer.split_channels else out
+    return merge_channels(out) if layer.splits_channels else out
 
 
 def _key_scores(qg: torch.Tensor, k: torch.Tensor, k_affine: Affine, block_size: int) -> torch.Tensor:

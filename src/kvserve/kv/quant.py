@@ -61,6 +61,7 @@ class Codec:
     storage_dtype: torch.dtype = torch.int8
     meta_dtype: torch.dtype = torch.float16
     pack = 1                 # numbers per stored element along head_dim
+    splits_channels = False  # numbers() and per-channel scales hold the even channels, then the odd
 
     def meta_shape(self, block_size: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one (head, block)'s scales."""
@@ -68,8 +69,6 @@ class Codec:
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
-
-    split_channels = False   # numbers() and per-channel scales hold the even channels, then the odd
 
     def decode(self, q: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Pages in `dtype` from stored numbers and scales gathered alike ([KVH, *ids, ...]); the
@@ -132,7 +131,7 @@ class Fp8PerBlock(Codec):
     def numbers(self, q, dtype):
         # float8 -> float conversion is slow on the CPU. An e4m3 byte's bits placed in a bfloat16's
         # exponent and mantissa fields give the same number times 2^-120 (subnormals included),
-        # exactly: token_scales() puts the 2^120 back. Sign-extending the byte and shifting it by 4
+        # exactly: affine() puts the 2^120 back. Sign-extending the byte and shifting it by 4
         # puts its sign in bit 15; the mask 0x87F0 clears the copies of it in bits 11-14.
         x = q.view(torch.int8).to(torch.int16)
         x <<= 4
@@ -153,7 +152,7 @@ class Int4(Codec):
 
     storage_dtype = torch.uint8
     pack = 2
-    split_channels = True
+    splits_channels = True
 
     def __init__(self, axis: int):
         self.axis = axis
@@ -225,7 +224,7 @@ class QuantizedLayer:
         self.residual_of = residual_of
         self.dtype = residual.dtype
         self.shape = (2, num_kv_heads, num_blocks, block_size, head_dim)   # of the pages it stands for
-        self.split_channels = k_codec.split_channels
+        self.splits_channels = k_codec.splits_channels
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype: the exact
@@ -239,13 +238,13 @@ class QuantizedLayer:
 
     def gather_affine(self, ids: torch.Tensor) -> tuple[torch.Tensor, Affine, Affine]:
         """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype (channels as
-        `split_channels` says) and the K and V scales that make them gather(ids); blocks still
+        `splits_channels` says) and the K and V scales that make them gather(ids); blocks still
         filling hold their exact tokens, with scale 1 and offset 0."""
         bs = self.shape[3]
         k_affine = self.k_codec.affine(take_blocks(self.meta[0], ids, 1), bs)
         v_affine = self.v_codec.affine(take_blocks(self.meta[1], ids, 1), bs)
         pages = self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype)
-        filling = self._put_filling(ids, pages, self.split_channels)
+        filling = self._put_filling(ids, pages, self.splits_channels)
         if filling is not None:
             for affine in (k_affine, v_affine):
                 affine.scale = affine.scale.flatten(1, -2).index_fill(1, filling, 1.0).view(affine.scale.shape)
