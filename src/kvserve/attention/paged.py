@@ -99,19 +99,22 @@ def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatc
     if layer.splits_channels:
         qg = split_channels(qg)
     k, v = pages.flatten(3, 4).flatten(1, 2)                              # [KVH*B, L, D] each
-    probs = torch.add(bias, _key_scores(qg, k, k_affine, layer.shape[3]), alpha=scale).softmax(-1)
+    if k_affine.per_channel:
+        scores = torch.add(bias, _per_channel_key_scores(qg, k, k_affine, layer.shape[3]), alpha=scale)
+    else:
+        scores = torch.addcmul(bias, torch.bmm(qg, k.transpose(1, 2)).float(), _per_token(k_affine.scale),
+                               value=scale)
+    probs = scores.softmax(-1)
     out = torch.bmm((probs * _per_token(v_affine.scale)).to(qg.dtype), v)
     if v_affine.offset is not None:
         out += (probs * _per_token(v_affine.offset)).sum(-1, keepdim=True).to(out.dtype)
     return merge_channels(out) if layer.splits_channels else out
 
 
-def _key_scores(qg: torch.Tensor, k: torch.Tensor, k_affine: Affine, block_size: int) -> torch.Tensor:
-    """q . k for numbers k [KVH*B, L, D] and their scales: float32 [KVH*B, G, L]."""
-    if not k_affine.per_channel:
-        return torch.bmm(qg, k.transpose(1, 2)).float() * _per_token(k_affine.scale)
-    # int4 keys: each block has its own channel scales and minimums, so the queries are scaled per
-    # block and the minimums add q . min to every key of their block
+def _per_channel_key_scores(qg: torch.Tensor, k: torch.Tensor, k_affine: Affine, block_size: int) -> torch.Tensor:
+    """q . k, float32 [KVH*B, G, L], for key numbers k [KVH*B, L, D] whose scales and minimums are
+    per channel of each block (int4): the queries are scaled per block, and q . min added to every
+    key of its block."""
     rows, groups, head_dim = qg.shape
     qb = qg.float()[:, None] * k_affine.scale.flatten(0, 1)[:, :, None]   # [KVH*B, nb, G, D]
     scores = torch.bmm(qb.to(k.dtype).flatten(0, 1), k.reshape(-1, block_size, head_dim).transpose(1, 2)).float()

@@ -48,7 +48,8 @@ def take_blocks(t: torch.Tensor, ids: torch.Tensor, axis: int) -> torch.Tensor:
 class Affine:
     """decode() = numbers() * scale + offset, in float32: one per token [KVH, *ids, BS], or with
     `per_channel` one per channel of each block [KVH, *ids, D] (in numbers()' order of channels).
-    Attention applies them to its queries, scores and probabilities instead of to every number."""
+    Attention applies them to its queries, scores and probabilities instead of to every number.
+    The tensors are the codec's own (writable: blocks still filling get scale 1, offset 0)."""
 
     scale: torch.Tensor
     offset: torch.Tensor | None = None
@@ -139,7 +140,7 @@ class Fp8PerBlock(Codec):
         return x.view(torch.bfloat16).to(dtype)
 
     def affine(self, meta, block_size):
-        return Affine((meta.float() * 2.0 ** 120)[..., None].expand(*meta.shape, block_size))
+        return Affine((meta.float() * 2.0 ** 120)[..., None].repeat_interleave(block_size, -1))
 
 
 class Int4(Codec):
@@ -247,9 +248,9 @@ class QuantizedLayer:
         filling = self._put_filling(ids, pages, self.splits_channels)
         if filling is not None:
             for affine in (k_affine, v_affine):
-                affine.scale = affine.scale.flatten(1, -2).index_fill(1, filling, 1.0).view(affine.scale.shape)
+                affine.scale.flatten(1, -2).index_fill_(1, filling, 1.0)
                 if affine.offset is not None:
-                    affine.offset = affine.offset.flatten(1, -2).index_fill(1, filling, 0.0).view(affine.offset.shape)
+                    affine.offset.flatten(1, -2).index_fill_(1, filling, 0.0)
         return pages, k_affine, v_affine
 
     def _put_filling(self, ids: torch.Tensor, pages: torch.Tensor, split: bool = False) -> torch.Tensor | None:
