@@ -95,7 +95,10 @@ def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatc
     """Decode over quantized pages without scaling their numbers: the keys' scales go to the scores
     (or, one per channel of a block, to the queries) and the values' to the probabilities."""
     tables, max_len, bias = _decode_meta(batch, layer.shape[3], layer.shape[1], torch.float32)
-    pages, k_affine, v_affine = layer.gather_affine(tables)
+    filling = batch.scratch.get("filling")
+    if filling is None:
+        filling = batch.scratch["filling"] = layer.filling(tables)
+    pages, k_affine, v_affine = layer.gather_affine(tables, filling)
     if layer.splits_channels:
         qg = split_channels(qg)
     k, v = pages.flatten(3, 4).flatten(1, 2)                              # [KVH*B, L, D] each

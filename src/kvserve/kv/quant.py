@@ -234,37 +234,43 @@ class QuantizedLayer:
         k, v = (codec.decode(numbers[i], take_blocks(meta, ids, 1), self.dtype)
                 for i, (codec, meta) in enumerate(zip((self.k_codec, self.v_codec), self.meta)))
         pages = torch.stack((k, v))
-        self._put_filling(ids, pages)
+        self._put_filling(pages, self.filling(ids))
         return pages
 
-    def gather_affine(self, ids: torch.Tensor) -> tuple[torch.Tensor, Affine, Affine]:
+    def filling(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the blocks still filling are in ids.flatten(), and their residual slots: the same
+        for every layer of a step (the slots are shared), so a step can work it out once."""
+        slots = self.residual_of[ids.flatten()]
+        where = (slots >= 0).nonzero().squeeze(1)
+        return where, slots[where]
+
+    def gather_affine(self, ids: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, Affine, Affine]:
         """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype (channels as
         `splits_channels` says) and the K and V scales that make them gather(ids); blocks still
-        filling hold their exact tokens, with scale 1 and offset 0."""
+        filling (`filling(ids)`) hold their exact tokens, with scale 1 and offset 0."""
         bs = self.shape[3]
         k_affine = self.k_codec.affine(take_blocks(self.meta[0], ids, 1), bs)
         v_affine = self.v_codec.affine(take_blocks(self.meta[1], ids, 1), bs)
         pages = self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype)
-        filling = self._put_filling(ids, pages, self.splits_channels)
-        if filling is not None:
+        filling = self.filling(ids) if filling is None else filling
+        self._put_filling(pages, filling, self.splits_channels)
+        if len(filling[0]):
             for affine in (k_affine, v_affine):
-                affine.scale.flatten(1, -2).index_fill_(1, filling, 1.0)
+                affine.scale.flatten(1, -2).index_fill_(1, filling[0], 1.0)
                 if affine.offset is not None:
-                    affine.offset.flatten(1, -2).index_fill_(1, filling, 0.0)
+                    affine.offset.flatten(1, -2).index_fill_(1, filling[0], 0.0)
         return pages, k_affine, v_affine
 
-    def _put_filling(self, ids: torch.Tensor, pages: torch.Tensor, split: bool = False) -> torch.Tensor | None:
+    def _put_filling(self, pages: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor], split: bool = False):
         """Overwrite the gathered pages [2, KVH, *ids.shape, BS, D] of blocks still filling with their
-        exact tokens; returns their positions in ids.flatten() (None: every block is quantized)."""
-        slots = self.residual_of[ids.flatten()]
-        filling = (slots >= 0).nonzero().squeeze(1)
-        if not len(filling):
-            return None
-        exact = take_blocks(self.residual, slots[filling], 2)
-        if split:
-            exact = split_channels(exact)
-        _words(pages.flatten(2, -3), 2).index_copy_(2, filling, _words(exact, 2))
-        return filling
+        exact tokens."""
+        where, slots = filling
+        if len(where):
+            exact = take_blocks(self.residual, slots, 2)
+            if split:
+                exact = split_channels(exact)
+            _words(pages.flatten(2, -3), 2).index_copy_(2, where, _words(exact, 2))
 
     def quantize(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode full pages [2, KVH, n, BS, D] into blocks `blocks`."""
