@@ -35,6 +35,7 @@ def alone(ckpt) -> list[list[int]]:
     dict(cache_mode="paged"),
     dict(cache_mode="paged", attention_backend="textbook"),
     dict(cache_mode="paged", attention_backend="flash"),
+    dict(cache_mode="paged", attention_backend="native"),
     dict(cache_mode="none", attention_backend="flash"),
     dict(cache_mode="paged", attention_backend="triton", max_num_batched_tokens=7),
     dict(cache_mode="contiguous", max_model_len=64),
@@ -43,6 +44,7 @@ def alone(ckpt) -> list[list[int]]:
     dict(cache_mode="paged", max_num_batched_tokens=7),          # chunked prefill, splitting blocks
     dict(cache_mode="paged", max_num_batched_tokens=7, attention_backend="textbook"),
     dict(cache_mode="paged", max_num_batched_tokens=7, attention_backend="flash"),
+    dict(cache_mode="paged", max_num_batched_tokens=7, attention_backend="native"),
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_batched_equals_alone(ckpt, alone, kwargs):
     if kwargs.get("attention_backend") == "triton":

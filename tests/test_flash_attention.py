@@ -1,4 +1,4 @@
-"""The CPU flash backend against the textbook, on paged caches of awkward shapes."""
+"""The CPU backends (flash, sdpa, native) against the textbook, on paged caches of awkward shapes."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +6,7 @@ import torch
 
 from attention_cases import make_case
 from kvserve.attention.flash import FlashBackend
+from kvserve.attention.native import NativeBackend
 from kvserve.attention.paged import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 
@@ -23,8 +24,8 @@ SHAPES = [(4, 4, 64), (8, 2, 80), (8, 1, 128), (4, 1, 96)]   # heads, kv heads (
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", [SMALL_TILES, FlashBackend(), SdpaBackend()],
-                         ids=["flash-small-tiles", "flash", "sdpa"])
+@pytest.mark.parametrize("backend", [SMALL_TILES, FlashBackend(), SdpaBackend(), NativeBackend()],
+                         ids=["flash-small-tiles", "flash", "sdpa", "native"])
 def test_backend_matches_textbook(backend, case, shape, dtype, tol):
     q_lens, ctx_lens, nd = case
     h, kvh, d = shape

@@ -7,6 +7,7 @@ import torch
 from attention_cases import make_case, quantize_case
 from kvserve import LLM, SamplingParams
 from kvserve.attention.flash import FlashBackend
+from kvserve.attention.native import NativeBackend
 from kvserve.attention.paged import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.eval.perplexity import perplexity
@@ -146,8 +147,8 @@ def test_storage_quantizes_a_block_when_it_fills(kv_cache_dtype):
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
 @pytest.mark.parametrize("backend", [FlashBackend(q_tile=8, k_tile=12, decode_k_tile=12), FlashBackend(),
-                                     SdpaBackend(), TextbookBackend()],
-                         ids=["flash-small-tiles", "flash", "sdpa", "textbook"])
+                                     SdpaBackend(), NativeBackend(), TextbookBackend()],
+                         ids=["flash-small-tiles", "flash", "sdpa", "native", "textbook"])
 @pytest.mark.parametrize("shape", [(4, 4, 64), (8, 2, 80), (8, 1, 128)])
 def test_attention_over_quantized_pages_equals_attention_over_their_values(backend, shape, kv_cache_dtype):
     h, kvh, d = shape

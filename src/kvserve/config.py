@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 CACHE_MODES = ("paged", "contiguous", "none")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash", "triton", "textbook")
+ATTENTION_BACKENDS = ("auto", "sdpa", "native", "flash", "triton", "textbook")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

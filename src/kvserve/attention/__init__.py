@@ -5,16 +5,18 @@ import torch
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
 from kvserve.attention.flash import FlashBackend
+from kvserve.attention.native import NativeBackend
 from kvserve.attention.paged import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 
-BACKENDS = {"sdpa": SdpaBackend, "flash": FlashBackend, "textbook": TextbookBackend}
+BACKENDS = {"sdpa": SdpaBackend, "native": NativeBackend, "flash": FlashBackend, "textbook": TextbookBackend}
 
 
 def get_backend(name: str, device: torch.device):
     """The backend called `name`; `auto` picks the fastest correct one for the device."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "sdpa"
+        # CPU: SDPA for prompts, the C kernel for decode (sdpa's decode where it cannot be built)
+        name = "triton" if device.type == "cuda" else "native"
     if name == "triton":
         # Imported on demand: triton is not needed otherwise, and its kernels are decorated only
         # after a test has had the chance to set TRITON_INTERPRET.

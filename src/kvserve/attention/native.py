@@ -1,0 +1,112 @@
+"""The `native` backend: decode by a C kernel that reads the pages in place, dequantizing as it reads.
+
+`csrc/paged_decode.c` is compiled with the machine's C compiler on first use (for this CPU, with
+OpenMP) and cached under ~/.cache/kvserve (or $KVSERVE_CACHE). Where no compiler works, the backend
+decodes as `sdpa` does. Prefill is `sdpa`'s.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kvserve.attention.batch import AttentionBatch
+from kvserve.attention.paged import SdpaBackend
+from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# row kinds, as the kernel numbers them
+DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CODEC_KINDS = {Int8PerToken: 3, Fp8PerBlock: 4, Int4: 5}
+
+
+def _cpu_signature() -> bytes:
+    """What -march=native depends on, so that a cache shared between machines never mixes them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
+
+
+@lru_cache(maxsize=None)
+def kernel():
+    """The compiled paged_decode, or None where it cannot be built here."""
+    cc = os.environ.get("CC", "cc")
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        log.warning("native attention kernel unavailable (%s); decoding as sdpa does", e)
+        return None
+    key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode() + _cpu_signature()).hexdigest()[:16]
+    cache = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "kernels"
+    library = cache / f"paged_decode-{key}.so"
+    if not library.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                built = Path(tmp) / library.name
+                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(built, library)      # atomic: a concurrent build finds a whole library
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("native attention kernel unavailable (%s); decoding as sdpa does", e)
+            return None
+    fn = ctypes.CDLL(str(library)).paged_decode
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [p, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p]
+    fn.restype = None
+    return fn
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Attention of one query per sequence, q [B, H, D], over its pages; None if the kernel is unavailable
+    or does not read this cache."""
+    fn = kernel()
+    if fn is None or q.device.type != "cpu":
+        return None
+    _, kvh, nb, bs, d = kv_cache.shape
+    null = torch.empty(0)
+    if isinstance(kv_cache, QuantizedLayer):
+        kind = CODEC_KINDS.get(type(kv_cache.k_codec))
+        pages, (k_meta, v_meta) = kv_cache.pages, kv_cache.meta
+        residual, residual_of = kv_cache.residual, kv_cache.residual_of
+        residual_kind = DTYPE_KINDS.get(residual.dtype)
+        if kind is None or residual_kind is None:
+            return None
+    else:
+        kind = DTYPE_KINDS.get(kv_cache.dtype)
+        if kind is None or not kv_cache.is_contiguous():
+            return None
+        pages, k_meta, v_meta, residual, residual_kind, residual_of = kv_cache, null, null, null, 0, None
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    slots = residual.shape[2] if residual.dim() == 5 else 0
+    fn(qf.data_ptr(), out.data_ptr(), qf.shape[0], qf.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+       scale, pages.data_ptr(), kind, kvh, nb, bs, d, k_meta.data_ptr(), v_meta.data_ptr(), residual.data_ptr(),
+       residual_kind, slots, residual_of.data_ptr() if residual_of is not None else None)
+    return out.to(q.dtype)
+
+
+class NativeBackend(SdpaBackend):
+    """sdpa's prefill; decode by the C kernel over the pages (sdpa's decode where it cannot run)."""
+
+    name = "native"
+
+    @staticmethod
+    def _decode(q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        nd = batch.num_decodes
+        out = paged_decode(q, kv_cache, batch.block_tables[:nd], batch.context_lens[:nd], scale)
+        return SdpaBackend._decode(q, kv_cache, batch, scale) if out is None else out

@@ -1,0 +1,30 @@
+"""The native backend's C kernel: it builds where a C compiler exists, and falls back to sdpa where not."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from attention_cases import make_case, quantize_case
+from kvserve.attention import native
+from kvserve.attention.native import NativeBackend, paged_decode
+from kvserve.attention.paged import SdpaBackend
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_kernel_builds_and_reads_every_kind_of_page():
+    assert native.kernel() is not None
+    q, k, v, kv_cache, batch = make_case([1, 1], [9, 30], 2, 4, 2, 64, block_size=4)
+    args = (batch.block_tables, batch.context_lens, 0.125)
+    assert paged_decode(q, kv_cache, *args) is not None
+    for kind in ("int8", "fp8", "int4"):
+        layer, _ = quantize_case(kv_cache, k, v, batch, kind, 4)
+        assert paged_decode(q, layer, *args) is not None
+
+
+def test_without_the_kernel_decode_is_sdpas(monkeypatch):
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    q, k, v, kv_cache, batch = make_case([1, 1, 5], [9, 30, 5], 2, 4, 2, 64, block_size=4)
+    torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 0.125),
+                               SdpaBackend().forward(q, k, v, kv_cache, batch, 0.125))
