@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.flash import FlashBackend
+from kvserve.attention.native import NativeBackend
 from kvserve.attention.paged import gather_context
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.bench.common import print_table, write_json
@@ -60,7 +61,7 @@ def paged_case(batch: int, length: int, q_len: int, args, device) -> tuple:
 
 
 def runners(phase: str, q, kv_cache, attn: AttentionBatch, scale: float) -> dict:
-    """The three ways to compute the same attention, as zero-argument callables."""
+    """The ways to compute the same attention, as zero-argument callables."""
     contiguous = lambda: gather_context(kv_cache, attn.block_tables, attn.context_lens_list[0])  # noqa: E731
     textbook, flash = TextbookBackend(), FlashBackend()
     if q.device.type == "cuda":   # on a GPU the flash row is the Triton kernels, reading the pages
@@ -76,9 +77,12 @@ def runners(phase: str, q, kv_cache, attn: AttentionBatch, scale: float) -> dict
         return F.scaled_dot_product_attention(qb, k, v, is_causal=phase == "prefill", scale=scale, enable_gqa=True)
 
     # textbook and flash read K/V from the pages (for prefill, the new tokens' K/V are there too)
-    return {"textbook": lambda: textbook.forward(q, None, None, kv_cache, attn, scale),
+    runs = {"textbook": lambda: textbook.forward(q, None, None, kv_cache, attn, scale),
             "flash": lambda: flash.forward(q, None, None, kv_cache, attn, scale),
             "sdpa": sdpa}
+    if phase == "decode" and q.device.type == "cpu":    # the CPU's default decode: the C kernel over the pages
+        runs["native"] = lambda: NativeBackend().forward(q, None, None, kv_cache, attn, scale)
+    return runs
 
 
 def peak_temp_bytes(fn, device: torch.device) -> int:
@@ -185,9 +189,11 @@ def targets(rows: list[dict]) -> dict:
     out["prefill_time_flash_over_textbook"] = {
         r["length"]: _row(rows, "flash", "prefill", r["length"])["time_ms"] / r["time_ms"]
         for r in timed_textbook if r["length"] >= 2048}
-    out["decode_time_flash_over_sdpa"] = {
-        r["length"]: _row(rows, "flash", "decode", r["length"])["time_ms"] / r["time_ms"]
-        for r in rows if r["backend"] == "sdpa" and r["phase"] == "decode"}
+    sdpa_decodes = [r for r in rows if r["backend"] == "sdpa" and r["phase"] == "decode"]
+    for backend in ("flash", "native"):
+        out[f"decode_time_{backend}_over_sdpa"] = {
+            r["length"]: mine["time_ms"] / r["time_ms"]
+            for r in sdpa_decodes if (mine := _row(rows, backend, "decode", r["length"]))}
     return out
 
 
@@ -206,8 +212,10 @@ def print_report(report: dict) -> None:
     for length, r in report["prefill_time_flash_over_textbook"].items():
         print(f"prefill {length}: flash / textbook time {r:.2f} (target <= 1: {'met' if r <= 1 else 'NOT met'})")
     for length, r in report["decode_time_flash_over_sdpa"].items():
+        native = report["decode_time_native_over_sdpa"].get(length)
         print(f"decode {length}: paged flash / SDPA-on-a-copy time {r:.2f} "
-              f"(target <= 1.5: {'met' if r <= 1.5 else 'NOT met'})")
+              f"(target <= 1.5: {'met' if r <= 1.5 else 'NOT met'})"
+              + (f"; native / SDPA-on-a-copy {native:.2f}" if native is not None else ""))
 
 
 def plot(rows: list[dict], path: str, label: str) -> None:
@@ -217,7 +225,7 @@ def plot(rows: list[dict], path: str, label: str) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for col, phase in enumerate(("prefill", "decode")):
-        for backend in ("textbook", "flash", "sdpa"):
+        for backend in ("textbook", "flash", "sdpa", "native"):
             pts = [(r["length"], r["time_ms"], r["peak_temp_bytes"]) for r in rows
                    if r["phase"] == phase and r["backend"] == backend and r["time_ms"] is not None]
             if not pts:
