@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -28,3 +29,12 @@ def test_without_the_kernel_decode_is_sdpas(monkeypatch):
     q, k, v, kv_cache, batch = make_case([1, 1, 5], [9, 30, 5], 2, 4, 2, 64, block_size=4)
     torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 0.125),
                                SdpaBackend().forward(q, k, v, kv_cache, batch, 0.125))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_kernel_builds_in_the_temporary_directory_when_the_cache_is_not_writable(tmp_path, monkeypatch):
+    (tmp_path / "not-a-directory").write_text("")
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "not-a-directory"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    library = native._build()
+    assert library.is_relative_to(tmp_path / "tmp") and library.stat().st_size > 0

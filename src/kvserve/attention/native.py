@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -41,31 +42,43 @@ def _cpu_signature() -> bytes:
 @lru_cache(maxsize=None)
 def kernel():
     """The compiled paged_decode, or None where it cannot be built here."""
-    cc = os.environ.get("CC", "cc")
     try:
-        source = SOURCE.read_bytes()
-    except OSError as e:
+        library = _build()
+    except (OSError, subprocess.SubprocessError) as e:
         log.warning("native attention kernel unavailable (%s); decoding as sdpa does", e)
         return None
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode() + _cpu_signature()).hexdigest()[:16]
-    cache = Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "kernels"
-    library = cache / f"paged_decode-{key}.so"
-    if not library.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                built = Path(tmp) / library.name
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(built, library)      # atomic: a concurrent build finds a whole library
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("native attention kernel unavailable (%s); decoding as sdpa does", e)
-            return None
     fn = ctypes.CDLL(str(library)).paged_decode
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [p, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p]
     fn.restype = None
     return fn
+
+
+def _build() -> Path:
+    """The shared library, compiled unless a build of this source for this CPU is cached (in
+    $KVSERVE_CACHE or ~/.cache/kvserve, else the temporary directory)."""
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode() + _cpu_signature()).hexdigest()[:16]
+    name = f"paged_decode-{key}.so"
+    dirs = [Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "kernels",
+            Path(tempfile.gettempdir()) / "kvserve" / "kernels"]
+    cached = next((d / name for d in dirs if (d / name).exists()), None)
+    if cached is not None:
+        return cached
+    for d in dirs:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=d))
+        except OSError:
+            continue                    # not writable: the next place
+        try:
+            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp / name), "-lm"], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(tmp / name, d / name)      # atomic: a concurrent build finds a whole library
+            return d / name
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    raise OSError(f"no writable directory for the kernel among {', '.join(map(str, dirs))}")
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
