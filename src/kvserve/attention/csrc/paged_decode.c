@@ -14,7 +14,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2, INT8 = 3, FP8 = 4, INT4 = 5 };
@@ -128,11 +127,9 @@ void paged_decode(const float *q, float *out, int num_seqs, int num_heads, const
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (int b = 0; b < num_seqs; b++) {
         for (int h = 0; h < kvh; h++) {
-            float *tile = malloc(sizeof(float) * (size_t)bs * d);
-            float *acc = calloc((size_t)groups * d, sizeof(float));
-            float *scores = malloc(sizeof(float) * (size_t)groups * bs);
-            float *m = malloc(sizeof(float) * groups), *l = calloc(groups, sizeof(float));
-            for (int g = 0; g < groups; g++) m[g] = -INFINITY;
+            float tile[bs * d], acc[groups * d], scores[groups * bs], m[groups], l[groups];
+            memset(acc, 0, sizeof(acc));
+            for (int g = 0; g < groups; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
             const float *qh = q + ((int64_t)b * num_heads + (int64_t)h * groups) * d;
             const int64_t ctx = context_lens[b];
             for (int64_t start = 0; start < ctx; start += bs) {
@@ -140,22 +137,21 @@ void paged_decode(const float *q, float *out, int num_seqs, int num_heads, const
                 const int n = ctx - start < bs ? (int)(ctx - start) : bs;
                 load_block(&c, 0, h, block, n, tile);
                 for (int g = 0; g < groups; g++) {
-                    float top = m[g];
+                    float *e = scores + g * bs, top = m[g], sum = 0.0f;
                     for (int t = 0; t < n; t++) {
                         float s = 0.0f;
                         #pragma omp simd reduction(+:s)
                         for (int i = 0; i < d; i++) s += qh[g * d + i] * tile[t * d + i];
-                        s *= scale;
-                        scores[g * bs + t] = s;
-                        if (s > top) top = s;
+                        e[t] = s * scale;
+                        top = e[t] > top ? e[t] : top;
                     }
                     const float correction = expf(m[g] - top);   /* 0 on the first block (m = -inf) */
                     l[g] *= correction;
                     for (int i = 0; i < d; i++) acc[g * d + i] *= correction;
-                    for (int t = 0; t < n; t++) {
-                        scores[g * bs + t] = expf(scores[g * bs + t] - top);
-                        l[g] += scores[g * bs + t];
-                    }
+                    for (int t = 0; t < n; t++) e[t] = expf(e[t] - top);
+                    #pragma omp simd reduction(+:sum)
+                    for (int t = 0; t < n; t++) sum += e[t];
+                    l[g] += sum;
                     m[g] = top;
                 }
                 load_block(&c, 1, h, block, n, tile);
@@ -169,7 +165,6 @@ void paged_decode(const float *q, float *out, int num_seqs, int num_heads, const
                 float *o = out + ((int64_t)b * num_heads + (int64_t)h * groups + g) * d;
                 for (int i = 0; i < d; i++) o[i] = acc[g * d + i] / l[g];
             }
-            free(tile); free(acc); free(scores); free(m); free(l);
         }
     }
 }
