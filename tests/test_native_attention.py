@@ -11,6 +11,7 @@ from attention_cases import make_case, quantize_case
 from kvserve.attention import native
 from kvserve.attention.native import NativeBackend, paged_decode
 from kvserve.attention.paged import SdpaBackend
+from kvserve.attention.textbook import TextbookBackend
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -38,3 +39,12 @@ def test_the_kernel_builds_in_the_temporary_directory_when_the_cache_is_not_writ
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     library = native._build()
     assert library.is_relative_to(tmp_path / "tmp") and library.stat().st_size > 0
+
+
+def test_a_block_as_long_as_a_whole_context_decodes():
+    # cache_mode "contiguous" makes one block of max_model_len tokens: its rows must not live on a
+    # thread's stack (32768 x 128 floats are 16 MiB, past the usual 8 MiB)
+    q, k, v, kv_cache, batch = make_case([1, 1], [20000, 32768], 2, 4, 2, 128, block_size=32768)
+    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, 128 ** -0.5)
+    torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 128 ** -0.5), ref,
+                               atol=1e-5, rtol=1e-5)

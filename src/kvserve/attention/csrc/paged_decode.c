@@ -14,6 +14,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2, INT8 = 3, FP8 = 4, INT4 = 5 };
@@ -127,7 +128,9 @@ void paged_decode(const float *q, float *out, int num_seqs, int num_heads, const
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (int b = 0; b < num_seqs; b++) {
         for (int h = 0; h < kvh; h++) {
-            float tile[bs * d], acc[groups * d], scores[groups * bs], m[groups], l[groups];
+            /* a block's rows can be a whole context (cache_mode "contiguous"): on the heap, not the stack */
+            float *tile = malloc(sizeof(float) * (size_t)bs * d), *scores = malloc(sizeof(float) * (size_t)groups * bs);
+            float acc[groups * d], m[groups], l[groups];
             memset(acc, 0, sizeof(acc));
             for (int g = 0; g < groups; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
             const float *qh = q + ((int64_t)b * num_heads + (int64_t)h * groups) * d;
@@ -165,6 +168,8 @@ void paged_decode(const float *q, float *out, int num_seqs, int num_heads, const
                 float *o = out + ((int64_t)b * num_heads + (int64_t)h * groups + g) * d;
                 for (int i = 0; i < d; i++) o[i] = acc[g * d + i] / l[g];
             }
+            free(tile);
+            free(scores);
         }
     }
 }
