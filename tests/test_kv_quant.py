@@ -11,7 +11,7 @@ from kvserve.attention.native import NativeBackend
 from kvserve.attention.paged import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.eval.perplexity import perplexity
-from kvserve.kv.quant import FP8_MAX, Int4, codecs
+from kvserve.kv.quant import FP8_MAX, Fp8PerBlock, Int4, codecs
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
 from tiny_models import make_checkpoint
@@ -164,14 +164,17 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(backe
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
-def test_bf16_decode_that_scales_queries_scores_and_probabilities_matches_the_dequantized_pages(kv_cache_dtype):
-    # sdpa decodes quantized pages by scaling queries, scores and probabilities, not the numbers: in
-    # bf16 that rounds differently from attention over the dequantized values, within bf16's precision
+@pytest.mark.parametrize("backend", [SdpaBackend(), NativeBackend()], ids=["sdpa", "native"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decode_over_quantized_pages_matches_the_dequantized_pages(backend, kv_cache_dtype, dtype):
+    # sdpa scales queries, scores and probabilities instead of the numbers, native dequantizes in
+    # float32 as it reads: either rounds differently from attention over the dequantized values,
+    # but only within the model dtype's precision
     q_lens, ctx_lens = [1, 1, 1], [40, 3, 21]
-    q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, 3, 8, 2, 64, block_size=5, dtype=torch.bfloat16)
+    q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, 3, 8, 2, 64, block_size=5, dtype=dtype)
     layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, 5)
     ref = TextbookBackend().forward(q.float(), k.float(), v.float(), pages.float(), batch, 0.125)
-    out = SdpaBackend().forward(q, k, v, layer, batch, 0.125)
+    out = backend.forward(q, k, v, layer, batch, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -276,3 +279,30 @@ def test_quantized_cache_options_are_checked(ckpt):
         LLM(str(ckpt), kv_cache_dtype="int8", cache_mode="contiguous")
     with pytest.raises(ValueError, match="not layers of this model"):
         LLM(str(ckpt), kv_cache_dtype="int8", kv_cache_dtype_skip_layers=[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fp8_pages_decode_in_every_model_dtype_and_at_any_magnitude(dtype):
+    # the e4m3 bits are placed in a wider float and scaled back by 2^120: the numbers must come out
+    # whole in float16 too, and a block whose values reach 3e5 (a scale past 256) must stay finite
+    x = torch.randn(2, 3, 8, 16)
+    x[1] *= 3e5 if dtype != torch.float16 else 1.0
+    codec = Fp8PerBlock()
+    q, meta = codec.encode(x)
+    out = codec.decode(q, meta, dtype)
+    ref = q.view(torch.float8_e4m3fn).float() * meta[..., None, None]
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), ref, rtol={torch.float32: 1e-6}.get(dtype, 1e-2), atol=0)
+
+
+@pytest.mark.parametrize("backend", [SdpaBackend(), NativeBackend()], ids=["sdpa", "native"])
+def test_fp8_pages_of_large_values_attend_like_their_values(backend):
+    # blocks whose largest value is ~1e6 have scales past 2^8: no step of the decode may overflow
+    q, k, v, kv_cache, batch = make_case([1, 1], [9, 30], 2, 4, 2, 64, block_size=4)
+    kv_cache *= 1e6 / kv_cache.abs().max()
+    layer, pages = quantize_case(kv_cache, k, v, batch, "fp8", 4)
+    q /= 1e6       # keep the scores where a softmax tells tokens apart
+    ref = TextbookBackend().forward(q, k, v, pages, batch, 0.125)
+    out = backend.forward(q, k, v, layer, batch, 0.125)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, ref, atol=1e-5 * 1e6, rtol=1e-5)

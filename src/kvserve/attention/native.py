@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,18 +37,20 @@ def _cpu_signature() -> bytes:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return b""
-    return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")     # x86, then arm
+    return (platform.machine() + "".join(sorted({line for line in lines if line.startswith(keys)}))).encode()
 
 
 @lru_cache(maxsize=None)
 def kernel():
     """The compiled paged_decode, or None where it cannot be built here."""
     try:
-        library = _build()
+        fn = ctypes.CDLL(str(_build())).paged_decode
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("native attention kernel unavailable (%s); decoding as sdpa does", e)
+        detail = getattr(e, "stderr", None)
+        log.warning("native attention kernel unavailable (%s%s); decoding as sdpa does", e,
+                    f": {detail.decode(errors='replace').strip()}" if detail else "")
         return None
-    fn = ctypes.CDLL(str(library)).paged_decode
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [p, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p]
     fn.restype = None
@@ -95,7 +98,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block
         pages, (k_meta, v_meta) = kv_cache.pages, kv_cache.meta
         residual, residual_of = kv_cache.residual, kv_cache.residual_of
         residual_kind = DTYPE_KINDS.get(residual.dtype)
-        if kind is None or residual_kind is None:
+        if kind is None or residual_kind is None or \
+                not all(t.is_contiguous() for t in (pages, k_meta, v_meta, residual, residual_of)):
             return None
     else:
         kind = DTYPE_KINDS.get(kv_cache.dtype)

@@ -131,16 +131,17 @@ class Fp8PerBlock(Codec):
 
     def numbers(self, q, dtype):
         # float8 -> float conversion is slow on the CPU. An e4m3 byte's bits placed in a bfloat16's
-        # exponent and mantissa fields give the same number times 2^-120 (subnormals included),
-        # exactly: affine() puts the 2^120 back. Sign-extending the byte and shifting it by 4
-        # puts its sign in bit 15; the mask 0x87F0 clears the copies of it in bits 11-14.
+        # exponent and mantissa fields give the same number times 2^-120 (subnormals included), and
+        # times 2^120 (exact) it is the number itself, which every float dtype holds. Sign-extending
+        # the byte and shifting it by 4 puts its sign in bit 15; the mask 0x87F0 clears the copies
+        # of it in bits 11-14.
         x = q.view(torch.int8).to(torch.int16)
         x <<= 4
         x &= -0x7810
-        return x.view(torch.bfloat16).to(dtype)
+        return x.view(torch.bfloat16).mul_(2.0 ** 120).to(dtype)
 
     def affine(self, meta, block_size):
-        return Affine((meta.float() * 2.0 ** 120)[..., None].repeat_interleave(block_size, -1))
+        return Affine(meta.float()[..., None].repeat_interleave(block_size, -1))
 
 
 class Int4(Codec):

@@ -81,14 +81,15 @@ static void load_block(const Cache *c, int which, int h, int64_t block, int n, f
             for (int i = 0; i < d; i++) tile[t * d + i] = (float)rows[t * d + i] * s;
         }
     } else if (c->kind == FP8) {
-        /* An e4m3 byte's bits in a bfloat16's exponent and mantissa fields are the same number times
-         * 2^-120: sign-extend, shift by 4 and clear the sign's copies in bits 11-14. */
-        const int8_t *rows = (const int8_t *)c->pages + ((((int64_t)which * c->kvh + h) * c->nb + block) * bs) * d;
-        float s = ((const float *)meta)[hb] * 0x1p120f;
+        /* An e4m3 byte's exponent and mantissa bits at the top of a float's exponent and mantissa
+         * fields are the same number times 2^-120 (subnormals included); times 2^120 (exact) it is
+         * the number, then times the block's scale. */
+        const uint8_t *rows = (const uint8_t *)c->pages + ((((int64_t)which * c->kvh + h) * c->nb + block) * bs) * d;
+        float s = ((const float *)meta)[hb];
         for (int t = 0; t < n; t++)
             for (int i = 0; i < d; i++) {
-                uint32_t bits = (uint32_t)(uint16_t)(((int16_t)rows[t * d + i] << 4) & 0x87F0) << 16;
-                tile[t * d + i] = bits_to_float(bits) * s;
+                uint32_t b = rows[t * d + i], bits = ((b & 0x80u) << 24) | ((b & 0x7fu) << 20);
+                tile[t * d + i] = bits_to_float(bits) * 0x1p120f * s;
             }
     } else {   /* INT4 */
         const int half = d / 2;
