@@ -1,8 +1,8 @@
 """The `native` backend: decode by a C kernel that reads the pages in place, dequantizing as it reads.
 
-`csrc/paged_decode.c` is compiled with the machine's C compiler on first use (for this CPU, with
-OpenMP) and cached under ~/.cache/kvserve (or $KVSERVE_CACHE). Where no compiler works, the backend
-decodes as `sdpa` does. Prefill is `sdpa`'s.
+`csrc/paged_decode.c` is compiled with the machine's C compiler when the backend is first made
+(for this CPU, with OpenMP) and cached under ~/.cache/kvserve (or $KVSERVE_CACHE). Where no
+compiler works, the backend decodes as `sdpa` does. Prefill is `sdpa`'s.
 """
 from __future__ import annotations
 
@@ -121,6 +121,9 @@ class NativeBackend(SdpaBackend):
     """sdpa's prefill; decode by the C kernel over the pages (sdpa's decode where it cannot run)."""
 
     name = "native"
+
+    def __init__(self):
+        kernel()     # built (or found in the cache) as an engine starts, not inside its first step
 
     @staticmethod
     def _decode(q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
