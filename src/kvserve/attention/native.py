@@ -46,7 +46,7 @@ def kernel():
     """The compiled paged_decode, or None where it cannot be built here."""
     try:
         fn = ctypes.CDLL(str(_build())).paged_decode
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:    # RuntimeError: no home directory
         detail = getattr(e, "stderr", None)
         log.warning("native attention kernel unavailable (%s%s); decoding as sdpa does", e,
                     f": {detail.decode(errors='replace').strip()}" if detail else "")
@@ -63,7 +63,7 @@ def _build() -> Path:
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode() + _cpu_signature()).hexdigest()[:16]
     name = f"paged_decode-{key}.so"
-    dirs = [Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "kernels",
+    dirs = [Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve") / "kernels",
             Path(tempfile.gettempdir()) / "kvserve" / "kernels"]
     cached = next((d / name for d in dirs if (d / name).exists()), None)
     if cached is not None:
