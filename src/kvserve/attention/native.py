@@ -92,29 +92,26 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block
     if fn is None or q.device.type != "cpu":
         return None
     _, kvh, nb, bs, d = kv_cache.shape
-    null = torch.empty(0)
     if isinstance(kv_cache, QuantizedLayer):
         kind = CODEC_KINDS.get(type(kv_cache.k_codec))
-        pages, (k_meta, v_meta) = kv_cache.pages, kv_cache.meta
-        residual, residual_of = kv_cache.residual, kv_cache.residual_of
-        residual_kind = DTYPE_KINDS.get(residual.dtype)
-        if kind is None or residual_kind is None or \
-                not all(t.is_contiguous() for t in (pages, k_meta, v_meta, residual, residual_of)):
-            return None
+        tensors = (kv_cache.pages, *kv_cache.meta, kv_cache.residual, kv_cache.residual_of)
+        residual_kind = DTYPE_KINDS.get(kv_cache.residual.dtype)
+        slots = kv_cache.residual.shape[2]
     else:
-        kind = DTYPE_KINDS.get(kv_cache.dtype)
-        if kind is None or not kv_cache.is_contiguous():
-            return None
-        pages, k_meta, v_meta, residual, residual_kind, residual_of = kv_cache, null, null, null, 0, None
+        kind, residual_kind, slots = DTYPE_KINDS.get(kv_cache.dtype), 0, 0
+        tensors = (kv_cache,)            # no scales, no residual
+    if kind is None or residual_kind is None or not all(t.is_contiguous() for t in tensors):
+        return None
+    # pages, K meta, V meta, residual, residual_of as addresses; None for those a cache lacks
+    pages, k_meta, v_meta, residual, residual_of = [t.data_ptr() for t in tensors] + [None] * (5 - len(tensors))
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    slots = residual.shape[2] if residual.dim() == 5 else 0
     fn(qf.data_ptr(), out.data_ptr(), qf.shape[0], qf.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-       scale, pages.data_ptr(), kind, kvh, nb, bs, d, k_meta.data_ptr(), v_meta.data_ptr(), residual.data_ptr(),
-       residual_kind, slots, residual_of.data_ptr() if residual_of is not None else None)
+       scale, pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots, residual_of)
     return out.to(q.dtype)
+
 
 
 class NativeBackend(SdpaBackend):

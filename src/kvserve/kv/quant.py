@@ -245,16 +245,16 @@ class QuantizedLayer:
         where = (slots >= 0).nonzero().squeeze(1)
         return where, slots[where]
 
-    def gather_affine(self, ids: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor] | None = None
+    def gather_affine(self, ids: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor]
                       ) -> tuple[torch.Tensor, Affine, Affine]:
         """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype (channels as
         `splits_channels` says) and the K and V scales that make them gather(ids); blocks still
-        filling (`filling(ids)`) hold their exact tokens, with scale 1 and offset 0."""
+        filling (`filling(ids)`, which a step works out once) hold their exact tokens, with scale 1
+        and offset 0."""
         bs = self.shape[3]
         k_affine = self.k_codec.affine(take_blocks(self.meta[0], ids, 1), bs)
         v_affine = self.v_codec.affine(take_blocks(self.meta[1], ids, 1), bs)
         pages = self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype)
-        filling = self.filling(ids) if filling is None else filling
         self._put_filling(pages, filling, self.splits_channels)
         if len(filling[0]):
             for affine in (k_affine, v_affine):

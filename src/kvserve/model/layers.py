@@ -47,7 +47,6 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    # Random init on the meta device would import torch._dynamo: a second of start-up for nothing.
     def reset_parameters(self) -> None:
         pass
 
