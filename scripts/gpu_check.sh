@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of issue 10, in one call of at most ten minutes on the device machine:
-#   1. the Triton kernel tests (and the engine's backend-equality tests) on CUDA, against the textbook;
+#   1. the Triton kernel tests (and the engine's backend-equality and CUDA graph tests) on CUDA, against the
+#      textbook and eager decoding;
 #   2. kvserve bench attention --device cuda (Triton kernels vs torch SDPA: TFLOP/s, GB/s);
 #   3. decode throughput of a random Llama-3.2-1B-shaped model in bf16, 1 and 256 concurrent requests
 #      of 512 prompt + 256 output tokens, kvserve vs transformers generate, in the same run.
@@ -45,7 +46,7 @@ else
     SHAPE=(--hidden-size 2048 --intermediate-size 8192 --num-layers 16 --num-heads 32 --num-kv-heads 8 --vocab-size 128256)
     LOAD=(--requests 256 --prompt-len 512 --tokens 256 --batch1-prompt-len 512 --batch1-tokens 256 --repeats 1 --dtype bfloat16)
     TESTS=(tests/test_triton_attention.py tests/test_triton_quant.py tests/test_engine.py tests/test_gpu_memory.py
-           -k "triton or backend or gpu")
+           tests/test_cuda_graphs.py -k "triton or backend or gpu or graph or eager or cuda")
 fi
 
 step kernels 200 python -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"

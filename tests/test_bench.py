@@ -162,7 +162,8 @@ def test_bench_eviction_json(tmp_path):
     assert main(["bench", "eviction", "--quick", "--json", str(path), *args]) == 0
     res = json.loads(path.read_text())
     rows = {(r["policy"], r["budget"]): r for r in res["rows"]}
-    assert set(rows) == {("full", 1.0), ("window", 0.5), ("sink", 0.5), ("h2o", 0.5), ("snapkv", 0.5)}
+    assert set(rows) == {("full", 1.0), ("window", 0.5), ("sink", 0.5), ("h2o", 0.5), ("h2o-sum", 0.5),
+                         ("snapkv", 0.5)}
     assert res["text_tokens"] == 2 * 192 + 1
     for key, r in rows.items():
         assert 0 <= r["passkey_acc"] <= 1 and _positive(r["decode_tok_s"]), key

@@ -1,12 +1,15 @@
 """Eviction policies (sink, h2o, snapkv) in the paged, batched engine: exactness, memory bounds, no leaks."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention import mass
 from kvserve.kv.eviction import H2O, Sink, SnapKV, parse_eviction
 from tiny_models import hf_model, make_checkpoint
 
@@ -35,9 +38,12 @@ def test_specs_parse_and_bad_ones_show_the_form():
     assert parse_eviction("h2o:budget=512,recent=64") == H2O(512, 64)
     assert parse_eviction("snapkv:budget=512,window=32") == SnapKV(512, 32)
     assert parse_eviction({"policy": "h2o", "budget": 100}) == H2O(100, 64)
+    assert parse_eviction("h2o:budget=512,recent=64,score=sum") == H2O(512, 64, "sum")
+    assert parse_eviction(H2O(512, 64, "sum").spec()) == H2O(512, 64, "sum")
     assert parse_eviction("sink") == Sink() and parse_eviction("none") is None and parse_eviction(None) is None
     for bad, message in [("lru:budget=3", "unknown eviction policy 'lru'"), ("sink:size=3", "has no option size"),
                          ("h2o:budget=ten", "malformed"), ("h2o:budget=64,recent=64", "recent < budget"),
+                         ("h2o:score=mean", "score is max or sum"),
                          ("sink:window", "malformed"), (7, "string or a dict")]:
         with pytest.raises(ValueError, match=message) as err:
             parse_eviction(bad)
@@ -55,6 +61,28 @@ def test_a_budget_past_the_length_changes_nothing(ckpt, policy, kv_cache_dtype):
     llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, eviction=policy)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
     assert llm.stats()["num_evicted_tokens"] == 0
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("kv_heads, group", [(1, 4), (2, 2), (3, 1)])
+def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_heads, group):
+    monkeypatch.setattr(mass, "Q_CHUNK", 3)        # several query chunks, merged as the reduction says
+    bs, d, ctx, count = 4, 8, 11, 7
+    g = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, kv_heads, 6, bs, d, generator=g)
+    table = torch.tensor([[5, 0, 3]])
+    q = torch.randn(2 + count, kv_heads * group, d, generator=g)     # two other rows' tokens come first
+    batch = SimpleNamespace(mass_requests=[(1, 2, count, reduce)], context_lens_list=[3, ctx],
+                            block_tables=torch.tensor([[1, 2, 4], *table.tolist()]), mass={})
+    mass.accumulate_attention_mass(q, kv_cache, batch, scale=0.3)
+    keys = kv_cache[0][:, table[0]].flatten(1, 2)[:, :ctx]                         # [KVH, ctx, D]
+    queries = q[2:].view(count, kv_heads, group, d)
+    scores = torch.einsum("nhgd,hld->hgnl", queries, keys) * 0.3
+    causal = torch.arange(ctx)[None, :] > torch.arange(ctx - count, ctx)[:, None]
+    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)                   # [KVH, G, n, ctx]
+    want = probs.sum((1, 2)) if reduce == "sum" else probs.amax((1, 2))
+    (got,) = batch.mass[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk", [1, 5])
@@ -131,6 +159,7 @@ def test_eviction_needs_a_paged_cache(ckpt):
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(policy=st.sampled_from(["sink:sinks=2,window=6", "sink:sinks=0,window=9", "h2o:budget=10,recent=3",
+                               "h2o:budget=10,recent=3,score=sum",
                                "snapkv:budget=12,window=4"]),
        lens=st.lists(st.integers(1, 40), min_size=1, max_size=5),
        max_tokens=st.integers(1, 30), block_size=st.integers(2, 6), spare=st.integers(0, 12),

@@ -31,12 +31,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype-skip-layers", type=layer_list, default=(),
                    help="comma-separated layers kept in the model's dtype, e.g. 0,31")
     p.add_argument("--eviction", default=None,
-                   help='KV eviction of every request: "sink:sinks=4,window=1020", "h2o:budget=512,recent=64" '
-                        'or "snapkv:budget=512,window=32"')
+                   help='KV eviction of every request: "sink:sinks=4,window=1020", '
+                        '"h2o:budget=512,recent=64,score=max" or "snapkv:budget=512,window=32"')
     p.add_argument("--allow-long-max-model-len", action="store_true",
                    help="accept a --max-model-len past the model's trained positions")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU for weights, activations and the KV cache (when its size is not given)")
+    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, decode without CUDA graphs")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -50,7 +51,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
-            "allow_long_max_model_len", "gpu_memory_utilization"]
+            "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -25,10 +25,12 @@ class AttentionBatch:
     context_lens_list: list[int]               # context_lens as Python ints (for shapes)
     has_prefix: bool                           # prefills read the pages (a cached prefix, or quantized pages)
     kv_write: WritePlan | None = None          # where the quantized layers put the step's K/V
-    # (row, first flat token, count): a row's last queries, whose attention mass over the cache is summed into
-    # mass[row] by every layer (for the eviction policies that evict by it)
-    mass_requests: list[tuple[int, int, int]] = field(default_factory=list)
-    mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    # decodes' contexts are at most this long: kernels launched for it serve any step (CUDA graphs)
+    decode_context_bound: int | None = None
+    # (row, first flat token, count, "sum" | "max"): a row's last queries, whose attention mass over the cache
+    # each layer appends to mass[row] as [KVH, context] (for the eviction policies that evict by it)
+    mass_requests: list[tuple[int, int, int, str]] = field(default_factory=list)
+    mass: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
 
     @property
@@ -40,6 +42,7 @@ class AttentionBackend:
     """What every backend provides: store the step's K/V in the pages, then attend."""
 
     name = ""
+    supports_cuda_graphs = False   # its decode launches depend on decode_context_bound only, with no host sync
 
     def store(self, kv_cache: torch.Tensor | QuantizedLayer, kv: torch.Tensor, batch: AttentionBatch) -> None:
         """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] into a layer's cache."""

@@ -3,10 +3,11 @@
 On the demo model (or --model):
 - perplexity of a long held-out text (8x the model's context; quick: 2x) streamed through the cache
   one token a step, per segment of `context` positions: the full cache (allowed past the trained
-  positions), a window alone (sink with no sinks), sink+window (StreamingLLM) and h2o, each budget
-  a share of the training context;
+  positions), a window alone (sink with no sinks), sink+window (StreamingLLM) and h2o (its default
+  score=max, and h2o-sum: the paper's accumulated attention), each budget a share of the training
+  context;
 - passkey accuracy of training-length prompts whose cache is cut to each budget after the prompt:
-  sink+window, h2o and snapkv (the prompt is computed whole, as a server does);
+  sink+window, h2o, h2o-sum and snapkv (the prompt is computed whole, as a server does);
 - peak KV bytes and decode tokens/s of a batch under each policy.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ def policies(budget: int, block_size: int) -> dict[str, str | None]:
     return {"window": f"sink:sinks=0,window={window + block_size}",
             "sink": f"sink:sinks=4,window={window}",
             "h2o": f"h2o:budget={budget},recent={max(1, budget // 4)}",
+            "h2o-sum": f"h2o:budget={budget},recent={max(1, budget // 4)},score=sum",
             "snapkv": f"snapkv:budget={budget},window={min(32, budget // 2)}"}
 
 

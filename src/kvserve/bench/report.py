@@ -179,7 +179,7 @@ def plot_eviction(data: dict, path: Path, where: str) -> None:
     ax1.axvline(context, color="grey", linestyle=":", linewidth=1)
     ax1.set(xlabel="position (tokens)", ylabel="perplexity per context-long segment", yscale="log")
     ax1.legend(fontsize=7)
-    for policy in ("sink", "h2o", "snapkv"):
+    for policy in ("sink", "h2o", "h2o-sum", "snapkv"):
         rows = sorted((r for r in data["rows"] if r["policy"] == policy), key=lambda r: r["budget"])
         ax2.plot([r["budget"] for r in rows], [r["passkey_acc"] for r in rows], marker="o", label=policy)
     full = next(r for r in data["rows"] if r["policy"] == "full")

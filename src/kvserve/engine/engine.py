@@ -13,6 +13,7 @@ import torch
 from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
+from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.detokenizer import detokenize_step
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.gpu_memory import profile_kv_memory
@@ -53,6 +54,10 @@ class LLMEngine:
                                    config.enable_prefix_caching and config.cache_mode == "paged")
         self.runner = ModelRunner(self.model, self.storage, self.kv.block_tables if self.kv else {},
                                   self.backend, self.device)
+        if self._use_cuda_graphs(config):
+            self.runner.graphs = DecodeGraphs(self.model, self.storage, self.backend, config.max_num_seqs,
+                                              self.max_model_len, self.device)
+            self.runner.graphs.capture_all()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
         self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None
@@ -61,6 +66,11 @@ class LLMEngine:
         # need whole distributions (KL divergence), not just the logprobs a request returns
         self.prompt_logits_hook: Callable[[list[Sequence], torch.Tensor, list], None] | None = None
         self._seq_ids = count()
+
+    def _use_cuda_graphs(self, config: EngineConfig) -> bool:
+        """On CUDA unless enforce_eager: a paged, full-precision cache read by a backend that can be captured."""
+        return (self.device.type == "cuda" and not config.enforce_eager and self.storage is not None
+                and not self.kv_spec.quantized_layers and self.backend.supports_cuda_graphs)
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:

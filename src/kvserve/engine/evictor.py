@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.blocks import NoFreeBlocksError
@@ -40,12 +41,12 @@ class Evictor:
                 if isinstance(policy, Sink):
                     self._sink(seq, policy)
                 elif isinstance(policy, H2O):
-                    keep = policy.keep(self._scores(seq), self.kv.block_size)
+                    keep = policy.keep(self._token_scores(seq), self.kv.block_size)
                     if keep is not None:
                         self._compact(seq, keep)
                 elif isinstance(policy, SnapKV) and not seq.prompt_compacted \
                         and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    keep = policy.keep(self._scores(seq))
+                    keep = policy.keep(self._token_scores(seq))
                     if keep is not None:
                         self._compact(seq, keep)
                     seq.prompt_compacted, seq.kv_scores = True, None
@@ -54,15 +55,23 @@ class Evictor:
                 continue
 
     @staticmethod
-    def _scores(seq: Sequence) -> torch.Tensor:
-        """The mass of each cached token (tokens never scored have 0)."""
-        n = seq.num_cache_tokens
-        scores = seq.kv_scores if seq.kv_scores is not None else torch.zeros(0)
-        return torch.cat((scores, scores.new_zeros(n - len(scores)))) if len(scores) < n else scores
+    def _scores(seq: Sequence, width: int) -> torch.Tensor:
+        """The sequence's mass [layers * KVH, width]: tokens never scored have 0."""
+        return F.pad(seq.kv_scores, (0, width - seq.kv_scores.shape[1]))
+
+    def _token_scores(self, seq: Sequence) -> torch.Tensor:
+        """Each cached token's score: its mass summed over layers and KV heads."""
+        if seq.kv_scores is None:
+            return torch.zeros(seq.num_cache_tokens)
+        return self._scores(seq, seq.num_cache_tokens).sum(0)
 
     def _add_scores(self, seq: Sequence, mass: torch.Tensor) -> None:
-        scores = self._scores(seq).to(mass.device)
-        seq.kv_scores = scores + torch.cat((mass, mass.new_zeros(len(scores) - len(mass))))
+        """Combine a step's mass [layers * KVH, context] into the sequence's, as its policy reduces."""
+        if seq.kv_scores is None:
+            seq.kv_scores = mass
+            return
+        scores = self._scores(seq, mass.shape[1]).to(mass.device)
+        seq.kv_scores = torch.maximum(scores, mass) if seq.eviction.mass_reduce == "max" else scores + mass
 
     def _sink(self, seq: Sequence, policy: Sink) -> None:
         bs = self.kv.block_size
@@ -94,7 +103,7 @@ class Evictor:
 
     def _compact(self, seq: Sequence, keep: torch.Tensor) -> None:
         """Copy the kept tokens, in order, into fresh blocks; the old ones are let go of."""
-        scores = self._scores(seq)[keep] if seq.kv_scores is not None else None
+        scores = self._scores(seq, seq.num_cache_tokens)[:, keep] if seq.kv_scores is not None else None
         old = self.kv.rebuild(seq.seq_id, math.ceil(len(keep) / self.kv.block_size))
         self.storage.rewrite(old, keep.to(self.storage.device), self.kv.block_tables[seq.seq_id])
         self.kv.release(old)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention import AttentionBatch
+from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
@@ -28,7 +29,7 @@ class StepOutput:
     sample_rows: list[int]
     prompt_logits: torch.Tensor    # [scored prompt tokens, vocab], in prompt_spans order
     prompt_spans: list[tuple[int, int, int]]
-    attention_mass: dict[int, torch.Tensor]   # row -> mass per cached token, for eviction policies
+    attention_mass: dict[int, torch.Tensor]   # row -> [layers * KVH, context] mass, for eviction policies
 
 
 class ModelRunner:
@@ -41,6 +42,7 @@ class ModelRunner:
         self.block_tables = block_tables
         self.backend = backend
         self.device = device
+        self.graphs: DecodeGraphs | None = None
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         input_ids, starts, q_lens, ctx_lens, logits_indices, sample_rows = [], [], [], [], [], []
@@ -57,7 +59,7 @@ class ModelRunner:
             if seq.eviction is not None and seq.eviction.needs_scores:
                 scored = self._scored_queries(seq, n)
                 if scored:
-                    mass_requests.append((i, offset + n - scored, scored))
+                    mass_requests.append((i, offset + n - scored, scored, seq.eviction.mass_reduce))
             if start + n == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sample_rows.append(i)
@@ -117,8 +119,12 @@ class ModelRunner:
         if self.storage is not None:
             self.storage.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.backend, self.storage)
+        batch = inputs.batch
+        if self.graphs is not None and self.graphs.can_run(batch, bool(batch.mass_requests or inputs.prompt_spans)):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, batch)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, batch, self.backend, self.storage)
         num_sample = len(inputs.sample_rows)
         logits = self.model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
-        return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans,
-                          inputs.batch.mass)
+        mass = {row: torch.cat(layers) for row, layers in batch.mass.items()}
+        return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans, mass)

@@ -3,6 +3,10 @@
 Spelled `"sink:sinks=4,window=1020"`, `"h2o:budget=512,recent=64"`, `"snapkv:budget=512,window=32"`
 (or a dict with a "policy" key and the same options). Budgets count tokens. The policies only
 choose; the engine's Evictor moves the blocks.
+
+The scored policies keep, per layer and KV head, one number for each cached token: the attention
+it has received, reduced over the queries (and the heads sharing the KV head) by `mass_reduce`.
+A token's score is the sum of those numbers over layers and KV heads.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 class EvictionPolicy:
     name: ClassVar[str] = ""
     needs_scores: ClassVar[bool] = False   # the attention mass each cached token receives
+    mass_reduce: ClassVar[str] = "sum"      # how a token's mass combines over queries: "sum" or "max"
 
     def max_cache_tokens(self, block_size: int) -> int | None:
         """The most tokens the cache of one sequence ever holds (None: unbounded)."""
@@ -56,15 +61,26 @@ class Sink(EvictionPolicy):
 @dataclass(frozen=True)
 class H2O(EvictionPolicy):
     """Heavy-Hitter Oracle: the last `recent` tokens and the `budget - recent` others that received
-    the most attention so far. Holes are compacted once a block's worth of tokens is over budget."""
+    the most attention so far. Holes are compacted once a block's worth of tokens is over budget.
+
+    `score=sum` is the paper's accumulated attention: summed over every query, it favours the early
+    tokens that every query sees, and a needle that a single late query looks up loses to them.
+    `score=max` (the default) scores a token by the most attention one query gave it (per layer and
+    KV head, then summed), so a token that any query needed counts as a heavy hitter."""
 
     name: ClassVar[str] = "h2o"
     needs_scores: ClassVar[bool] = True
     budget: int = 512
     recent: int = 64
+    score: str = "max"
 
     def __post_init__(self):
         _check(0 <= self.recent < self.budget, "h2o needs 0 <= recent < budget")
+        _check(self.score in ("max", "sum"), f"h2o's score is max or sum, got {self.score!r}")
+
+    @property
+    def mass_reduce(self) -> str:
+        return self.score
 
     def max_cache_tokens(self, block_size: int) -> int:
         return self.budget + block_size
@@ -140,11 +156,13 @@ def parse_eviction(spec: str | dict | EvictionPolicy | None) -> EvictionPolicy |
     if policy is None:
         raise ValueError(f"unknown eviction policy {name!r}: {form}")
     known = {f.name for f in fields(policy)}
+    options = {k.strip(): v for k, v in options.items()}
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"{name} has no option {', '.join(sorted(unknown))} (it takes {', '.join(sorted(known))}): "
                          f"{form}")
+    types = {f.name: type(f.default) for f in fields(policy)}
     try:
-        return policy(**{k.strip(): int(v) for k, v in options.items()})
+        return policy(**{k: types[k](v) for k, v in options.items()})
     except (TypeError, ValueError) as e:
         raise ValueError(f"malformed eviction {spec!r} ({e}): {form}") from None

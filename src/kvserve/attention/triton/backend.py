@@ -24,6 +24,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, prefill_block_m: int = 64, prefill_block_n: int = 64, decode_block_n: int = 64,
                  partition_size: int = 512):
@@ -97,11 +98,10 @@ def _prefill_meta(batch: AttentionBatch, first: int, paged: bool):
 
 
 def _decode_meta(batch: AttentionBatch):
-    """int32 context lengths of the decodes and the longest, built once per step."""
+    """int32 context lengths of the decodes and the longest (or the batch's bound), once per step."""
     meta = batch.scratch.get("triton_decode")
     if meta is None:
         nd = batch.num_decodes
-        ctx = batch.context_lens_list[:nd]
-        meta = batch.scratch["triton_decode"] = (
-            torch.tensor(ctx, dtype=torch.int32, device=batch.context_lens.device), max(ctx))
+        longest = batch.decode_context_bound or max(batch.context_lens_list[:nd])
+        meta = batch.scratch["triton_decode"] = (batch.context_lens[:nd].to(torch.int32), longest)
     return meta

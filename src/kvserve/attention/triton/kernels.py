@@ -504,7 +504,8 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, ctx_len_ptr,
                     mask=part_mask[:, None] & dim_mask[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
         total += w
-    out = acc / tl.sum(total, 0)
+    # a context of 0 (a CUDA graph's padding row) has no partition: its output is 0, not 0/0
+    out = acc / tl.maximum(tl.sum(total, 0), 1e-30)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dim_mask)
 
