@@ -162,13 +162,18 @@ def test_bench_eviction_json(tmp_path):
     assert main(["bench", "eviction", "--quick", "--json", str(path), *args]) == 0
     res = json.loads(path.read_text())
     rows = {(r["policy"], r["budget"]): r for r in res["rows"]}
-    assert set(rows) == {("full", 1.0), ("window", 0.5), ("sink", 0.5), ("h2o", 0.5), ("h2o-sum", 0.5),
-                         ("snapkv", 0.5)}
+    assert set(rows) == {("full", 1.0), ("recompute", 0.5), ("window", 0.5), ("sink", 0.5), ("h2o", 0.5),
+                         ("h2o-sum", 0.5), ("snapkv", 0.5)}
     assert res["text_tokens"] == 2 * 192 + 1
+    assert rows["sink", 0.5]["worst_over_recompute"] > -1
     for key, r in rows.items():
-        assert 0 <= r["passkey_acc"] <= 1 and _positive(r["decode_tok_s"]), key
+        if key[0] == "recompute":
+            assert r["passkey_acc"] is None and r["decode_tok_s"] is None
+        else:
+            assert 0 <= r["passkey_acc"] <= 1 and _positive(r["decode_tok_s"]), key
         if key[0] != "snapkv":
-            assert _positive(r["perplexity"]) and len(r["segments"]) == 2 and _positive(r["peak_kv_bytes"])
+            assert _positive(r["perplexity"]) and len(r["segments"]) == 2
+            assert _positive(r["peak_kv_bytes"]) or key[0] == "recompute"
     # a budget of half the context holds less than the whole text
     assert rows["sink", 0.5]["peak_kv_bytes"] < rows["full", 1.0]["peak_kv_bytes"] / 2
     plot_eviction(res, tmp_path / "eviction.png", "here")      # the report's figure
@@ -186,3 +191,18 @@ def test_the_gpu_check_script_runs_dry_on_the_cpu(tmp_path):
     assert [line.split(":")[0] for line in summary.splitlines()] == ["kernels", "attention", "throughput"]
     assert json.loads((tmp_path / "throughput.json").read_text())["float32"]["ours_tok_s"] > 0
     assert json.loads((tmp_path / "attention.json").read_text())["rows"]
+
+
+def test_recomputed_window_losses_cover_the_text_and_equal_the_full_cache_when_it_fits(tmp_path):
+    from kvserve import LLM
+    from kvserve.bench.eviction import recomputed_nll, streamed_nll
+    from tiny_models import make_checkpoint as tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "m", max_position_embeddings=64)
+    ids = torch.randint(3, 384, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(str(ckpt), block_size=4, enable_prefix_caching=False)
+    full, _ = streamed_nll(llm, ids)
+    assert recomputed_nll(llm, ids, 64) == pytest.approx(full, abs=1e-4)
+    short = recomputed_nll(llm, ids, 16)
+    assert len(short) == len(ids) - 1 and short[:14] == pytest.approx(full[:14], abs=1e-4)   # windows from 0
+    assert short[20:] != pytest.approx(full[20:], abs=1e-4)     # a window of 16 forgets the rest
