@@ -218,6 +218,13 @@ class _Handlers:
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of several requests as they come; cancelling aborts them all."""
+    if len(streams) == 1:       # the common case, without a task and a queue between stream and response
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()    # a disconnect aborts the request now
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):

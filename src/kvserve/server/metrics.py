@@ -62,6 +62,9 @@ class ServerMetrics:
         self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to last token.", labels,
                              buckets=_LATENCY_BUCKETS + (160.0, 320.0), registry=self.registry)
         self._last: dict[str, tuple[float, int]] = {}    # request id -> (time, tokens) of its last output
+        # this model's series, looked up once rather than for every output
+        self._generation_tokens, self._prompt_tokens, self._ttft, self._itl, self._e2e = (
+            m.labels(model_name) for m in (self.generation_tokens, self.prompt_tokens, self.ttft, self.itl, self.e2e))
 
     def observe(self, out: RequestOutput, arrival: float) -> None:
         """Called for each output of a request, in the engine thread."""
@@ -70,16 +73,16 @@ class ServerMetrics:
         last_time, last_tokens = self._last.get(out.request_id, (None, 0))
         new = tokens - last_tokens
         if new > 0:
-            self.generation_tokens.labels(self.model_name).inc(new)
+            self._generation_tokens.inc(new)
             if last_time is None:
-                self.ttft.labels(self.model_name).observe(now - arrival)
-                self.prompt_tokens.labels(self.model_name).inc(len(out.prompt_token_ids))
+                self._ttft.observe(now - arrival)
+                self._prompt_tokens.inc(len(out.prompt_token_ids))
             else:
-                self.itl.labels(self.model_name).observe(now - last_time)
+                self._itl.observe(now - last_time)
         self._last[out.request_id] = (now, tokens)
         if out.finished:
             del self._last[out.request_id]
-            self.e2e.labels(self.model_name).observe(now - arrival)
+            self._e2e.observe(now - arrival)
             reason = out.outputs[0].finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
 
