@@ -77,11 +77,13 @@ class DecodeGraphs:
         return self.model(self.input_ids[:size], self.positions[:size], batch, self.backend, self.storage)
 
     def _capture(self, size: int, pool) -> _Captured:
-        batch = self._batch(size)
         if not self.capture:
-            return _Captured(None, batch, torch.empty(0))
-        self._forward(size, batch)           # compiles the kernels and settles the allocator
+            return _Captured(None, self._batch(size), torch.empty(0))
+        self._forward(size, self._batch(size))      # compiles the kernels and settles the allocator
         torch.cuda.synchronize()
+        # a fresh batch: what the backends derive from the inputs (batch.scratch) must be computed
+        # inside the graph, so that every replay derives it again from the static buffers
+        batch = self._batch(size)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             hidden = self._forward(size, batch)
