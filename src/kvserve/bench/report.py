@@ -143,8 +143,11 @@ def plot_serve(data: dict, path: Path, where: str) -> None:
         ax1.plot(cs, [r[key] for r in rows], marker="o", label=key)
     ax1.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms")
     ax1.legend()
-    ax2.plot(cs, [r["output_tok_s"] for r in rows], marker="o")
+    ax2.plot(cs, [r["output_tok_s"] for r in rows], marker="o", label="served")
+    if "offline_tok_s_at_64" in data:
+        ax2.scatter([64], [data["offline_tok_s_at_64"]], marker="x", color="black", label="offline LLM.generate")
     ax2.set(xscale="log", xlabel="concurrent clients", ylabel="output tok/s")
+    ax2.legend(fontsize=7)
     _save(fig, path, f"serving; {where}")
 
 
@@ -171,11 +174,13 @@ def plot_quant(data: dict, path: Path, where: str) -> None:
 def plot_eviction(data: dict, path: Path, where: str) -> None:
     fig, (ax1, ax2) = _figure(2)
     context = data["context"]
+    shown = min(data["budgets"], key=lambda b: abs(b - 0.2))   # one budget's curves, and the full cache's
     for r in data["rows"]:
-        if r.get("segments"):
+        if r.get("segments") and (r["policy"] == "full" or r["budget"] == shown):
             xs = [context * (i + 0.5) for i in range(len(r["segments"]))]
             label = r["policy"] if r["policy"] == "full" else f"{r['policy']} {r['budget']:.0%}"
-            ax1.plot(xs, r["segments"], marker="o", label=label)
+            style = dict(color="black", linestyle="--") if r["policy"] == "recompute" else {}
+            ax1.plot(xs, r["segments"], marker="o", label=label, **style)
     ax1.axvline(context, color="grey", linestyle=":", linewidth=1)
     ax1.set(xlabel="position (tokens)", ylabel="perplexity per context-long segment", yscale="log")
     ax1.legend(fontsize=7)

@@ -6,7 +6,8 @@ graph reads its inputs from static buffers that each step fills first, and launc
 kernels for the longest context it serves (max_model_len, at most MAX_CONTEXT as vLLM's
 max_seq_len_to_capture), so the same launches serve every step. Steps that need more than the
 forward (prompts, attention mass for eviction, quantized pages whose writes are planned in Python,
-a longer context) run eagerly, as does everything when enforce_eager is set.
+a longer context) run eagerly, as does everything when enforce_eager is set, and every step
+once a `sink` sequence has outgrown the RoPE table that the graphs read (it is reallocated).
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None   # None when built without capturing (the CPU tests)
-    batch: AttentionBatch
     hidden: torch.Tensor                 # [size, hidden] the graph's output
 
 
@@ -59,6 +59,7 @@ class DecodeGraphs:
         self.replays = dict.fromkeys(self.sizes, 0)
         self._rope_table = model.rope.cos
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture the largest size first, so that smaller graphs reuse its memory pool."""
         pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -78,16 +79,17 @@ class DecodeGraphs:
 
     def _capture(self, size: int, pool) -> _Captured:
         if not self.capture:
-            return _Captured(None, self._batch(size), torch.empty(0))
+            return _Captured(None, torch.empty(0))
         self._forward(size, self._batch(size))      # compiles the kernels and settles the allocator
         torch.cuda.synchronize()
         # a fresh batch: what the backends derive from the inputs (batch.scratch) must be computed
-        # inside the graph, so that every replay derives it again from the static buffers
-        batch = self._batch(size)
+        # inside the graph, so that every replay derives it again from the static buffers. It is not
+        # kept: its temporaries (the decode workspace) go back to the pool for the next captures,
+        # which never replay at the same time
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            hidden = self._forward(size, batch)
-        return _Captured(graph, batch, hidden)
+            hidden = self._forward(size, self._batch(size))
+        return _Captured(graph, hidden)
 
     def can_run(self, batch: AttentionBatch, mass_or_prompt_logprobs: bool) -> bool:
         """A step of decodes only, within the largest size and context, that needs nothing but the forward."""
