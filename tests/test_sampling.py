@@ -7,7 +7,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.engine.detokenizer import detokenize_step
 from kvserve.engine.sequence import Sequence
-from kvserve.sampling import Sampler
+from kvserve.sampling import Sampler, argmax
 from tiny_models import hf_model, make_checkpoint
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": list(range(10, 30))},
@@ -192,3 +192,16 @@ def test_an_interrupted_generate_leaves_nothing_behind(llm):
     del engine.step
     assert not engine.has_unfinished_requests() and not engine.requests
     assert len(gen(llm, PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))) == 3
+
+
+@pytest.mark.parametrize("rows, n", [(1, 32000), (64, 32000), (5, 151936), (3, 1024), (4, 1025), (2, 1151), (6, 100)])
+def test_tiled_argmax_equals_torch_argmax(rows, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, n, generator=g)
+    x[0, [7, n - 1]] = x[0].max() + 1                  # a tie: the first wins
+    if rows > 1:
+        x[1, n - 1] = x[1].max() + 1                   # the maximum in the last, maybe partial, tile
+    if rows > 2:
+        x[2, n // 2] = float("nan")                    # NaN counts as the largest, as in torch
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(x.bfloat16().float()), x.bfloat16().float().argmax(-1))

@@ -79,6 +79,27 @@ class SampleResult:
     logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=list)
 
 
+ARGMAX_TILE = 128
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) of [rows, n] (the first maximum; NaN counts as the largest), in two passes: the
+    tiles' maxima, then the best tile. On the CPU, amax is vectorized and argmax is not: 64 x 32000
+    float32 logits take 0.2 ms instead of 0.6 (0.7 instead of 2.9 for a 152k vocabulary)."""
+    rows, n = x.shape
+    if n < 8 * ARGMAX_TILE:
+        return x.argmax(-1)
+    full = n - n % ARGMAX_TILE
+    best = x[:, :full].reshape(rows, -1, ARGMAX_TILE).amax(-1)
+    if full < n:
+        best = torch.cat((best, x[:, full:].amax(-1, keepdim=True)), 1)
+    start = best.argmax(-1) * ARGMAX_TILE
+    # a last, partial tile reads its final column again in place of the missing ones: a repeat
+    # never comes first
+    cols = (start[:, None] + torch.arange(ARGMAX_TILE, device=x.device)).clamp_(max=n - 1)
+    return start + x.gather(1, cols).argmax(-1)
+
+
 class Sampler:
     """Samples one token per row of logits [B, V], with each row's own parameters and generator."""
 
@@ -90,7 +111,7 @@ class Sampler:
         # float32 keeps every bf16/fp16 value and its order, and the CPU's bf16 argmax is 5x slower
         # than converting first (3.3 ms for 64 x 32000 logits)
         logits = logits.float()
-        tokens = logits.argmax(-1)
+        tokens = argmax(logits)
         if not all(p.greedy for p in params):
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
@@ -113,7 +134,7 @@ class Sampler:
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(-1)
+        return argmax(probs / noise)
 
     @staticmethod
     def _logprobs(logits, tokens: list[int], params) -> list[dict[int, tuple[float, int]] | None]:
