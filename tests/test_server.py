@@ -59,8 +59,9 @@ ENGINE_ARGS = dict(block_size=4, num_kv_blocks=256, max_model_len=128)
 
 @pytest.fixture(scope="module")
 def url(ckpt):
-    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
-    with ServerThread(build_app(engine, MODEL, api_key=KEY, max_queue=300, max_body_bytes=100_000)) as base:
+    # as `kvserve serve` runs: the engine in a process of its own
+    config = EngineConfig(model=str(ckpt), **ENGINE_ARGS)
+    with ServerThread(build_app(config, MODEL, api_key=KEY, max_queue=300, max_body_bytes=100_000)) as base:
         yield base
 
 
@@ -324,3 +325,33 @@ def test_a_request_cancelled_before_it_enters_the_engine_leaves_nothing_behind(c
         time.sleep(0.05)
     server.shutdown()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
+    step, calls = engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return step()
+    engine.step = failing_once
+    with ServerThread(build_app(engine, MODEL)) as base:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_the_engine_process_reports_a_bad_model_and_stops_with_the_server(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="no-such-model"):
+        build_app(EngineConfig(model=str(tmp_path / "no-such-model")), MODEL)
+    app = build_app(EngineConfig(model=str(ckpt), **ENGINE_ARGS), MODEL)
+    core = app.state.async_engine._core
+    with ServerThread(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert core.is_alive()
+    assert not core.is_alive() and core.exitcode == 0

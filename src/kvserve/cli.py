@@ -83,12 +83,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.config import EngineConfig
-    from kvserve.engine.engine import LLMEngine
     from kvserve.server.app import build_app
 
-    engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
     name = args.served_model_name or args.model or "kvserve-demo"
-    app = build_app(engine, name, args.api_key, args.max_queue, args.max_body_bytes)
+    app = build_app(EngineConfig(model=args.model, **engine_kwargs(args)), name, args.api_key, args.max_queue,
+                    args.max_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
     return 0
 

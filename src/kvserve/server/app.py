@@ -12,6 +12,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.async_engine import AsyncEngine, QueueFullError
@@ -68,10 +69,12 @@ class BodyLimit:
         return await error_response(413, f"request body over {self.max_bytes} bytes")(scope, receive, send)
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None, max_queue: int | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    metrics = ServerMetrics(engine, model_name)
-    server = AsyncEngine(engine, max_queue, metrics)
+def build_app(engine: LLMEngine | EngineConfig, model_name: str, api_key: str | None = None,
+              max_queue: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app over an engine: built here in a process of its own from an EngineConfig (what
+    `kvserve serve` does), or an LLMEngine object stepped in a thread."""
+    server = AsyncEngine(engine, max_queue)
+    metrics = server.metrics = ServerMetrics(server.stats, model_name)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -97,7 +100,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None, ma
     @app.get("/v1/models", dependencies=[auth])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
-                                            "max_model_len": engine.max_model_len}]}
+                                            "max_model_len": server.engine.max_model_len}]}
 
     app.post("/v1/completions", dependencies=[auth])(handlers.completions)
     app.post("/v1/chat/completions", dependencies=[auth])(handlers.chat)
@@ -125,6 +128,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def bad_value(_req, e: ValueError):
         return error_response(400, str(e))
+
+    @app.exception_handler(RuntimeError)
+    async def engine_failure(_req, e: RuntimeError):
+        # the engine failed while running the request (it serves on), or the server is shutting down
+        return error_response(500, str(e), "internal_error")
 
 
 def _auth_check(api_key: str | None):

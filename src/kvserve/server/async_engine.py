@@ -1,17 +1,21 @@
-"""AsyncEngine: one background thread steps the LLMEngine; each request reads its own output queue."""
+"""AsyncEngine: the asyncio front of an EngineCore; each request reads its own output queue."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.model.loader import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.server.engine_core import EngineCore, run_engine_process
 
 log = logging.getLogger(__name__)
 
@@ -21,68 +25,79 @@ class QueueFullError(RuntimeError):
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float = field(default_factory=time.monotonic)
+class EngineInfo:
+    """What the HTTP side needs of an engine that runs in another process."""
+
+    tokenizer: object
+    model_config: ModelConfig
+    max_model_len: int
 
 
 @dataclass
-class _Admission:
-    """A request waiting for the next step boundary to enter the engine."""
-
-    request_id: str
-    prompt: object
-    params: SamplingParams
-    cache_salt: str | None
-    stream: _Stream
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
     admitted: asyncio.Future
+    arrival: float = field(default_factory=time.monotonic)
 
 
 class AsyncEngine:
-    """Thread-safe front of an LLMEngine for an asyncio server.
+    """Requests go to an EngineCore through a pipe; a reader thread hands each step's outputs to the
+    requests' queues, one wake-up of the event loop per step.
 
-    The engine is only touched by the stepping thread (and under `_lock`): requests that arrive
-    during a step queue up and all enter at the next step boundary, as do aborts, so a burst of new
-    requests joins the batch at once instead of waiting for the lock one by one. A request whose
-    consumer goes away (a client disconnect cancels its generator) is aborted and its blocks return
-    to the pool at once.
+    Given an EngineConfig, the core runs in a process of its own (what `kvserve serve` does): the
+    engine steps without ever waiting for the HTTP side's hold on the GIL. Given an LLMEngine, it
+    runs in a thread. Requests that arrive during a step all enter at the next step boundary, as do
+    aborts. A request whose consumer goes away (a client disconnect cancels its generator) is
+    aborted and its blocks return to the pool at once.
     """
 
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None, metrics=None):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | EngineConfig, max_queue: int | None = None, metrics=None):
         self.max_queue = max_queue
         self.metrics = metrics                # ServerMetrics: observe(output, arrival), forget(request_id)
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._conn, core_conn = multiprocessing.Pipe()
+        self._send_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        self._admissions: deque[_Admission] = deque()
-        self._aborts: list[str] = []
-        self._running = False
-        self._thread: threading.Thread | None = None
+        self._core: threading.Thread | multiprocessing.Process
+        if isinstance(engine, EngineConfig):
+            self._core = multiprocessing.get_context("spawn").Process(
+                target=run_engine_process, args=(engine, core_conn), name="kvserve-engine", daemon=True)
+            self._core.start()
+        else:
+            self._core = threading.Thread(target=EngineCore(engine, core_conn).run, name="kvserve-engine",
+                                          daemon=True)
+            self._core.start()
+        ready = self._conn.recv()
+        if ready[0] == "error":
+            self._core.join()
+            raise ValueError(ready[1])
+        _, model_path, max_model_len, self._stats = ready
+        self.engine = engine if isinstance(engine, LLMEngine) else EngineInfo(
+            load_tokenizer(Path(model_path)), ModelConfig.from_path(Path(model_path)), max_model_len)
+        self._reader: threading.Thread | None = None
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams) + len(self._admissions)
+        return len(self._streams)
+
+    def stats(self) -> dict:
+        """The engine's stats (LLMEngine.stats) as of its latest step or idle moment."""
+        return self._stats
 
     def start(self) -> None:
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read, name="kvserve-outputs", daemon=True)
+        self._reader.start()
 
     def shutdown(self) -> None:
-        """Abort every request in flight and stop the stepping thread."""
-        with self._lock:
-            while self._admissions:
-                a = self._admissions.popleft()
-                a.stream.loop.call_soon_threadsafe(_settle, a.admitted, RuntimeError("the server is shutting down"))
-            for request_id, stream in list(self._streams.items()):
-                self._abort_now(request_id)
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError("the server is shutting down"))
-        self._running = False
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        """Abort every request in flight and stop the engine."""
+        error = RuntimeError("the server is shutting down")
+        for request_id, stream in list(self._streams.items()):
+            self._streams.pop(request_id, None)
+            stream.loop.call_soon_threadsafe(_fail, stream, error)
+        self._send(("shutdown",))
+        self._core.join(timeout=10)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
 
     async def submit(self, request_id: str, prompt, params: SamplingParams,
                      cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -93,14 +108,16 @@ class AsyncEngine:
         if self.max_queue is not None and self.num_in_flight >= self.max_queue:
             raise QueueFullError(f"the server has {self.num_in_flight} requests in flight, its limit (--max-queue)")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        admission = _Admission(request_id, prompt, params, cache_salt, stream, loop.create_future())
-        self._admissions.append(admission)
-        self._wake.set()
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params, cache_salt))
         try:
-            await admission.admitted
+            await stream.admitted
         except asyncio.CancelledError:
             self.abort(request_id)       # after its admission, if it was admitted
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
             raise
         return self._outputs(request_id, stream)
 
@@ -123,55 +140,45 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort at the next step boundary (never blocks the caller)."""
-        self._aborts.append(request_id)
-        self._wake.set()
-
-    def _admit(self) -> None:
-        """Add the queued requests to the engine; each caller learns whether its request is valid."""
-        while self._admissions:
-            a = self._admissions.popleft()
-            try:
-                self.engine.add_request(a.request_id, a.prompt, a.params, a.cache_salt)
-            except Exception as e:  # noqa: BLE001  (ValueError: an invalid request, the caller's 400)
-                a.stream.loop.call_soon_threadsafe(_settle, a.admitted, e)
-                continue
-            self._streams[a.request_id] = a.stream
-            a.stream.loop.call_soon_threadsafe(_settle, a.admitted, None)
-
-    def _abort_now(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
-        self._streams.pop(request_id, None)
-        if self.metrics is not None:
+        if self._streams.pop(request_id, None) is not None and self.metrics is not None:
             self.metrics.forget(request_id)
+        self._send(("abort", request_id))
 
-    def _loop(self) -> None:
-        while self._running:
-            with self._lock:
-                self._admit()
-                while self._aborts:
-                    self._abort_now(self._aborts.pop())
-                busy = self.engine.has_unfinished_requests()
-                outputs = self._step() if busy else []
-            if not busy:
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-            for out, stream in outputs:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-            for loop, deliveries in by_loop.items():     # one wake-up of each loop per step, not one per output
-                loop.call_soon_threadsafe(_deliver, deliveries)
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):
+                log.error("the engine has stopped; dropped %s", message[0])
 
-    def _step(self) -> list[tuple[RequestOutput | BaseException, _Stream]]:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001
-            # fail the requests in flight, keep serving new ones
-            log.exception("engine step failed; aborting the requests in flight")
-            failed = [(e, s) for s in self._streams.values()]
-            for request_id in list(self._streams):
-                self._abort_now(request_id)
-            return failed
-        routed = []
+    def _read(self) -> None:
+        """The reader thread: every message of the core, until it stops."""
+        handlers: dict[str, Callable] = {"admitted": self._admitted, "outputs": self._route,
+                                         "failed": self._failed, "stats": self._set_stats}
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._failed("the engine stopped", list(self._streams), self._stats)
+                return
+            if message[0] == "stopped":
+                return
+            handlers[message[0]](*message[1:])
+
+    def _set_stats(self, stats: dict) -> None:
+        self._stats = stats
+
+    def _admitted(self, request_id: str, error: BaseException | None) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:              # aborted meanwhile
+            return
+        if error is not None:
+            self._streams.pop(request_id, None)
+        stream.loop.call_soon_threadsafe(_settle, stream.admitted, error)
+
+    def _route(self, outputs: list[RequestOutput], stats: dict) -> None:
+        self._stats = stats
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -180,16 +187,33 @@ class AsyncEngine:
                 try:
                     self.metrics.observe(out, stream.arrival)
                 except Exception:  # noqa: BLE001
-                    log.exception("metrics failed; serving on")   # never let metrics stop the engine
+                    log.exception("metrics failed; serving on")   # never let metrics stop the server
             if out.finished:
-                del self._streams[out.request_id]
-            routed.append((out, stream))
-        return routed
+                self._streams.pop(out.request_id, None)
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, deliveries in by_loop.items():     # one wake-up of each loop per step, not one per output
+            loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _failed(self, message: str, request_ids: list[str], stats: dict) -> None:
+        self._stats = stats
+        error = RuntimeError(f"the engine failed: {message}")
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(_fail, stream, error)
 
 
 def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, item in deliveries:
         queue.put_nowait(item)
+
+
+def _fail(stream: _Stream, error: BaseException) -> None:
+    """A request that cannot go on: its caller's wait for admission, or its stream, raises `error`."""
+    if not stream.admitted.done():
+        stream.admitted.set_exception(error)
+    else:
+        stream.queue.put_nowait(error)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

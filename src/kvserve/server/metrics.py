@@ -6,7 +6,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvserve.engine.engine import LLMEngine
+from collections.abc import Callable
+
 from kvserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -14,16 +15,16 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class EngineCollector:
-    """Reads the engine's gauges and counters at scrape time."""
+    """Reads the engine's gauges and counters (LLMEngine.stats) at scrape time."""
 
-    def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine = engine
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self.stats = stats
         self.labels = {"model_name": model_name}
 
     def collect(self):
-        stats = self.engine.stats()
+        stats = self.stats()
         total = stats["kv_blocks_total"]
-        in_use = self.engine.kv.num_blocks - self.engine.kv.num_free_blocks if self.engine.kv else 0
+        in_use = total - stats["kv_blocks_free"]
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
                           in_use / total if total else 0.0)
         yield self._gauge("num_requests_running", "Requests in the running batch.", stats["num_running"])
@@ -44,9 +45,9 @@ class EngineCollector:
 class ServerMetrics:
     """Per-request counters and latency histograms, fed with every output the engine streams."""
 
-    def __init__(self, engine: LLMEngine, model_name: str):
+    def __init__(self, stats: Callable[[], dict], model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(stats, model_name))
         labels = ["model_name"]
         self.model_name = model_name
         self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prefilled prompt tokens.", labels,
@@ -67,7 +68,7 @@ class ServerMetrics:
             m.labels(model_name) for m in (self.generation_tokens, self.prompt_tokens, self.ttft, self.itl, self.e2e))
 
     def observe(self, out: RequestOutput, arrival: float) -> None:
-        """Called for each output of a request, in the engine thread."""
+        """Called for each output of a request, in the thread that reads the engine's outputs."""
         now = time.monotonic()
         tokens = sum(len(c.token_ids) for c in out.outputs)
         last_time, last_tokens = self._last.get(out.request_id, (None, 0))

@@ -1,0 +1,90 @@
+"""EngineCore: the loop that steps an LLMEngine, fed and read through a pipe (vLLM V1's engine core).
+
+`kvserve serve` runs it in a process of its own, so that stepping never waits for the HTTP side's
+hold on the interpreter (the GIL): the server only pickles requests in and outputs out. Given an
+engine object instead (tests, embedding), it runs in a thread of the caller's process.
+
+Messages in: ("add", request_id, prompt, params, cache_salt), ("abort", request_id), ("shutdown",).
+Messages out: ("ready", model_path, max_model_len, stats) once (or ("error", message) if the
+engine cannot be built); ("admitted", request_id, error or None)
+per add; ("outputs", [RequestOutput], stats) per step; ("failed", message, [request_id], stats)
+when a step raises (its requests are aborted, the engine serves on); ("stats", stats) when idle;
+("stopped",) after a shutdown, which aborts whatever is left.
+"""
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, conn: Connection):
+        self.engine, self.conn = engine, conn
+
+    def run(self) -> None:
+        """Take every message that has arrived, step once, report; block while there is nothing to do."""
+        engine, conn = self.engine, self.conn
+        conn.send(("ready", str(engine.model_path), engine.max_model_len, engine.stats()))
+        try:
+            while True:
+                if not engine.has_unfinished_requests():
+                    conn.poll(None)
+                while conn.poll():
+                    if not self._handle(conn.recv()):
+                        self._abort_all()
+                        conn.send(("stopped",))
+                        return
+                if engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    conn.send(("stats", engine.stats()))
+        except (EOFError, BrokenPipeError):     # the server went away without a word: so does the engine
+            self._abort_all()
+
+    def _handle(self, message: tuple) -> bool:
+        """Apply one message; False on shutdown."""
+        kind = message[0]
+        if kind == "add":
+            request_id = message[1]
+            try:
+                self.engine.add_request(*message[1:])
+            except Exception as e:  # noqa: BLE001  (ValueError: an invalid request, the caller's 400)
+                error = e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
+                self.conn.send(("admitted", request_id, error))
+            else:
+                self.conn.send(("admitted", request_id, None))
+        elif kind == "abort":
+            self.engine.abort_request(message[1])
+        return kind != "shutdown"
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            # fail the requests in flight, keep serving new ones
+            log.exception("engine step failed; aborting the requests in flight")
+            failed = self._abort_all()
+            self.conn.send(("failed", f"{type(e).__name__}: {e}", failed, self.engine.stats()))
+            return
+        self.conn.send(("outputs", outputs, self.engine.stats()))
+
+    def _abort_all(self) -> list[str]:
+        request_ids = list(self.engine.requests)
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+        return request_ids
+
+
+def run_engine_process(config: EngineConfig, conn: Connection) -> None:
+    """A spawned process's entry: build the engine, then serve the pipe until told to stop."""
+    try:
+        engine = LLMEngine(config)
+    except Exception as e:  # noqa: BLE001  (a bad model or option: the server reports it and exits)
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    EngineCore(engine, conn).run()
