@@ -14,6 +14,7 @@ when a step raises (its requests are aborted, the engine serves on); ("stats", s
 from __future__ import annotations
 
 import logging
+import signal
 from multiprocessing.connection import Connection
 
 from kvserve.config import EngineConfig
@@ -82,6 +83,8 @@ class EngineCore:
 
 def run_engine_process(config: EngineConfig, conn: Connection) -> None:
     """A spawned process's entry: build the engine, then serve the pipe until told to stop."""
+    # Ctrl+C reaches the whole process group: the server handles it and tells the engine to stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = LLMEngine(config)
     except Exception as e:  # noqa: BLE001  (a bad model or option: the server reports it and exits)
