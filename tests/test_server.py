@@ -327,16 +327,19 @@ def test_a_request_cancelled_before_it_enters_the_engine_leaves_nothing_behind(c
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(ckpt):
+@pytest.mark.parametrize("where", ["step", "sampler"])
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(ckpt, where):
     engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
-    step, calls = engine.step, []
+    # the sampler fails inside LLMEngine.step, which aborts the step's requests itself
+    owner, name = (engine, "step") if where == "step" else (engine, "sampler")
+    real, calls = getattr(owner, name), []
 
-    def failing_once():
+    def failing_once(*args):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return step()
-    engine.step = failing_once
+        return real(*args)
+    setattr(owner, name, failing_once)
     with ServerThread(build_app(engine, MODEL)) as base:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "ignore_eos": True}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
@@ -344,6 +347,20 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(ckpt):
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_when_the_engine_process_dies_requests_fail_at_once(ckpt):
+    app = build_app(EngineConfig(model=str(ckpt), **ENGINE_ARGS), MODEL)
+    server = app.state.async_engine
+    with ServerThread(app) as base:
+        server._core.kill()
+        deadline = time.monotonic() + 30
+        while server.dead is None:
+            assert time.monotonic() < deadline, "the server did not notice the engine's end"
+            time.sleep(0.05)
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
+        assert r.status_code == 500 and "engine has stopped" in r.json()["error"]["message"]
+        assert httpx.get(f"{base}/health").status_code == 503
 
 
 def test_the_engine_process_reports_a_bad_model_and_stops_with_the_server(ckpt, tmp_path):

@@ -80,7 +80,7 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, api_key: str | 
     async def lifespan(_app):
         server.start()
         yield
-        server.shutdown()
+        await asyncio.to_thread(server.shutdown)
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -91,7 +91,7 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, api_key: str | 
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if server.dead else 200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

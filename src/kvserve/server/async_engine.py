@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,7 @@ from kvserve.model.loader import load_tokenizer
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.engine_core import EngineCore, run_engine_process
+from kvserve.server.output_deltas import apply_delta
 
 log = logging.getLogger(__name__)
 
@@ -54,27 +56,33 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine | EngineConfig, max_queue: int | None = None, metrics=None):
         self.max_queue = max_queue
-        self.metrics = metrics                # ServerMetrics: observe(output, arrival), forget(request_id)
+        self.metrics = metrics                # ServerMetrics: observe(delta, arrival), forget(request_id)
         self._conn, core_conn = multiprocessing.Pipe()
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()     # what the writer thread sends, in order
         self._streams: dict[str, _Stream] = {}
+        self.dead: str | None = None          # why the engine can take no more requests
         self._core: threading.Thread | multiprocessing.Process
         if isinstance(engine, EngineConfig):
             self._core = multiprocessing.get_context("spawn").Process(
                 target=run_engine_process, args=(engine, core_conn), name="kvserve-engine", daemon=True)
             self._core.start()
+            core_conn.close()                 # so that a child that dies reads as the pipe's end
         else:
             self._core = threading.Thread(target=EngineCore(engine, core_conn).run, name="kvserve-engine",
                                           daemon=True)
             self._core.start()
-        ready = self._conn.recv()
+        try:
+            ready = self._conn.recv()
+        except EOFError:
+            self._core.join()
+            raise ValueError(f"the engine process exited (code {self._core.exitcode}) before it was ready") from None
         if ready[0] == "error":
             self._core.join()
             raise ValueError(ready[1])
         _, model_path, max_model_len, self._stats = ready
         self.engine = engine if isinstance(engine, LLMEngine) else EngineInfo(
             load_tokenizer(Path(model_path)), ModelConfig.from_path(Path(model_path)), max_model_len)
-        self._reader: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     @property
     def num_in_flight(self) -> int:
@@ -85,19 +93,22 @@ class AsyncEngine:
         return self._stats
 
     def start(self) -> None:
-        self._reader = threading.Thread(target=self._read, name="kvserve-outputs", daemon=True)
-        self._reader.start()
+        self._threads = [threading.Thread(target=self._read, name="kvserve-outputs", daemon=True),
+                         threading.Thread(target=self._write, name="kvserve-requests", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def shutdown(self) -> None:
-        """Abort every request in flight and stop the engine."""
+        """Abort every request in flight and stop the engine (blocks: call it off the event loop)."""
         error = RuntimeError("the server is shutting down")
         for request_id, stream in list(self._streams.items()):
             self._streams.pop(request_id, None)
             stream.loop.call_soon_threadsafe(_fail, stream, error)
         self._send(("shutdown",))
+        self._outbox.put(None)
         self._core.join(timeout=10)
-        if self._reader is not None:
-            self._reader.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
     async def submit(self, request_id: str, prompt, params: SamplingParams,
                      cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -105,6 +116,8 @@ class AsyncEngine:
 
         The caller must iterate the stream to its end or abort the request.
         """
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
         if self.max_queue is not None and self.num_in_flight >= self.max_queue:
             raise QueueFullError(f"the server has {self.num_in_flight} requests in flight, its limit (--max-queue)")
         loop = asyncio.get_running_loop()
@@ -122,34 +135,45 @@ class AsyncEngine:
         return self._outputs(request_id, stream)
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
+        """The request's cumulative output after each step's delta; a consumer that fell behind gets
+        every delta that has arrived at once, so a loaded server writes fewer, larger chunks."""
+        state, finished = None, False
         try:
             while not finished:
                 item = await stream.queue.get()
-                # outputs are cumulative: a consumer that fell behind the engine takes the newest one
-                # only, so a loaded server writes fewer, larger chunks instead of falling further behind
-                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                while True:
+                    if isinstance(item, BaseException):
+                        raise item
+                    state = apply_delta(state, item)
+                    if state.finished or stream.queue.empty():
+                        break
                     item = stream.queue.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                finished = state.finished
+                yield state
         finally:
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort at the next step boundary (never blocks the caller)."""
+        """Abort at the next step boundary (queued for the writer: never blocks the caller)."""
         if self._streams.pop(request_id, None) is not None and self.metrics is not None:
             self.metrics.forget(request_id)
         self._send(("abort", request_id))
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        """The writer thread: the requests and aborts, in order (a send may wait while the engine steps)."""
+        while (message := self._outbox.get()) is not None:
             try:
                 self._conn.send(message)
-            except (BrokenPipeError, OSError):
-                log.error("the engine has stopped; dropped %s", message[0])
+            except OSError as e:
+                self._stop(f"{type(e).__name__}: {e}")
+                return
+            except Exception as e:  # noqa: BLE001  (a request that cannot be pickled)
+                if message[0] == "add":
+                    self._admitted(message[1], ValueError(f"the request cannot be sent to the engine: {e}"))
 
     def _read(self) -> None:
         """The reader thread: every message of the core, until it stops."""
@@ -158,12 +182,22 @@ class AsyncEngine:
         while True:
             try:
                 message = self._conn.recv()
-            except (EOFError, OSError):
-                self._failed("the engine stopped", list(self._streams), self._stats)
+            except (EOFError, OSError) as e:
+                self._stop(f"its pipe closed ({type(e).__name__})")
                 return
             if message[0] == "stopped":
                 return
-            handlers[message[0]](*message[1:])
+            try:
+                handlers[message[0]](*message[1:])
+            except Exception:  # noqa: BLE001
+                log.exception("could not handle the engine's %r message; serving on", message[0])
+
+    def _stop(self, reason: str) -> None:
+        """The engine is gone: fail what is in flight, refuse what comes."""
+        if self.dead is None:
+            self.dead = reason
+            log.error("the engine has stopped: %s", reason)
+        self._failed(f"the engine has stopped: {reason}", list(self._streams), self._stats)
 
     def _set_stats(self, stats: dict) -> None:
         self._stats = stats
@@ -196,7 +230,7 @@ class AsyncEngine:
 
     def _failed(self, message: str, request_ids: list[str], stats: dict) -> None:
         self._stats = stats
-        error = RuntimeError(f"the engine failed: {message}")
+        error = RuntimeError(message if message.startswith("the engine") else f"the engine failed: {message}")
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
@@ -204,8 +238,8 @@ class AsyncEngine:
 
 
 def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in deliveries:
-        queue.put_nowait(item)
+    for target, item in deliveries:
+        target.put_nowait(item)
 
 
 def _fail(stream: _Stream, error: BaseException) -> None:

@@ -7,7 +7,7 @@ engine object instead (tests, embedding), it runs in a thread of the caller's pr
 Messages in: ("add", request_id, prompt, params, cache_salt), ("abort", request_id), ("shutdown",).
 Messages out: ("ready", model_path, max_model_len, stats) once (or ("error", message) if the
 engine cannot be built); ("admitted", request_id, error or None)
-per add; ("outputs", [RequestOutput], stats) per step; ("failed", message, [request_id], stats)
+per add; ("outputs", [RequestOutput delta (output_deltas.py)], stats) per step; ("failed", message, [request_id], stats)
 when a step raises (its requests are aborted, the engine serves on); ("stats", stats) when idle;
 ("stopped",) after a shutdown, which aborts whatever is left.
 """
@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.server.output_deltas import DeltaEncoder
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +27,13 @@ log = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, engine: LLMEngine, conn: Connection):
         self.engine, self.conn = engine, conn
+        self.deltas = DeltaEncoder()
 
     def run(self) -> None:
         """Take every message that has arrived, step once, report; block while there is nothing to do."""
         engine, conn = self.engine, self.conn
-        conn.send(("ready", str(engine.model_path), engine.max_model_len, engine.stats()))
         try:
+            conn.send(("ready", str(engine.model_path), engine.max_model_len, engine.stats()))
             while True:
                 if not engine.has_unfinished_requests():
                     conn.poll(None)
@@ -44,7 +46,7 @@ class EngineCore:
                     self._step()
                 else:
                     conn.send(("stats", engine.stats()))
-        except (EOFError, BrokenPipeError):     # the server went away without a word: so does the engine
+        except (EOFError, OSError):     # the server went away without a word: so does the engine
             self._abort_all()
 
     def _handle(self, message: tuple) -> bool:
@@ -61,23 +63,27 @@ class EngineCore:
                 self.conn.send(("admitted", request_id, None))
         elif kind == "abort":
             self.engine.abort_request(message[1])
+            self.deltas.forget(message[1])
         return kind != "shutdown"
 
     def _step(self) -> None:
+        in_flight = list(self.engine.requests)
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
-            # fail the requests in flight, keep serving new ones
+            # fail the requests in flight (the step may have aborted some already), keep serving new ones
             log.exception("engine step failed; aborting the requests in flight")
-            failed = self._abort_all()
-            self.conn.send(("failed", f"{type(e).__name__}: {e}", failed, self.engine.stats()))
+            self._abort_all()
+            self.conn.send(("failed", f"{type(e).__name__}: {e}", in_flight, self.engine.stats()))
             return
-        self.conn.send(("outputs", outputs, self.engine.stats()))
+        if outputs:
+            self.conn.send(("outputs", [self.deltas.encode(o) for o in outputs], self.engine.stats()))
 
     def _abort_all(self) -> list[str]:
         request_ids = list(self.engine.requests)
         for request_id in request_ids:
             self.engine.abort_request(request_id)
+            self.deltas.forget(request_id)
         return request_ids
 
 

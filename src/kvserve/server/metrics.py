@@ -1,6 +1,7 @@
 """Prometheus metrics under vLLM's names, with a `kvserve:` prefix."""
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -62,35 +63,40 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to last token.", labels,
                              buckets=_LATENCY_BUCKETS + (160.0, 320.0), registry=self.registry)
-        self._last: dict[str, tuple[float, int]] = {}    # request id -> (time, tokens) of its last output
+        self._last: dict[str, float] = {}                 # request id -> time of its last output
+        self._lock = threading.Lock()                     # observe and forget come from two threads
         # this model's series, looked up once rather than for every output
         self._generation_tokens, self._prompt_tokens, self._ttft, self._itl, self._e2e = (
             m.labels(model_name) for m in (self.generation_tokens, self.prompt_tokens, self.ttft, self.itl, self.e2e))
 
-    def observe(self, out: RequestOutput, arrival: float) -> None:
-        """Called for each output of a request, in the thread that reads the engine's outputs."""
+    def observe(self, delta: RequestOutput, arrival: float) -> None:
+        """Called for each step's delta of a request (output_deltas.py), in the thread that reads them."""
+        with self._lock:
+            self._observe(delta, arrival)
+
+    def _observe(self, delta: RequestOutput, arrival: float) -> None:
         now = time.monotonic()
-        tokens = sum(len(c.token_ids) for c in out.outputs)
-        last_time, last_tokens = self._last.get(out.request_id, (None, 0))
-        new = tokens - last_tokens
+        new = sum(len(c.token_ids) for c in delta.outputs)
+        last_time = self._last.get(delta.request_id)
         if new > 0:
             self._generation_tokens.inc(new)
             if last_time is None:
                 self._ttft.observe(now - arrival)
-                self._prompt_tokens.inc(len(out.prompt_token_ids))
+                self._prompt_tokens.inc(len(delta.prompt_token_ids))
             else:
                 self._itl.observe(now - last_time)
-        self._last[out.request_id] = (now, tokens)
-        if out.finished:
-            del self._last[out.request_id]
+        self._last[delta.request_id] = now
+        if delta.finished:
+            del self._last[delta.request_id]
             self._e2e.observe(now - arrival)
-            reason = out.outputs[0].finish_reason or "abort"
+            reason = delta.outputs[0].finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
 
     def forget(self, request_id: str) -> None:
-        """An aborted request: it will not finish."""
-        if self._last.pop(request_id, None) is not None:
-            self.request_success.labels(self.model_name, "abort").inc()
+        """An aborted request (in the event loop's thread): it will not finish."""
+        with self._lock:
+            if self._last.pop(request_id, None) is not None:
+                self.request_success.labels(self.model_name, "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
