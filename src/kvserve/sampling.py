@@ -90,7 +90,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if n < 8 * ARGMAX_TILE:
         return x.argmax(-1)
     full = n - n % ARGMAX_TILE
-    best = x[:, :full].reshape(rows, -1, ARGMAX_TILE).amax(-1)
+    best = x[:, :full].reshape(rows, full // ARGMAX_TILE, ARGMAX_TILE).amax(-1)
     if full < n:
         best = torch.cat((best, x[:, full:].amax(-1, keepdim=True)), 1)
     start = best.argmax(-1) * ARGMAX_TILE
