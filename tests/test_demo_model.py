@@ -71,6 +71,15 @@ def test_greedy_tokens_and_logits_equal_transformers(demo):
     torch.testing.assert_close(ours, logits[torch.arange(16), torch.tensor(out.token_ids)], atol=1e-4, rtol=1e-4)
 
 
+def test_chunked_prompts_give_the_same_tokens(demo):
+    # a 4096-token vocabulary: the sampler's tiled argmax, also in steps where no sequence samples
+    chunked = LLM(dtype="float32", long_prefill_token_threshold=8)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for prompts in ([CODE[:200]], [CODE[:200], CODE[:90] + "\n", "def"]):    # alone, its first chunks sample nothing
+        want = [o.outputs[0].token_ids for o in demo.generate(prompts, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in chunked.generate(prompts, params, use_tqdm=False)] == want
+
+
 def test_perplexity_through_the_cache_equals_transformers(demo):
     ids = demo.get_tokenizer().encode(CODE * 2, add_special_tokens=False)
     result = perplexity(demo, ids, context=48)
