@@ -116,13 +116,14 @@ class AsyncEngine:
 
         The caller must iterate the stream to its end or abort the request.
         """
-        if self.dead is not None:
-            raise RuntimeError(f"the engine has stopped: {self.dead}")
         if self.max_queue is not None and self.num_in_flight >= self.max_queue:
             raise QueueFullError(f"the server has {self.num_in_flight} requests in flight, its limit (--max-queue)")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
         self._streams[request_id] = stream
+        if self.dead is not None:       # checked once registered: a dying engine fails the streams it knows
+            self._streams.pop(request_id, None)
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
         self._send(("add", request_id, prompt, params, cache_salt))
         try:
             await stream.admitted
