@@ -55,9 +55,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.storage, self.kv.block_tables if self.kv else {},
                                   self.backend, self.device)
         if self._use_cuda_graphs(config):
-            self.runner.graphs = DecodeGraphs(self.model, self.storage, self.backend, config.max_num_seqs,
-                                              self.max_model_len, self.device)
-            self.runner.graphs.capture_all()
+            graphs = DecodeGraphs(self.model, self.storage, self.backend, config.max_num_seqs, self.max_model_len,
+                                  self.device)
+            try:
+                graphs.capture_all()
+                self.runner.graphs = graphs
+            except Exception as e:  # noqa: BLE001  (a driver or kernel that cannot be captured: serve eagerly)
+                log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
         self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None
