@@ -196,6 +196,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "batch1_tok_s": batch1_tok_s,
         "hf_batch1_tok_s": statistics.median(h for _, h in batch1),
         "batch1_fraction_of_bandwidth_limit": batch1_tok_s / lim["batch1_limit_tok_s"],
+        "cuda_graphs": llm.engine.runner.graphs is not None,
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
                  "batch1_tok_s": [o for o, _ in batch1], "hf_batch1_tok_s": [h for _, h in batch1]},
     }
@@ -213,6 +214,7 @@ def report(results: dict[str, dict]) -> None:
                                                          f"{r['ratio_vs_hf']:.2f}x"),
          f">= {TARGET_RATIO_VS_HF}x"],
         ["matmul GFLOP/s (measured)", lambda r: f"{r['matmul_flop_s'] / 1e9:.1f}", ""],
+        ["kvserve decodes from CUDA graphs", lambda r: "yes" if r["cuda_graphs"] else "no", ""],
         ["limit s: compute | memory", lambda r: f"{r['compute_limit_s']:.3f} | {r['memory_limit_s']:.3f}", ""],
         ["limit s (per phase) | kvserve s", lambda r: f"{r['limit_s']:.3f} | {r['ours_s']:.3f}", ""],
         ["fraction of limit", lambda r: _vs_target(r["fraction_of_limit"], TARGET_FRACTION_OF_LIMIT,
