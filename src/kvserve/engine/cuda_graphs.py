@@ -91,10 +91,11 @@ class DecodeGraphs:
             hidden = self._forward(size, self._batch(size))
         return _Captured(graph, hidden)
 
-    def can_run(self, batch: AttentionBatch, mass_or_prompt_logprobs: bool) -> bool:
-        """A step of decodes only, within the largest size and context, that needs nothing but the forward."""
+    def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
+        """A step of decodes only, within the largest size and context, that needs nothing but the
+        forward (no attention mass, no prompt logprobs)."""
         return (bool(self.graphs) and batch.num_prefills == 0 and batch.kv_write is None
-                and not mass_or_prompt_logprobs and len(batch.query_lens) <= self.sizes[-1]
+                and not batch.mass_requests and not prompt_logprobs and len(batch.query_lens) <= self.sizes[-1]
                 and max(batch.context_lens_list) <= self.max_context
                 and batch.block_tables.shape[1] <= self.block_tables.shape[1]
                 and self.model.rope.cos is self._rope_table)

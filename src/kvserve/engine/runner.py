@@ -120,7 +120,7 @@ class ModelRunner:
             self.storage.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
         batch = inputs.batch
-        if self.graphs is not None and self.graphs.can_run(batch, bool(batch.mass_requests or inputs.prompt_spans)):
+        if self.graphs is not None and self.graphs.can_run(batch, bool(inputs.prompt_spans)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, batch)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, batch, self.backend, self.storage)

@@ -231,7 +231,7 @@ class AsyncEngine:
 
     def _failed(self, message: str, request_ids: list[str], stats: dict) -> None:
         self._stats = stats
-        error = RuntimeError(message if message.startswith("the engine") else f"the engine failed: {message}")
+        error = RuntimeError(message)
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:

@@ -5,11 +5,13 @@ hold on the interpreter (the GIL): the server only pickles requests in and outpu
 engine object instead (tests, embedding), it runs in a thread of the caller's process.
 
 Messages in: ("add", request_id, prompt, params, cache_salt), ("abort", request_id), ("shutdown",).
-Messages out: ("ready", model_path, max_model_len, stats) once (or ("error", message) if the
-engine cannot be built); ("admitted", request_id, error or None)
-per add; ("outputs", [RequestOutput delta (output_deltas.py)], stats) per step; ("failed", message, [request_id], stats)
-when a step raises (its requests are aborted, the engine serves on); ("stats", stats) when idle;
-("stopped",) after a shutdown, which aborts whatever is left.
+Messages out:
+- ("ready", model_path, max_model_len, stats) once, or ("error", message) if the engine cannot be built;
+- ("admitted", request_id, error or None) per add;
+- ("outputs", [RequestOutput delta (output_deltas.py)], stats) per step;
+- ("failed", message, [request_id], stats) when a step raises (its requests are aborted, the
+  engine serves on);
+- ("stats", stats) when idle; ("stopped",) after a shutdown, which aborts whatever is left.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class EngineCore:
             # fail the requests in flight (the step may have aborted some already), keep serving new ones
             log.exception("engine step failed; aborting the requests in flight")
             self._abort_all()
-            self.conn.send(("failed", f"{type(e).__name__}: {e}", in_flight, self.engine.stats()))
+            self.conn.send(("failed", f"the engine failed: {type(e).__name__}: {e}", in_flight, self.engine.stats()))
             return
         if outputs:
             self.conn.send(("outputs", [self.deltas.encode(o) for o in outputs], self.engine.stats()))

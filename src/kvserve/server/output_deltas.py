@@ -49,6 +49,7 @@ def apply_delta(state: RequestOutput | None, delta: RequestOutput) -> RequestOut
         c = by_index.get(d.index)
         if c is None:                 # a sample forked from the prompt: its first delta
             state.outputs.append(d)
+            state.outputs.sort(key=lambda c: c.index)
             continue
         c.token_ids += d.token_ids
         if d.logprobs is not None:
@@ -56,7 +57,6 @@ def apply_delta(state: RequestOutput | None, delta: RequestOutput) -> RequestOut
             c.logprobs += d.logprobs
         c.text = d.text if d.finished else c.text + d.text
         c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-    state.outputs.sort(key=lambda c: c.index)
     state.finished, state.num_cached_tokens, state.metrics = delta.finished, delta.num_cached_tokens, delta.metrics
     if delta.prompt_logprobs is not None:
         state.prompt_logprobs = delta.prompt_logprobs
