@@ -40,13 +40,14 @@ def test_the_installed_package_loads_its_own_model(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)
-    script = ("import kvserve, kvserve.model.loader as l, kvserve.attention.native as n; "
-              "from kvserve import LLM, SamplingParams; print(l.DEMO_MODEL_DIR); print(n.SOURCE.exists()); "
+    script = ("import kvserve, kvserve.model.loader as l, kvserve.kernels as k; "
+              "from kvserve import LLM, SamplingParams; print(l.DEMO_MODEL_DIR); "
+              "print(k.CSRC.is_relative_to(l.DEMO_MODEL_DIR.parents[1]) and k.library() is not None); "
               "print(LLM().generate('def add(a, b):', SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text)")
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    # the package's own model, and the native kernel's source shipped beside its code
+    # the package's own model, and the C kernels built from the sources shipped beside its code
     assert out[0].startswith(str(target)) and out[1] == "True" and out[2].strip()
 
 

@@ -70,8 +70,10 @@ def test_prefill_logits_match_transformers(checkpoint):
         engine.abort_request(f"p{n}")
 
 
-def test_decode_logits_and_greedy_tokens_match_transformers(checkpoint):
-    llm = LLM(str(checkpoint), block_size=4, num_kv_blocks=64, dtype="float32")
+@pytest.mark.parametrize("decode", ["native", "eager"])
+def test_decode_logits_and_greedy_tokens_match_transformers(checkpoint, decode):
+    """Decode steps by the native C step (the CPU's default) and op by op."""
+    llm = LLM(str(checkpoint), block_size=4, num_kv_blocks=64, dtype="float32", enforce_eager=decode == "eager")
     hf = hf_model(checkpoint)
     for n in PROMPT_LENS:
         ids = prompt_ids(n, seed=1)
@@ -85,6 +87,8 @@ def test_decode_logits_and_greedy_tokens_match_transformers(checkpoint):
             ref_logits = hf(torch.tensor([ids + out.token_ids])).logits[0, n - 1:-1]
         assert out.token_ids == ref_tokens
         torch.testing.assert_close(torch.cat(seen), ref_logits, atol=1e-4, rtol=1e-4)
+    native = llm.engine.runner.native
+    assert native.steps == 11 * len(PROMPT_LENS) if decode == "native" else native is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -37,7 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="accept a --max-model-len past the model's trained positions")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU for weights, activations and the KV cache (when its size is not given)")
-    p.add_argument("--enforce-eager", action="store_true", help="on CUDA, decode without CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="decode op by op: no CUDA graphs on a GPU; on the CPU, no native decode step (nor the "
+                        "second copy of the weights it reads)")
 
 
 def layer_list(text: str) -> tuple[int, ...]:

@@ -197,7 +197,7 @@ class EngineConfig:
     eviction: str | dict | None = None      # the default policy of requests (kvserve.kv.eviction)
     allow_long_max_model_len: bool = False  # max_model_len past the model's trained positions
     gpu_memory_utilization: float = 0.9     # share of the GPU for weights, activations and the KV pool
-    enforce_eager: bool = False             # on CUDA, decode without CUDA graphs
+    enforce_eager: bool = False             # decode op by op: no CUDA graphs, no native CPU decode step
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
+from kvserve.engine.native_decode import linear_rows
 from kvserve.model.layers import Linear
 from kvserve.sampling import SamplingParams
 
@@ -146,12 +147,16 @@ def matmul_rate(dtype: torch.dtype, m: int, k: int, n: int, device: torch.device
 
 @torch.inference_mode()
 def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Best bytes/s read from a buffer much larger than the caches: by a sum and by a matrix-vector product."""
+    """Best bytes/s read from a buffer much larger than the caches: by a sum, and by matrix-vector
+    products (oneDNN's, and on the CPU the native decode step's)."""
     x = torch.ones(nbytes // 4, device=device)
-    gemv = _fastest_linear(x.view(-1, 1024))
+    w = x.view(-1, 1024)
     v = torch.ones(1, 1024, device=device)
+    readers = [x.sum, lambda gemv=_fastest_linear(w): gemv(v)]
+    if device.type == "cpu" and linear_rows(w[:1], v) is not None:
+        readers.append(lambda: linear_rows(w, v))
     best = 0.0
-    for fn in (x.sum, lambda: gemv(v)):
+    for fn in readers:
         fn()
         best = max(best, nbytes / min(timed(fn, device) for _ in range(repeats)))
     return best

@@ -17,6 +17,7 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.detokenizer import detokenize_step
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.gpu_memory import profile_kv_memory
+from kvserve.engine.native_decode import NativeDecode, native_decode_wanted
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
@@ -42,8 +43,10 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(config, mcfg)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_ids()
-        self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len)
         self.backend = get_backend(config.attention_backend, self.device)
+        native = native_decode_wanted(config, self.device, self.dtype, self.backend)
+        self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
+                                keep_weights=native)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
@@ -62,6 +65,8 @@ class LLMEngine:
                 self.runner.graphs = graphs
             except Exception as e:  # noqa: BLE001  (a driver or kernel that cannot be captured: serve eagerly)
                 log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+        if native:
+            self.runner.native = NativeDecode(self.model, self.storage)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
         self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None

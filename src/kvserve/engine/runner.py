@@ -7,6 +7,7 @@ import torch
 
 from kvserve.attention import AttentionBatch
 from kvserve.engine.cuda_graphs import DecodeGraphs
+from kvserve.engine.native_decode import NativeDecode
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
@@ -43,6 +44,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        self.native: NativeDecode | None = None
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         input_ids, starts, q_lens, ctx_lens, logits_indices, sample_rows = [], [], [], [], [], []
@@ -120,6 +122,10 @@ class ModelRunner:
             self.storage.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
         batch = inputs.batch
+        if self.native is not None and self.native.can_run(batch, bool(inputs.prompt_spans)):
+            # rows of one token that do not sample are prompts computed a token at a time
+            logits = self.native.run(inputs.input_ids, inputs.positions, batch)[inputs.logits_indices]
+            return StepOutput(logits, inputs.sample_rows, logits[:0], [], {})
         if self.graphs is not None and self.graphs.can_run(batch, bool(inputs.prompt_spans)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, batch)
         else:

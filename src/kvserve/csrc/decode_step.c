@@ -1,0 +1,227 @@
+/* A whole decode step of a Llama-family decoder on the CPU in one call: embedding, every layer
+ * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, O, RMSNorm, gate/up, SiLU, down)
+ * and the logits, for a few sequences of one new token each.
+ *
+ * Decoding a few tokens reads every weight once per step: the step is bound by memory reads, and
+ * run op by op from Python it loses as much time again in dispatch and in small-matrix overheads.
+ * Here one OpenMP team runs the step: matrix-vector products split their rows between the threads,
+ * attention its (sequence, KV head) tasks, and the few thousand numbers of norms and RoPE are done
+ * by one thread between them.
+ *
+ * Weights are row-major [out][in] as torch's Linear keeps them, float32 or bfloat16 (`dtype`, the
+ * kinds of paged_decode.h), and the cache holds the same dtype. Activations are float32 here; in a
+ * bfloat16 model they are rounded to bfloat16 wherever the eager model holds them in bfloat16, so
+ * that both compute the same numbers up to the order of the sums.
+ */
+#include "paged_decode.h"
+
+typedef struct {
+    const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
+    void *kv;                                                 /* pages [2][KVH][NB][BS][D] */
+} Layer;
+
+typedef struct {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, dtype;
+    int num_blocks, block_size;
+    float eps, scale;
+    const void *embed, *norm, *lm_head;
+    const Layer *layers;
+} Model;
+
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) return bits_to_float((u & 0xffff0000u) | ((u & 0xffff) ? 0x400000u : 0));
+    u += 0x7fffu + ((u >> 16) & 1u);      /* round to nearest, ties to even */
+    return bits_to_float(u & 0xffff0000u);
+}
+
+/* Rounded as a tensor of `dtype` would hold it. */
+static inline float as_dtype(float f, int dtype) { return dtype == BF16 ? round_bf16(f) : f; }
+
+static inline float param(const void *p, int dtype, int64_t i) {
+    return dtype == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int dtype, int64_t i, float f) {
+    if (dtype == BF16) {
+        float r = round_bf16(f);
+        uint32_t u;
+        memcpy(&u, &r, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+/* out[j] = w . x[j] for the four inputs x[0..3] (repeat one to use fewer), w in the model's dtype:
+ * each weight is loaded and converted once for all four. */
+static inline void dot4(const void *w, int dtype, int64_t in, const float *const x[4], float out[4]) {
+    const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    if (dtype == BF16) {
+        const uint16_t *r = w;
+        #pragma omp simd reduction(+:a0, a1, a2, a3)
+        for (int64_t k = 0; k < in; k++) {
+            const float v = bf16_to_float(r[k]);
+            a0 += v * x0[k], a1 += v * x1[k], a2 += v * x2[k], a3 += v * x3[k];
+        }
+    } else {
+        const float *r = w;
+        #pragma omp simd reduction(+:a0, a1, a2, a3)
+        for (int64_t k = 0; k < in; k++) {
+            const float v = r[k];
+            a0 += v * x0[k], a1 += v * x1[k], a2 += v * x2[k], a3 += v * x3[k];
+        }
+    }
+    out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3;
+}
+
+static inline float dot(const void *w, int dtype, int64_t in, const float *restrict x) {
+    float a = 0.0f;
+    if (dtype == BF16) {
+        const uint16_t *r = w;
+        #pragma omp simd reduction(+:a)
+        for (int64_t k = 0; k < in; k++) a += bf16_to_float(r[k]) * x[k];
+    } else {
+        const float *r = w;
+        #pragma omp simd reduction(+:a)
+        for (int64_t k = 0; k < in; k++) a += r[k] * x[k];
+    }
+    return a;
+}
+
+/* y[t][o] = w[o] . x[t] + b[o] for n rows of x; the team shares the output rows (call from every
+ * thread). The weight is read once: each row meets the inputs four at a time while it is in cache. */
+static void linear(const void *w, const void *b, int dtype, const float *x, int n, int in, int out, float *y,
+                   int y_stride) {
+    const size_t row_bytes = (size_t)in * (dtype == BF16 ? 2 : 4);
+    #pragma omp for schedule(static)
+    for (int o = 0; o < out; o++) {
+        const void *row = (const char *)w + (size_t)o * row_bytes;
+        const float bias = b ? param(b, dtype, o) : 0.0f;
+        if (n == 1) {
+            y[o] = as_dtype(dot(row, dtype, in, x) + bias, dtype);
+            continue;
+        }
+        for (int t = 0; t < n; t += 4) {
+            const int m = n - t < 4 ? n - t : 4;
+            const float *xs[4];
+            float r[4];
+            for (int j = 0; j < 4; j++) xs[j] = x + (size_t)(t + (j < m ? j : 0)) * in;
+            dot4(row, dtype, in, xs, r);
+            for (int j = 0; j < m; j++) y[(size_t)(t + j) * y_stride + o] = as_dtype(r[j] + bias, dtype);
+        }
+    }
+}
+
+/* y = RMSNorm(x) * weight over `dim` numbers, rounded as the eager model rounds. */
+static void rms_norm(const float *x, const void *weight, int dtype, int dim, float eps, float *y) {
+    float ss = 0.0f;
+    for (int i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / dim + eps);
+    for (int i = 0; i < dim; i++) {
+        const float w = param(weight, dtype, i);
+        /* bfloat16: the normalised number is rounded before the weight scales it (as in transformers) */
+        y[i] = dtype == BF16 ? round_bf16(w * round_bf16(x[i] * inv)) : x[i] * inv * w;
+    }
+}
+
+/* x[:] rotated by RoPE in place (rotate-half layout; sin carries the sign of the first half). */
+static void rope(float *x, const float *cos, const float *sin, int d, int dtype) {
+    const int half = d / 2;
+    float rotated[d];
+    for (int i = 0; i < d; i++) {
+        const float c = as_dtype(cos[i], dtype), s = as_dtype(sin[i], dtype);
+        rotated[i] = as_dtype(as_dtype(x[i] * c, dtype) + x[(i + half) % d] * s, dtype);
+    }
+    memcpy(x, rotated, sizeof(rotated));
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* Q/K norms and RoPE of token t's q and k heads, then its K and V written at its cache slot. */
+static void position_and_store(const Model *m, const Layer *l, float *qkv, int64_t position, int64_t slot,
+                               const float *cos_table, const float *sin_table) {
+    const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype;
+    const float *cos = cos_table + position * d, *sin = sin_table + position * d;
+    for (int h = 0; h < nh + nkv; h++) {
+        float *head = qkv + (size_t)h * d;
+        if (l->q_norm) rms_norm(head, h < nh ? l->q_norm : l->k_norm, dt, d, m->eps, head);
+        rope(head, cos, sin, d, dt);
+    }
+    const int64_t block = slot / m->block_size, offset = slot % m->block_size;
+    for (int which = 0; which < 2; which++)
+        for (int h = 0; h < nkv; h++) {
+            const float *src = qkv + ((size_t)(nh + which * nkv + h)) * d;
+            const int64_t row = ((((int64_t)which * nkv + h) * m->num_blocks + block) * m->block_size + offset) * d;
+            for (int i = 0; i < d; i++) store(l->kv, dt, row + i, src[i]);
+        }
+}
+
+/* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
+ * token each at `positions`, writing their K/V at `slots` and attending over their pages. */
+void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
+                 const int64_t *block_tables, int table_width, const int64_t *context_lens,
+                 const float *cos_table, const float *sin_table, void *logits, int threads) {
+    const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
+    const int inter = m->intermediate, dt = m->dtype, q_size = nh * d, qkv_size = (nh + 2 * nkv) * d;
+    float *x = malloc(sizeof(float) * n * hdim), *h = malloc(sizeof(float) * n * hdim);
+    float *qkv = malloc(sizeof(float) * n * qkv_size), *attn = malloc(sizeof(float) * n * q_size);
+    float *gate_up = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
+    float *y = malloc(sizeof(float) * n * (hdim > m->vocab ? hdim : m->vocab));
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
+    #pragma omp parallel num_threads(threads)
+    {
+        for (int li = 0; li < m->num_layers; li++) {
+            const Layer *l = &m->layers[li];
+            const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
+            #pragma omp single
+            for (int t = 0; t < n; t++) rms_norm(x + t * hdim, l->input_norm, dt, hdim, m->eps, h + t * hdim);
+            linear(l->qkv_w, l->qkv_b, dt, h, n, hdim, qkv_size, qkv, qkv_size);
+            #pragma omp single
+            for (int t = 0; t < n; t++)
+                position_and_store(m, l, qkv + (size_t)t * qkv_size, positions[t], slots[t], cos_table, sin_table);
+            #pragma omp for collapse(2) schedule(dynamic)
+            for (int t = 0; t < n; t++)
+                for (int kh = 0; kh < nkv; kh++) {
+                    const int groups = nh / nkv;
+                    float *o = attn + (size_t)t * q_size + (size_t)kh * groups * d;
+                    attend_head(&cache, kh, block_tables + (int64_t)t * table_width, context_lens[t],
+                                qkv + (size_t)t * qkv_size + (size_t)kh * groups * d, groups, m->scale, o);
+                    for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], dt);
+                }
+            linear(l->o_w, l->o_b, dt, attn, n, q_size, hdim, y, hdim);
+            #pragma omp single
+            for (int t = 0; t < n; t++) {
+                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
+                rms_norm(x + t * hdim, l->post_norm, dt, hdim, m->eps, h + t * hdim);
+            }
+            linear(l->gate_up_w, l->gate_up_b, dt, h, n, hdim, 2 * inter, gate_up, 2 * inter);
+            #pragma omp for schedule(static)
+            for (int t = 0; t < n; t++)
+                for (int i = 0; i < inter; i++) {
+                    const float *g = gate_up + (size_t)t * 2 * inter;
+                    act[(size_t)t * inter + i] = as_dtype(as_dtype(silu(g[i]), dt) * g[inter + i], dt);
+                }
+            linear(l->down_w, l->down_b, dt, act, n, inter, hdim, y, hdim);
+            #pragma omp single
+            for (int t = 0; t < n; t++)
+                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
+        }
+        #pragma omp single
+        for (int t = 0; t < n; t++) rms_norm(x + t * hdim, m->norm, dt, hdim, m->eps, h + t * hdim);
+        linear(m->lm_head, NULL, dt, h, n, hdim, m->vocab, y, m->vocab);
+    }
+    for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
+    free(x), free(h), free(qkv), free(attn), free(gate_up), free(act), free(y);
+}
+
+/* y[t] = w . x[t] for n inputs by the step's own matrix-vector product (y and x float32): to test it
+ * alone, and for the benchmarks to measure the read bandwidth with it. */
+void linear_rows(const void *w, int dtype, const float *x, int n, int in, int out, float *y, int threads) {
+    #pragma omp parallel num_threads(threads)
+    linear(w, NULL, dtype, x, n, in, out, y, out);
+}

@@ -1,0 +1,120 @@
+"""Decode steps of a few sequences run on the CPU by one C call (`csrc/decode_step.c`).
+
+The CPU's counterpart of CUDA graphs. Decoding a few tokens reads every weight once per step, so the
+step is bound by memory reads; run op by op from Python, it loses as much time again in dispatch and
+in the small-matrix overheads of a GEMM library. The C step reads the weights as torch's Linear keeps
+them ([out, in]), so the engine keeps those beside the prepacked copies its larger batches use
+(`CausalLM.pack_weights(keep_weights=True)`): the weights take twice their memory, as CUDA graphs
+take memory of their own. `enforce_eager` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.attention import AttentionBatch
+from kvserve.attention.native import DTYPE_KINDS, NativeBackend
+from kvserve.config import EngineConfig
+from kvserve.kernels import library
+from kvserve.kv.storage import KVStorage
+from kvserve.model.decoder import CausalLM
+
+# Up to this many sequences a step is bound by reading the weights, and one C call is the faster
+# way; past it, the prepacked GEMMs are (kvserve bench throughput measures both sides).
+MAX_BATCH = 4
+DTYPES = (torch.float32, torch.bfloat16)
+_LAYER_FIELDS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
+                 "input_norm", "post_norm", "q_norm", "k_norm", "kv")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
+                                                    "head_dim", "intermediate", "vocab", "dtype",
+                                                    "num_blocks", "block_size")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _kernel(name: str, argtypes: list):
+    lib = library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
+def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """x [n, in] (float32) @ w [out, in].T by the decode step's own matrix-vector products, as float32
+    (rounded to w's dtype); None where the kernels cannot be built."""
+    p, i = ctypes.c_void_p, ctypes.c_int
+    fn = _kernel("linear_rows", [p, i, p, i, i, i, p, i])
+    if fn is None:
+        return None
+    w, x = w.contiguous(), x.float().contiguous()
+    y = torch.empty(x.shape[0], w.shape[0])
+    fn(w.data_ptr(), DTYPE_KINDS[w.dtype], x.data_ptr(), x.shape[0], w.shape[1], w.shape[0], y.data_ptr(),
+       torch.get_num_threads())
+    return y
+
+
+def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
+    """On the CPU unless enforce_eager: a float32 or bfloat16 model whose decode the native attention
+    backend runs over a full-precision cache, and the kernels built."""
+    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
+            and isinstance(backend, NativeBackend) and config.cache_mode != "none"
+            and config.kv_cache_dtype == "auto" and library() is not None)
+
+
+class NativeDecode:
+    """The model's weights and cache pages as the C step reads them, and `run` for one step."""
+
+    def __init__(self, model: CausalLM, storage: KVStorage):
+        cfg = model.config
+        self.model = model
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self.fn = _kernel("decode_step", [ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i])
+        layers = []
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.weight.numel() == 0 for lin in linears):
+                raise ValueError("the C decode step reads the plain weights: pack them with keep_weights=True")
+            tensors = [t for lin in linears for t in (lin.weight, lin.bias)]
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
+                        storage.layer(i)]
+            layers.append(_Layer(*map(_address, tensors)))
+        self._layers = (_Layer * len(layers))(*layers)
+        self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
+                           storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
+                           _address(model.model.embed_tokens.weight), _address(model.model.norm.weight),
+                           _address(model.lm_head.weight), self._layers)
+        self.steps = 0
+
+    def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
+        """A step of at most MAX_BATCH decodes that needs nothing but the logits."""
+        return (batch.num_prefills == 0 and len(batch.query_lens) <= MAX_BATCH and batch.kv_write is None
+                and not batch.mass_requests and not prompt_logprobs)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache."""
+        n = len(input_ids)
+        rope = self.model.rope
+        logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
+        self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), batch.slot_mapping.data_ptr(),
+                batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
+                rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        self.steps += 1
+        return logits

@@ -1,0 +1,119 @@
+"""The CPU's native decode step (csrc/decode_step.c) against the eager forward, and where it applies."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.native_decode import MAX_BATCH
+from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+VARIANTS = {
+    "llama-gqa2": ("llama", {}),
+    "llama-mha-bias": ("llama", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
+    "llama-gqa8-head-dim-80": ("llama", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=80)),
+    "qwen3-tied": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def compare_with_eager(llm: LLM) -> list[float]:
+    """After each native step, the eager forward of the same inputs (which rewrites the same K/V, so
+    that every step starts from the eager model's cache): the largest logit difference of each."""
+    runner, diffs = llm.engine.runner, []
+    run = runner.run
+
+    def checked_run(sched):
+        out = run(sched)
+        if runner.native.steps > len(diffs):
+            inputs = runner.prepare(sched)
+            with torch.inference_mode():
+                hidden = runner.model(inputs.input_ids, inputs.positions, inputs.batch, runner.backend,
+                                      runner.storage)
+                eager = runner.model.compute_logits(hidden[inputs.logits_indices])
+            diffs.append((out.logits.float() - eager.float()).abs().max().item())
+        return out
+
+    runner.run = checked_run
+    return diffs
+
+
+def prompts(lengths: list[int]) -> list[dict]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    return [{"prompt_token_ids": torch.randint(3, 384, (n,), generator=g).tolist()} for n in lengths]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype, atol", [("float32", 5e-5), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_steps_give_the_eager_logits(tmp_path, variant, dtype, atol, threads):
+    arch, overrides = VARIANTS[variant]
+    path = make_checkpoint(tmp_path, arch, dtype=getattr(torch, dtype), **overrides)
+    torch.set_num_threads(threads)
+    # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=dtype, max_num_seqs=MAX_BATCH)
+    diffs = compare_with_eager(llm)
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    llm.generate(prompts([1, 3, 4, 5, 13, 6]), params, use_tqdm=False)
+    assert len(diffs) >= 9 and max(diffs) <= atol
+
+
+def test_bfloat16_rounds_where_the_eager_model_does(tmp_path):
+    """Rounding only the results of the products would leave differences of whole bfloat16 steps; what
+    is left is the order of the sums."""
+    path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16")
+    diffs = compare_with_eager(llm)
+    llm.generate(prompts([7]), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(diffs) == 5 and max(diffs) <= 0.05
+
+
+def test_it_runs_small_decode_steps_only(tiny_llama):
+    llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
+    native = llm.engine.runner.native
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate(prompts([5] * (MAX_BATCH + 1)), params, use_tqdm=False)
+    assert native.steps == 0                       # a prefill, then decodes of 5 sequences
+    llm.generate(prompts([5] * MAX_BATCH), params, use_tqdm=False)
+    assert native.steps == 3
+    # h2o scores the cache with the attention of each step: those steps need the eager forward
+    llm.generate(prompts([5]), SamplingParams(max_tokens=4, eviction="h2o:budget=64,recent=8"), use_tqdm=False)
+    assert native.steps == 3
+
+
+@pytest.mark.parametrize("kwargs", [dict(enforce_eager=True), dict(attention_backend="sdpa"),
+                                    dict(kv_cache_dtype="int8"), dict(cache_mode="none"), dict(dtype="float16")])
+def test_it_is_off_where_it_does_not_apply(tiny_llama, kwargs):
+    llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, **{"dtype": "float32", **kwargs})
+    assert llm.engine.runner.native is None
+    # and the eager model keeps only its prepacked weights (float16 is not prepacked)
+    linear = llm.engine.model.model.layers[0].mlp.down_proj
+    assert linear.packed is None or linear.weight.numel() == 0
+
+
+def test_the_same_tokens_with_and_without_it(tiny_llama):
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True, logprobs=3)
+    outs = [LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32", enforce_eager=eager)
+            .generate(prompts([2, 9, 4]), params, use_tqdm=False) for eager in (False, True)]
+    for native, eager in zip(*outs):
+        assert native.outputs[0].token_ids == eager.outputs[0].token_ids
+        for a, b in zip(native.outputs[0].logprobs, eager.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert abs(a[token].logprob - b[token].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, out, in_", [(1, 37, 80), (3, 5, 128), (4, 64, 13), (6, 130, 65)])
+def test_the_matrix_vector_products_equal_torch(dtype, n, out, in_):
+    from kvserve.engine.native_decode import linear_rows
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(n * out)
+    w = torch.randn(out, in_, generator=g).to(dtype)
+    x = torch.randn(n, in_, generator=g).to(dtype)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)
+    torch.testing.assert_close(linear_rows(w, x), ref, **tol)
