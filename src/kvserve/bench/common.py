@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
+from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
 from kvserve.model.layers import Linear
 from kvserve.sampling import SamplingParams
@@ -148,8 +149,12 @@ def matmul_rate(dtype: torch.dtype, m: int, k: int, n: int, device: torch.device
 @torch.inference_mode()
 def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Best bytes/s read from a buffer much larger than the caches: by a sum, and by matrix-vector
-    products (oneDNN's, and on the CPU the native decode step's)."""
-    x = torch.ones(nbytes // 4, device=device)
+    products (oneDNN's, and on the CPU the native decode step's). On the CPU the buffer is on huge
+    pages, as the native decode step's weights are."""
+    if device.type == "cpu":
+        x = huge_page_buffer(nbytes).view(torch.float32).fill_(1.0)
+    else:
+        x = torch.ones(nbytes // 4, device=device)
     w = x.view(-1, 1024)
     v = torch.ones(1, 1024, device=device)
     readers = [x.sum, lambda gemv=_fastest_linear(w): gemv(v)]

@@ -1,12 +1,16 @@
-"""Keep freed activation memory in the process on the CPU, instead of re-faulting it every step."""
+"""CPU memory: freed activations kept in the process; weights on huge pages."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import mmap
+
+import torch
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HUGE_PAGE = 2 * 2**20
 
 
 def reuse_freed_memory() -> bool:
@@ -26,3 +30,23 @@ def reuse_freed_memory() -> bool:
     if not ok:
         log.debug("mallopt unavailable: large CPU tensors keep the default allocator behaviour")
     return ok
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """nbytes of zeroed memory (uint8), from a 2 MiB boundary, that the kernel may back with
+    transparent huge pages (asked for by madvise, the mode most systems default to).
+
+    Streaming reads run faster on huge pages: a matrix-vector product over 157 MB of float32
+    weights read 48-49 GB/s on 4 KiB pages and 52-53 GB/s on 2 MiB pages here. Where the kernel
+    refuses, the memory is ordinary pages.
+    """
+    if not hasattr(mmap, "MAP_PRIVATE"):     # not a POSIX system
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):        # not Linux, or THP unavailable
+        log.debug("no transparent huge pages here")
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)   # holds the mapping
+    start = -buffer.data_ptr() % HUGE_PAGE
+    return buffer[start:start + nbytes]

@@ -16,9 +16,11 @@ import torch
 from kvserve.attention import AttentionBatch
 from kvserve.attention.native import DTYPE_KINDS, NativeBackend
 from kvserve.config import EngineConfig
+from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.kernels import library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
+from kvserve.model.layers import Linear
 
 # Up to this many sequences a step is bound by reading the weights, and one C call is the faster
 # way; past it, the prepacked GEMMs are (kvserve bench throughput measures both sides).
@@ -76,20 +78,34 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
             and config.kv_cache_dtype == "auto" and library() is not None)
 
 
+def _to_huge_pages(params: list[torch.Tensor]) -> None:
+    """Move the parameters' data into one buffer on huge pages (the step streams them every time)."""
+    params = list({p.data_ptr(): p for p in params}.values())        # tied weights once
+    sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]
+    buffer = huge_page_buffer(sum(sizes))
+    offset = 0
+    for p, size in zip(params, sizes):
+        view = buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        p.data = view.copy_(p.data)
+        offset += size
+
+
 class NativeDecode:
     """The model's weights and cache pages as the C step reads them, and `run` for one step."""
 
     def __init__(self, model: CausalLM, storage: KVStorage):
         cfg = model.config
         self.model = model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        if any(lin.weight.numel() == 0 for lin in linears):
+            raise ValueError("the C decode step reads the plain weights: pack them with keep_weights=True")
+        _to_huge_pages([lin.weight for lin in linears] + [model.model.embed_tokens.weight])
         p, i = ctypes.c_void_p, ctypes.c_int
         self.fn = _kernel("decode_step", [ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i])
         layers = []
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.weight.numel() == 0 for lin in linears):
-                raise ValueError("the C decode step reads the plain weights: pack them with keep_weights=True")
             tensors = [t for lin in linears for t in (lin.weight, lin.bias)]
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,

@@ -73,20 +73,12 @@ class ModelRunner:
                     prompt_indices += range(offset + first - start, offset + last - start)
                     prompt_spans.append((i, first + 1, last - first))
         dev = self.device
-        q_lens_t = torch.tensor(q_lens, device=dev)
-        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens_t)
-        cu = torch.cumsum(q_lens_t, 0) - q_lens_t
-        positions = torch.tensor(starts, device=dev)[rows] + torch.arange(len(input_ids), device=dev) - cu[rows]
         self.model.ensure_rope(max(s + n for s, n in zip(starts, q_lens)))
-        cache_positions = positions - torch.tensor(evicted, device=dev)[rows] if any(evicted) else positions
-        block_tables = slot_mapping = kv_write = None
-        if self.storage is not None:
-            tables = [self.block_tables[s.seq_id] for s in sched.seqs]
-            width = max(len(t) for t in tables)
-            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-            bs = self.storage.block_size
-            slot_mapping = block_tables[rows, cache_positions // bs] * bs + cache_positions % bs
-            kv_write = self.storage.plan_writes(tables, [s - e for s, e in zip(starts, evicted)], q_lens)
+        # the cache holds the tokens not evicted: their places there
+        cache_starts = [s - e for s, e in zip(starts, evicted)]
+        tables = [self.block_tables[s.seq_id] for s in sched.seqs] if self.storage is not None else None
+        positions, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, len(input_ids), tables)
+        kv_write = self.storage.plan_writes(tables, cache_starts, q_lens) if tables is not None else None
         nd = sched.num_decodes
         batch = AttentionBatch(
             num_decodes=nd,
@@ -104,6 +96,32 @@ class ModelRunner:
         as_index = lambda xs: torch.tensor(xs, device=dev, dtype=torch.long)  # noqa: E731
         return StepInputs(as_index(input_ids), positions, batch, as_index(logits_indices), sample_rows,
                           as_index(prompt_indices), prompt_spans)
+
+    def _places(self, starts: list[int], cache_starts: list[int], q_lens: list[int], num_tokens: int,
+                tables: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Positions of the step's tokens, their cache slots and the padded block tables (no cache: None)."""
+        dev = self.device
+        block_tables = slot_mapping = None
+        if tables is not None:
+            width = max(len(t) for t in tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        if num_tokens == len(q_lens):
+            # one token per sequence (decodes): cheaper in Python than a dozen small tensor ops
+            positions = torch.tensor(starts, device=dev)
+            if tables is not None:
+                bs = self.storage.block_size
+                slot_mapping = torch.tensor([t[c // bs] * bs + c % bs for t, c in zip(tables, cache_starts)],
+                                            device=dev)
+            return positions, slot_mapping, block_tables
+        q_lens_t = torch.tensor(q_lens, device=dev)
+        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens_t)
+        offsets = torch.arange(num_tokens, device=dev) - (torch.cumsum(q_lens_t, 0) - q_lens_t)[rows]
+        positions = torch.tensor(starts, device=dev)[rows] + offsets
+        if tables is not None:
+            bs = self.storage.block_size
+            cache_positions = torch.tensor(cache_starts, device=dev)[rows] + offsets
+            slot_mapping = block_tables[rows, cache_positions // bs] * bs + cache_positions % bs
+        return positions, slot_mapping, block_tables
 
     @staticmethod
     def _scored_queries(seq, n: int) -> int:
