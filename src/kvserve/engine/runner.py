@@ -141,8 +141,9 @@ class ModelRunner:
         inputs = self.prepare(sched)
         batch = inputs.batch
         if self.native is not None and self.native.can_run(batch, bool(inputs.prompt_spans)):
-            # rows of one token that do not sample are prompts computed a token at a time
-            logits = self.native.run(inputs.input_ids, inputs.positions, batch)[inputs.logits_indices]
+            logits = self.native.run(inputs.input_ids, inputs.positions, batch)
+            if len(inputs.sample_rows) < len(logits):     # the others compute a prompt a token at a time
+                logits = logits[inputs.logits_indices]
             return StepOutput(logits, inputs.sample_rows, logits[:0], [], {})
         if self.graphs is not None and self.graphs.can_run(batch, bool(inputs.prompt_spans)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, batch)
