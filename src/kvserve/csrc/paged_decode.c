@@ -1,5 +1,9 @@
 #include "paged_decode.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 /* Rows [0, n) of block `block` of K (which = 0) or V (1), head h, as floats tile[n][d]. */
 static void load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
     const int d = c->d, bs = c->bs;
@@ -60,42 +64,101 @@ static void load_block(const Cache *c, int which, int h, int64_t block, int n, f
     }
 }
 
+/* e^x for scores less their maximum (x <= 0), as 2^k * 2^f with f in [-1/2, 1/2] and 2^f from its
+ * series to the 6th power (relative error about 1e-7): unlike libm's expf, loops of it vectorize. */
+static inline float exp_nonpositive(float x) {
+    const float t = (x < -87.0f ? -87.0f : x) * 1.44269504f;       /* log2(e): 2^t, t >= -125.5 */
+    const float k = (t + 12582912.0f) - 12582912.0f;               /* round to nearest (1.5 * 2^23) */
+    const float y = (t - k) * 0.693147181f;
+    const float p = 1.0f + y * (1.0f + y * 0.5f * (1.0f + y * (1.0f / 3) * (1.0f + y * 0.25f *
+                    (1.0f + y * 0.2f * (1.0f + y * (1.0f / 6))))));
+    return p * bits_to_float((uint32_t)((int32_t)k + 127) << 23);
+}
+
+/* e[t] = q . rows[t] for the n rows of d numbers. */
+static void scores_of(const float *q, const float *rows, int n, int d, float *e) {
+#ifdef __AVX512F__
+    /* sixteen numbers a step, and each row's sum reduced once (the compiler's `omp simd` reduction
+     * adds the lanes one by one: most of the time of a 64-number dot product) */
+    for (int t = 0; t < n; t++) {
+        const float *k = rows + (size_t)t * d;
+        __m512 acc = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+        if (i < d) {
+            const __mmask16 tail = (__mmask16)((1u << (d - i)) - 1);
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + i), _mm512_maskz_loadu_ps(tail, k + i), acc);
+        }
+        e[t] = _mm512_reduce_add_ps(acc);
+    }
+#else
+    for (int t = 0; t < n; t++) {
+        float s = 0.0f;
+        #pragma omp simd reduction(+:s)
+        for (int i = 0; i < d; i++) s += q[i] * rows[(size_t)t * d + i];
+        e[t] = s;
+    }
+#endif
+}
+
+/* a[i] += sum over t < n of p[t] * rows[t][i], for the d numbers of a. */
+static void add_weighted_rows(float *a, const float *p, const float *rows, int n, int d) {
+#ifdef __AVX512F__
+    /* 64 numbers of a at a time, held in registers across the rows (four chains of additions) */
+    for (int i = 0; i < d; i += 64) {
+        __mmask16 mask[4];
+        __m512 v[4];
+        for (int j = 0; j < 4; j++) {
+            const int left = d - i - 16 * j;
+            mask[j] = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            v[j] = _mm512_maskz_loadu_ps(mask[j], a + i + 16 * j);
+        }
+        for (int t = 0; t < n; t++) {
+            const __m512 w = _mm512_set1_ps(p[t]);
+            const float *r = rows + (size_t)t * d + i;
+            for (int j = 0; j < 4; j++) v[j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mask[j], r + 16 * j), v[j]);
+        }
+        for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(a + i + 16 * j, mask[j], v[j]);
+    }
+#else
+    for (int t = 0; t < n; t++) {
+        #pragma omp simd
+        for (int i = 0; i < d; i++) a[i] += p[t] * rows[(size_t)t * d + i];
+    }
+#endif
+}
+
 void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
                  float scale, float *out) {
     const int d = c->d, bs = c->bs;
     /* a block's rows can be a whole context (cache_mode "contiguous"): on the heap, not the stack */
     float *tile = malloc(sizeof(float) * (size_t)bs * d), *scores = malloc(sizeof(float) * (size_t)groups * bs);
-    float acc[groups * d], m[groups], l[groups];
+    float acc[groups * d], m[groups], l[groups], qs[groups * d];
     memset(acc, 0, sizeof(acc));
     for (int g = 0; g < groups; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+    for (int i = 0; i < groups * d; i++) qs[i] = q[i] * scale;
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t block = table[start / bs];
         const int n = ctx - start < bs ? (int)(ctx - start) : bs;
         load_block(c, 0, h, block, n, tile);
         for (int g = 0; g < groups; g++) {
             float *e = scores + g * bs, top = m[g], sum = 0.0f;
-            for (int t = 0; t < n; t++) {
-                float s = 0.0f;
-                #pragma omp simd reduction(+:s)
-                for (int i = 0; i < d; i++) s += q[g * d + i] * tile[t * d + i];
-                e[t] = s * scale;
-                top = e[t] > top ? e[t] : top;
-            }
+            scores_of(qs + g * d, tile, n, d, e);
+            #pragma omp simd reduction(max:top)
+            for (int t = 0; t < n; t++) top = e[t] > top ? e[t] : top;
             const float correction = expf(m[g] - top);   /* 0 on the first block (m = -inf) */
             l[g] *= correction;
             for (int i = 0; i < d; i++) acc[g * d + i] *= correction;
-            for (int t = 0; t < n; t++) e[t] = expf(e[t] - top);
             #pragma omp simd reduction(+:sum)
-            for (int t = 0; t < n; t++) sum += e[t];
+            for (int t = 0; t < n; t++) {
+                e[t] = exp_nonpositive(e[t] - top);
+                sum += e[t];
+            }
             l[g] += sum;
             m[g] = top;
         }
         load_block(c, 1, h, block, n, tile);
-        for (int g = 0; g < groups; g++)
-            for (int t = 0; t < n; t++) {
-                const float p = scores[g * bs + t];
-                for (int i = 0; i < d; i++) acc[g * d + i] += p * tile[t * d + i];
-            }
+        for (int g = 0; g < groups; g++) add_weighted_rows(acc + g * d, scores + g * bs, tile, n, d);
     }
     /* no context (a padding row) leaves l = 0: the output is 0, not 0/0 */
     for (int g = 0; g < groups; g++)
