@@ -4,8 +4,9 @@
 #include <immintrin.h>
 #endif
 
-/* Rows [0, n) of block `block` of K (which = 0) or V (1), head h, as floats tile[n][d]. */
-static void load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
+/* Rows [0, n) of block `block` of K (which = 0) or V (1), head h, as floats [n][d]: in place where
+ * they are float32 already, else converted into `tile`. */
+static const float *load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
     const int d = c->d, bs = c->bs;
     if (c->kind <= F16 || (c->residual_of && c->residual_of[block] >= 0)) {
         int kind = c->kind <= F16 ? c->kind : c->residual_kind;
@@ -14,8 +15,9 @@ static void load_block(const Cache *c, int which, int h, int64_t block, int n, f
         int64_t at = c->kind <= F16 ? block : c->residual_of[block];
         size_t es = elem_size(kind);
         const char *rows = base + ((((int64_t)which * c->kvh + h) * blocks + at) * bs) * d * es;
+        if (kind == F32) return (const float *)rows;
         for (int t = 0; t < n; t++) load_row(tile + t * d, rows + (size_t)t * d * es, kind, d);
-        return;
+        return tile;
     }
     const int64_t hb = (int64_t)h * c->nb + block;
     const void *meta = which ? c->v_meta : c->k_meta;
@@ -62,6 +64,7 @@ static void load_block(const Cache *c, int which, int h, int64_t block, int n, f
             }
         }
     }
+    return tile;
 }
 
 /* e^x for scores less their maximum (x <= 0), as 2^k * 2^f with f in [-1/2, 1/2] and 2^f from its
@@ -140,10 +143,10 @@ void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t block = table[start / bs];
         const int n = ctx - start < bs ? (int)(ctx - start) : bs;
-        load_block(c, 0, h, block, n, tile);
+        const float *keys = load_block(c, 0, h, block, n, tile);
         for (int g = 0; g < groups; g++) {
             float *e = scores + g * bs, top = m[g], sum = 0.0f;
-            scores_of(qs + g * d, tile, n, d, e);
+            scores_of(qs + g * d, keys, n, d, e);
             #pragma omp simd reduction(max:top)
             for (int t = 0; t < n; t++) top = e[t] > top ? e[t] : top;
             const float correction = expf(m[g] - top);   /* 0 on the first block (m = -inf) */
@@ -157,8 +160,8 @@ void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const
             l[g] += sum;
             m[g] = top;
         }
-        load_block(c, 1, h, block, n, tile);
-        for (int g = 0; g < groups; g++) add_weighted_rows(acc + g * d, scores + g * bs, tile, n, d);
+        const float *values = load_block(c, 1, h, block, n, tile);
+        for (int g = 0; g < groups; g++) add_weighted_rows(acc + g * d, scores + g * bs, values, n, d);
     }
     /* no context (a padding row) leaves l = 0: the output is 0, not 0/0 */
     for (int g = 0; g < groups; g++)
