@@ -55,6 +55,10 @@ def test_bench_throughput_json(tmp_path):
         assert r["fraction_of_limit"] == pytest.approx(r["limit_s"] / r["ours_s"])
         assert r["limit_s"] >= max(r["compute_limit_s"], r["memory_limit_s"]) * (1 - 1e-9)
         assert r["batch1_fraction_of_bandwidth_limit"] == pytest.approx(r["batch1_tok_s"] / r["batch1_limit_tok_s"])
+        # the limit of batch-1 decode is the bandwidth measured around its run
+        bandwidth = r["runs"]["batch1_read_bandwidth_bytes_s"][0]
+        assert r["batch1_limit_tok_s"] == pytest.approx(bandwidth / r["weight_bytes"])
+        assert r["native_decode"] and not r["cuda_graphs"]    # the CPU decodes small batches by the C step
 
 
 def test_bench_throughput_one_dtype(tmp_path):

@@ -3,7 +3,8 @@
 The limit is a lower bound on the batch's time from two measured rates: the matmul rate (FLOP/s) and the
 memory read bandwidth (bytes/s). Prefill and decode run as separate steps, and every step reads all the
 weights once, so each phase takes at least the slower of its FLOPs at the matmul rate and its weight reads
-at the bandwidth: limit = max(prefill) + max(decode). Batch-1 decode is bound by the weight reads alone.
+at the bandwidth: limit = max(prefill) + max(decode). Batch-1 decode is bound by the weight reads alone, at
+the bandwidth measured around each of its runs.
 """
 from __future__ import annotations
 
@@ -139,8 +140,17 @@ def hf_batch1(model, prompt: list[int], tokens: int, device: torch.device) -> fl
     return (len(clock.times) - 2) / (clock.times[-1] - clock.times[1])
 
 
+def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device) -> dict:
+    """One batch-1 decode of each side, and the read bandwidth of the moment (this machine's moves
+    by a third from minute to minute): the higher of a measurement just before ours and one just after."""
+    before = read_bandwidth(device)
+    ours = ours_batch1(llm, prompt, tokens)
+    bandwidth = max(before, read_bandwidth(device))
+    return {"ours": ours, "hf": hf_batch1(hf, prompt, tokens, device), "bandwidth": bandwidth}
+
+
 def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, bandwidth: float) -> dict:
-    """Lower bounds (s) on the batch's time, and the batch-1 decode rate the bandwidth allows."""
+    """Lower bounds (s) on the batch's time."""
     layers, head = linear_params(cfg)
     weight_bytes = (layers + head) * dtype.itemsize
     attn = 4 * cfg.q_size * cfg.num_layers       # QK^T and PV FLOPs per (query, key) pair
@@ -155,7 +165,6 @@ def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, ban
         "compute_limit_s": (prefill_flops + decode_flops) / flop_s,
         "memory_limit_s": t * step_read_s,
         "limit_s": max(prefill_flops / flop_s, step_read_s) + max(decode_flops / flop_s, (t - 1) * step_read_s),
-        "batch1_limit_tok_s": 1 / step_read_s,
     }
 
 
@@ -175,15 +184,15 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         hf_runs.append(hf_batch(hf, prompts, w.tokens, device))
     ours_batch1(llm, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
-    batch1 = [(ours_batch1(llm, prompt1, w.batch1_tokens), hf_batch1(hf, prompt1, w.batch1_tokens, device))
-              for _ in range(w.repeats)]
+    batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device) for _ in range(w.repeats)]
     prefill_tokens = min(w.requests * w.prompt_len, llm.engine.scheduler_config.max_num_batched_tokens)
     flop_s = matmul_rate(torch_dtype, prefill_tokens, cfg.hidden_size, 2 * cfg.intermediate_size, device)
     lim = limits(cfg, w, torch_dtype, flop_s, bandwidth)
     ours_s = statistics.median(s for _, s in ours_runs)
     ours_tok_s = ours_runs[0][0] / ours_s
     hf_tok_s = hf_runs[0][0] / statistics.median(s for _, s in hf_runs)
-    batch1_tok_s = statistics.median(o for o, _ in batch1)
+    weight_bytes = lim["weight_bytes"]
+    batch1_tok_s = statistics.median(r["ours"] for r in batch1)
     return {
         "ours_tok_s": ours_tok_s,
         "hf_tok_s": hf_tok_s,
@@ -195,12 +204,15 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "matmul_flop_s": flop_s,
         **lim,
         "batch1_tok_s": batch1_tok_s,
-        "hf_batch1_tok_s": statistics.median(h for _, h in batch1),
-        "batch1_fraction_of_bandwidth_limit": batch1_tok_s / lim["batch1_limit_tok_s"],
+        "hf_batch1_tok_s": statistics.median(r["hf"] for r in batch1),
+        "batch1_limit_tok_s": statistics.median(r["bandwidth"] for r in batch1) / weight_bytes,
+        "batch1_fraction_of_bandwidth_limit": statistics.median(r["ours"] * weight_bytes / r["bandwidth"]
+                                                                for r in batch1),
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "native_decode": llm.engine.runner.native is not None,
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
-                 "batch1_tok_s": [o for o, _ in batch1], "hf_batch1_tok_s": [h for _, h in batch1]},
+                 "batch1_tok_s": [r["ours"] for r in batch1], "hf_batch1_tok_s": [r["hf"] for r in batch1],
+                 "batch1_read_bandwidth_bytes_s": [r["bandwidth"] for r in batch1]},
     }
 
 
