@@ -124,7 +124,8 @@ def decode_seconds(llm, prompts: list[list[int]], tokens: int) -> float:
 
 def decode_rate(llm, prompts: list[list[int]], tokens: int) -> float:
     """Decode tokens/s of the batch: a long and a short generation differ by `tokens` decode steps
-    per sequence, and by nothing else (the prompts are computed alike in both)."""
+    per sequence, and by nothing else (the prompts are computed alike in both: `llm` must not cache
+    prefixes)."""
     return len(prompts) * tokens / (decode_seconds(llm, prompts, tokens + 2) - decode_seconds(llm, prompts, 2))
 
 

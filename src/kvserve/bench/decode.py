@@ -58,8 +58,9 @@ def summarize(times: list[float], positions: list[int]) -> dict:
 
 def measure(path: Path, mode: str, prompt: list[int], tokens: int, args: argparse.Namespace) -> list[float]:
     block_size = args.block_size
+    # no prefix cache: the timed run computes the prompt that the warm-up computed too
     llm = LLM(str(path), dtype=args.dtype, device=args.device, cache_mode=mode, max_num_seqs=1,
-              max_model_len=len(prompt) + tokens, block_size=block_size,
+              max_model_len=len(prompt) + tokens, block_size=block_size, enable_prefix_caching=False,
               num_kv_blocks=-(-(len(prompt) + tokens) // block_size), attention_backend=args.attention_backend)
     step_times(llm.engine, prompt, min(_WARMUP_TOKENS, tokens))
     return step_times(llm.engine, prompt, tokens)

@@ -168,8 +168,8 @@ class Offline:
         self.params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
 
     def tok_s(self, prompts: list[list[int]]) -> float:
-        """Generated tokens/s (after a warm-up of two requests)."""
-        self.llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], self.params, use_tqdm=False)
+        """Generated tokens/s (after a warm-up of two requests that share no prefix with the prompts)."""
+        self.llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:2]], self.params, use_tqdm=False)
         start = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
@@ -196,15 +196,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         for c in concurrencies:
             n = args.requests or max(2 * c, 8 if args.quick else 32)
-            prompts = random_prompts(n, args.prompt_len, vocab_size(args) if not args.url else 256, seed=c)
-            asyncio.run(run_load(url, prompts[:1], args.output_len, 1, None))      # warm-up
+            vocab = vocab_size(args) if not args.url else 256
+            # fresh prompts for every run: a prompt seen before would be served from the prefix cache
+            prompts = random_prompts(n, args.prompt_len, vocab, seed=c)
+            asyncio.run(run_load(url, [prompts[0][::-1]], args.output_len, 1, None))      # warm-up
             if c != COMPARED or args.url:
                 results, duration = asyncio.run(run_load(url, prompts, args.output_len, c, args.request_rate))
                 rows.append({"concurrency": c, **summarize(results, duration)})
                 continue
             # served and offline in turns (the server idles meanwhile); the medians of each are compared
             offline, served, offline_tok_s = Offline(args, max_model_len, c), [], []
-            for _ in range(repeats):
+            for r in range(repeats):
+                prompts = random_prompts(n, args.prompt_len, vocab, seed=1000 * c + r)
                 results, duration = asyncio.run(run_load(url, prompts, args.output_len, c, args.request_rate))
                 served.append({"concurrency": c, **summarize(results, duration)})
                 offline_tok_s.append(offline.tok_s(prompts))

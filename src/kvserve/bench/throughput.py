@@ -79,7 +79,10 @@ def engine_kwargs(args: argparse.Namespace, w: Workload, dtype: str, device: tor
     if blocks is None and args.kv_cache_memory is None:
         per_seq = -(-(w.prompt_len + w.tokens) // args.block_size)
         blocks = max(w.requests * per_seq, -(-w.max_len // args.block_size))
+    # every run computes its prompts, as transformers does: the runs repeat the same prompts, which the
+    # prefix cache would otherwise serve from the run before
     return dict(dtype=dtype, device=str(device), max_model_len=w.max_len, block_size=args.block_size,
+                enable_prefix_caching=False,
                 num_kv_blocks=blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs or w.requests, max_num_batched_tokens=args.max_num_batched_tokens,
                 attention_backend=args.attention_backend)
