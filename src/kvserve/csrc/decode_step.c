@@ -55,8 +55,8 @@ static inline void store(void *p, int dtype, int64_t i, float f) {
     }
 }
 
-/* out[j] = w . x[j] for the four inputs x[0..3] (repeat one to use fewer), w in the model's dtype:
- * each weight is loaded and converted once for all four. */
+/* out[j] = w . x[j] for the four inputs x[0..3] (three: repeat one), w in the model's dtype: each
+ * weight is loaded and converted once for all four. */
 static inline void dot4(const void *w, int dtype, int64_t in, const float *const x[4], float out[4]) {
     const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
@@ -76,6 +76,25 @@ static inline void dot4(const void *w, int dtype, int64_t in, const float *const
         }
     }
     out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3;
+}
+
+/* out[j] = w . x[j] for two inputs. */
+static inline void dot2(const void *w, int dtype, int64_t in, const float *restrict x0, const float *restrict x1,
+                        float out[2]) {
+    float a0 = 0.0f, a1 = 0.0f;
+    if (dtype == BF16) {
+        const uint16_t *r = w;
+        #pragma omp simd reduction(+:a0, a1)
+        for (int64_t k = 0; k < in; k++) {
+            const float v = bf16_to_float(r[k]);
+            a0 += v * x0[k], a1 += v * x1[k];
+        }
+    } else {
+        const float *r = w;
+        #pragma omp simd reduction(+:a0, a1)
+        for (int64_t k = 0; k < in; k++) a0 += r[k] * x0[k], a1 += r[k] * x1[k];
+    }
+    out[0] = a0, out[1] = a1;
 }
 
 static inline float dot(const void *w, int dtype, int64_t in, const float *restrict x) {
@@ -110,7 +129,8 @@ static void linear(const void *w, const void *b, int dtype, const float *x, int 
             const float *xs[4];
             float r[4];
             for (int j = 0; j < 4; j++) xs[j] = x + (size_t)(t + (j < m ? j : 0)) * in;
-            dot4(row, dtype, in, xs, r);
+            if (m == 2) dot2(row, dtype, in, xs[0], xs[1], r);
+            else dot4(row, dtype, in, xs, r);
             for (int j = 0; j < m; j++) y[(size_t)(t + j) * y_stride + o] = as_dtype(r[j] + bias, dtype);
         }
     }
