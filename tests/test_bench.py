@@ -59,6 +59,7 @@ def test_bench_throughput_json(tmp_path):
         bandwidth = r["runs"]["batch1_read_bandwidth_bytes_s"][0]
         assert r["batch1_limit_tok_s"] == pytest.approx(bandwidth / r["weight_bytes"])
         assert r["native_decode"] and not r["cuda_graphs"]    # the CPU decodes small batches by the C step
+        assert _positive(r["batch1_eager_tok_s"])                # and the engine op by op beside it
 
 
 def test_bench_throughput_one_dtype(tmp_path):

@@ -143,13 +143,15 @@ def hf_batch1(model, prompt: list[int], tokens: int, device: torch.device) -> fl
     return (len(clock.times) - 2) / (clock.times[-1] - clock.times[1])
 
 
-def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device) -> dict:
-    """One batch-1 decode of each side, and the read bandwidth of the moment (this machine's moves
-    by a third from minute to minute): the higher of a measurement just before ours and one just after."""
+def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None) -> dict:
+    """One batch-1 decode of each side (and of the engine op by op, if given), and the read bandwidth of
+    the moment (this machine's moves by a third from minute to minute): the higher of a measurement just
+    before ours and one just after."""
     before = read_bandwidth(device)
     ours = ours_batch1(llm, prompt, tokens)
     bandwidth = max(before, read_bandwidth(device))
-    return {"ours": ours, "hf": hf_batch1(hf, prompt, tokens, device), "bandwidth": bandwidth}
+    return {"ours": ours, "hf": hf_batch1(hf, prompt, tokens, device), "bandwidth": bandwidth,
+            "eager": ours_batch1(eager, prompt, tokens) if eager is not None else None}
 
 
 def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, bandwidth: float) -> dict:
@@ -185,9 +187,14 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
     for _ in range(w.repeats):
         ours_runs.append(ours_batch(llm, prompts, w.tokens))
         hf_runs.append(hf_batch(hf, prompts, w.tokens, device))
-    ours_batch1(llm, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
+    # the engine decoding op by op too, where it has a faster path (the native C step, CUDA graphs)
+    fast = llm.engine.runner.native is not None or llm.engine.runner.graphs is not None
+    eager = LLM(str(path), **engine_kwargs(args, w, dtype, device), enforce_eager=True) if fast else None
+    for engine in (llm, eager):
+        if engine is not None:
+            ours_batch1(engine, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
-    batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device) for _ in range(w.repeats)]
+    batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager) for _ in range(w.repeats)]
     prefill_tokens = min(w.requests * w.prompt_len, llm.engine.scheduler_config.max_num_batched_tokens)
     flop_s = matmul_rate(torch_dtype, prefill_tokens, cfg.hidden_size, 2 * cfg.intermediate_size, device)
     lim = limits(cfg, w, torch_dtype, flop_s, bandwidth)
@@ -208,6 +215,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         **lim,
         "batch1_tok_s": batch1_tok_s,
         "hf_batch1_tok_s": statistics.median(r["hf"] for r in batch1),
+        "batch1_eager_tok_s": statistics.median(r["eager"] for r in batch1) if eager is not None else None,
         "batch1_limit_tok_s": statistics.median(r["bandwidth"] for r in batch1) / weight_bytes,
         "batch1_fraction_of_bandwidth_limit": statistics.median(r["ours"] * weight_bytes / r["bandwidth"]
                                                                 for r in batch1),
@@ -215,6 +223,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "native_decode": llm.engine.runner.native is not None,
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
                  "batch1_tok_s": [r["ours"] for r in batch1], "hf_batch1_tok_s": [r["hf"] for r in batch1],
+                 "batch1_eager_tok_s": [r["eager"] for r in batch1],
                  "batch1_read_bandwidth_bytes_s": [r["bandwidth"] for r in batch1]},
     }
 
@@ -223,6 +232,10 @@ def _decode_path(r: dict) -> str:
     if r["cuda_graphs"]:
         return "CUDA graphs"
     return f"native C step up to {NATIVE_MAX_BATCH} seqs" if r["native_decode"] else "eager"
+
+
+def _rate(tok_s: float | None) -> str:
+    return "-" if tok_s is None else f"{tok_s:.1f}"
 
 
 def _vs_target(value: float, target: float, text: str) -> str:
@@ -244,6 +257,7 @@ def report(results: dict[str, dict]) -> None:
                                                     f"{r['fraction_of_limit']:.0%}"),
          f">= {TARGET_FRACTION_OF_LIMIT:.0%}"],
         ["batch-1 decode tok/s, kvserve", lambda r: f"{r['batch1_tok_s']:.1f}", ""],
+        ["batch-1 decode tok/s, kvserve op by op", lambda r: _rate(r["batch1_eager_tok_s"]), ""],
         ["batch-1 decode tok/s, transformers", lambda r: f"{r['hf_batch1_tok_s']:.1f}", ""],
         ["batch-1 bandwidth limit tok/s", lambda r: f"{r['batch1_limit_tok_s']:.1f}", ""],
         ["batch-1 fraction of limit", lambda r: _vs_target(r["batch1_fraction_of_bandwidth_limit"],
