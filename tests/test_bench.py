@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def test_bench_decode_json(tmp_path):
 def test_bench_throughput_json(tmp_path):
     path = tmp_path / "throughput.json"
     args = ["--requests", "4", "--prompt-len", "16", "--tokens", "8", "--batch1-prompt-len", "8",
-            "--batch1-tokens", "8", "--repeats", "1"]
+            "--batch1-tokens", "8", "--repeats", "1", "--device", "cpu"]
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
     res = json.loads(path.read_text())
     assert _positive(res["read_bandwidth_bytes_s"])
@@ -58,8 +59,8 @@ def test_bench_throughput_json(tmp_path):
         # the limit of batch-1 decode is the bandwidth measured around its run
         bandwidth = r["runs"]["batch1_read_bandwidth_bytes_s"][0]
         assert r["batch1_limit_tok_s"] == pytest.approx(bandwidth / r["weight_bytes"])
-        assert r["native_decode"] and not r["cuda_graphs"]    # the CPU decodes small batches by the C step
-        assert _positive(r["batch1_eager_tok_s"])                # and the engine op by op beside it
+        if shutil.which("cc"):   # the CPU decodes small batches by the C step, and op by op beside it
+            assert r["native_decode"] and not r["cuda_graphs"] and _positive(r["batch1_eager_tok_s"])
 
 
 def test_bench_throughput_one_dtype(tmp_path):

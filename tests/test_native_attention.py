@@ -1,6 +1,8 @@
 """The native backend's C kernel: it builds where a C compiler exists, and falls back to sdpa where not."""
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
 import tempfile
 
@@ -49,3 +51,21 @@ def test_a_block_as_long_as_a_whole_context_decodes():
     ref = TextbookBackend().forward(q, k, v, kv_cache, batch, 128 ** -0.5)
     torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 128 ** -0.5), ref,
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or platform.machine() != "x86_64", reason="no C compiler, or not x86")
+def test_the_portable_fallbacks_compute_the_same(tmp_path, monkeypatch):
+    """CPUs without AVX-512 run the kernels' plain C loops: built so here, they decode as the textbook does."""
+    wrapper = tmp_path / "cc-no-avx512"
+    wrapper.write_text('#!/bin/sh\nexec cc -mno-avx512f "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    portable = ctypes.CDLL(str(kernels.build())).paged_decode
+    portable.argtypes, portable.restype = native.kernel().argtypes, None
+    monkeypatch.setattr(native, "kernel", lambda: portable)
+    for heads, kv_heads, head_dim in [(4, 4, 64), (8, 2, 80), (4, 1, 24)]:
+        q, k, v, kv_cache, batch = make_case([1, 1, 1], [9, 30, 17], 3, heads, kv_heads, head_dim, block_size=4)
+        ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+        out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -16,6 +16,8 @@ VARIANTS = {
     "llama-mha-bias": ("llama", dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
     "llama-gqa8-head-dim-80": ("llama", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=80)),
     "qwen3-tied": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
+    # rows and heads that are not whole vectors of 16: the kernels' masked tails
+    "llama-head-dim-24-odd-sizes": ("llama", dict(head_dim=24, hidden_size=72, intermediate_size=100)),
 }
 
 
@@ -93,10 +95,17 @@ def test_it_is_off_where_it_does_not_apply(tiny_llama, kwargs):
     assert linear.packed is None or linear.weight.numel() == 0
 
 
-def test_the_same_tokens_with_and_without_it(tiny_llama):
+@pytest.mark.parametrize("kwargs", [{}, dict(cache_mode="contiguous"), dict(eviction="sink:sinks=4,window=8")],
+                         ids=["paged", "contiguous", "sink"])
+def test_the_same_tokens_with_and_without_it(tiny_llama, kwargs):
+    """Each side over its own cache: K/V written at the wrong slot would change what follows. A sink
+    cache's positions run past the places its tokens have in the cache."""
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True, logprobs=3)
-    outs = [LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32", enforce_eager=eager)
-            .generate(prompts([2, 9, 4]), params, use_tqdm=False) for eager in (False, True)]
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32", enforce_eager=eager, **kwargs)
+        outs.append(llm.generate(prompts([2, 9, 4]), params, use_tqdm=False))
+        assert (llm.engine.runner.native is None) == eager
     for native, eager in zip(*outs):
         assert native.outputs[0].token_ids == eager.outputs[0].token_ids
         for a, b in zip(native.outputs[0].logprobs, eager.outputs[0].logprobs):

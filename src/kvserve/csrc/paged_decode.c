@@ -134,8 +134,10 @@ static void add_weighted_rows(float *a, const float *p, const float *rows, int n
 void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
                  float scale, float *out) {
     const int d = c->d, bs = c->bs;
-    /* a block's rows can be a whole context (cache_mode "contiguous"): on the heap, not the stack */
-    float *tile = malloc(sizeof(float) * (size_t)bs * d), *scores = malloc(sizeof(float) * (size_t)groups * bs);
+    /* a block's rows can be a whole context (cache_mode "contiguous"): on the heap, not the stack;
+     * none for float32 pages, which are read in place */
+    float *tile = c->kind == F32 ? NULL : malloc(sizeof(float) * (size_t)bs * d);
+    float *scores = malloc(sizeof(float) * (size_t)groups * bs);
     float acc[groups * d], m[groups], l[groups], qs[groups * d];
     memset(acc, 0, sizeof(acc));
     for (int g = 0; g < groups; g++) { m[g] = -INFINITY; l[g] = 0.0f; }

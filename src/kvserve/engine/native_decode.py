@@ -3,9 +3,9 @@
 The CPU's counterpart of CUDA graphs. Decoding a few tokens reads every weight once per step, so the
 step is bound by memory reads; run op by op from Python, it loses as much time again in dispatch and
 in the small-matrix overheads of a GEMM library. The C step reads the weights as torch's Linear keeps
-them ([out, in]), so the engine keeps those beside the prepacked copies its larger batches use
-(`CausalLM.pack_weights(keep_weights=True)`): the weights take twice their memory, as CUDA graphs
-take memory of their own. `enforce_eager` turns it off.
+them ([out, in]), so the engine keeps those, on huge pages, beside the prepacked copies its larger
+batches use (`CausalLM.pack_weights(keep_weights=True)`): the weights take twice their memory, as
+CUDA graphs take memory of their own. `enforce_eager` turns it off.
 """
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def _kernel(name: str, argtypes: list):
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """x [n, in] (float32) @ w [out, in].T by the decode step's own matrix-vector products, as float32
     (rounded to w's dtype); None where the kernels cannot be built."""
+    if w.dtype not in DTYPES or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear_rows takes float32 or bfloat16 weights [out, in] and inputs [n, in]; got "
+                         f"{w.dtype} {tuple(w.shape)} and {tuple(x.shape)}")
     p, i = ctypes.c_void_p, ctypes.c_int
     fn = _kernel("linear_rows", [p, i, p, i, i, i, p, i])
     if fn is None:
@@ -78,8 +81,10 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
             and config.kv_cache_dtype == "auto" and library() is not None)
 
 
-def _to_huge_pages(params: list[torch.Tensor]) -> None:
-    """Move the parameters' data into one buffer on huge pages (the step streams them every time)."""
+def weights_to_huge_pages(model: CausalLM) -> None:
+    """Move the weights the C step streams every time (the linear layers', the embedding's) into one
+    buffer on huge pages; call before packing them, so that the packed copies reuse the freed memory."""
+    params = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.model.embed_tokens.weight]
     params = list({p.data_ptr(): p for p in params}.values())        # tied weights once
     sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]
     buffer = huge_page_buffer(sum(sizes))
@@ -96,10 +101,8 @@ class NativeDecode:
     def __init__(self, model: CausalLM, storage: KVStorage):
         cfg = model.config
         self.model = model
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        if any(lin.weight.numel() == 0 for lin in linears):
+        if any(m.weight.numel() == 0 for m in model.modules() if isinstance(m, Linear)):
             raise ValueError("the C decode step reads the plain weights: pack them with keep_weights=True")
-        _to_huge_pages([lin.weight for lin in linears] + [model.model.embed_tokens.weight])
         p, i = ctypes.c_void_p, ctypes.c_int
         self.fn = _kernel("decode_step", [ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i])
         layers = []

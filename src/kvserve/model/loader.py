@@ -56,12 +56,11 @@ def choose_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devic
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, pack_weights: bool = True, keep_weights: bool = False) -> CausalLM:
-    """The model on `device`, its linear weights prepacked for the CPU (the plain ones kept too if asked)."""
+               max_positions: int, pack_weights: bool = True) -> CausalLM:
     model = _empty_model(cfg, dtype, device)
     load_weights(model, path)
     if pack_weights:
-        model.pack_weights(keep_weights)
+        model.pack_weights()
     model.init_rope(max_positions, device)
     return model.eval().requires_grad_(False)
 
