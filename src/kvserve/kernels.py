@@ -31,6 +31,17 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+@lru_cache(maxsize=None)
+def function(name: str, argtypes: tuple) -> ctypes._CFuncPtr | None:
+    """The library's function `name`, typed (returning nothing), or None where the kernels cannot be built."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), None
+    return fn
+
+
 def _cpu_signature() -> bytes:
     """What -march=native depends on, so that a cache shared between machines never mixes them."""
     try:

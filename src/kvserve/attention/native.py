@@ -5,13 +5,12 @@ Prefill is `sdpa`'s.
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.paged import SdpaBackend
-from kvserve.kernels import library
+from kvserve.kernels import function
 from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
 
 # row kinds, as the kernel numbers them
@@ -19,17 +18,10 @@ DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CODEC_KINDS = {Int8PerToken: 3, Fp8PerBlock: 4, Int4: 5}
 
 
-@lru_cache(maxsize=None)
 def kernel():
     """The compiled paged_decode, or None where the kernels cannot be built here."""
-    lib = library()
-    if lib is None:
-        return None
-    fn = lib.paged_decode
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p]
-    fn.restype = None
-    return fn
+    return function("paged_decode", (p, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p))
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,

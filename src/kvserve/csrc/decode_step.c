@@ -13,7 +13,7 @@
  * bfloat16 model they are rounded to bfloat16 wherever the eager model holds them in bfloat16, so
  * that both compute the same numbers up to the order of the sums.
  */
-#include "paged_decode.h"
+#include "common.h"
 
 typedef struct {
     const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
@@ -40,10 +40,6 @@ static inline float round_bf16(float f) {
 /* Rounded as a tensor of `dtype` would hold it. */
 static inline float as_dtype(float f, int dtype) { return dtype == BF16 ? round_bf16(f) : f; }
 
-static inline float param(const void *p, int dtype, int64_t i) {
-    return dtype == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 static inline void store(void *p, int dtype, int64_t i, float f) {
     if (dtype == BF16) {
         float r = round_bf16(f);
@@ -53,6 +49,10 @@ static inline void store(void *p, int dtype, int64_t i, float f) {
     } else {
         ((float *)p)[i] = f;
     }
+}
+
+static inline float param(const void *p, int dtype, int64_t i) {
+    return dtype == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* out[j] = w . x[j] for the four inputs x[0..3] (three: repeat one), w in the model's dtype: each
@@ -158,8 +158,6 @@ static void rope(float *x, const float *cos, const float *sin, int d, int dtype)
     }
     memcpy(x, rotated, sizeof(rotated));
 }
-
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Q/K norms and RoPE of token t's q and k heads, then its K and V written at its cache slot. */
 static void position_and_store(const Model *m, const Layer *l, float *qkv, int64_t position, int64_t slot,

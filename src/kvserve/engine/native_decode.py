@@ -17,7 +17,7 @@ from kvserve.attention import AttentionBatch
 from kvserve.attention.native import DTYPE_KINDS, NativeBackend
 from kvserve.config import EngineConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
-from kvserve.kernels import library
+from kvserve.kernels import function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import Linear
@@ -47,15 +47,6 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _kernel(name: str, argtypes: list):
-    lib = library()
-    if lib is None:
-        return None
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = argtypes, None
-    return fn
-
-
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """x [n, in] (float32) @ w [out, in].T by the decode step's own matrix-vector products, as float32
     (rounded to w's dtype); None where the kernels cannot be built."""
@@ -63,7 +54,7 @@ def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         raise ValueError(f"linear_rows takes float32 or bfloat16 weights [out, in] and inputs [n, in]; got "
                          f"{w.dtype} {tuple(w.shape)} and {tuple(x.shape)}")
     p, i = ctypes.c_void_p, ctypes.c_int
-    fn = _kernel("linear_rows", [p, i, p, i, i, i, p, i])
+    fn = function("linear_rows", (p, i, p, i, i, i, p, i))
     if fn is None:
         return None
     w, x = w.contiguous(), x.float().contiguous()
@@ -104,7 +95,7 @@ class NativeDecode:
         if any(m.weight.numel() == 0 for m in model.modules() if isinstance(m, Linear)):
             raise ValueError("the C decode step reads the plain weights: pack them with keep_weights=True")
         p, i = ctypes.c_void_p, ctypes.c_int
-        self.fn = _kernel("decode_step", [ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i])
+        self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i))
         layers = []
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp

@@ -1,20 +1,8 @@
-#ifndef KVSERVE_PAGED_DECODE_H
-#define KVSERVE_PAGED_DECODE_H
+#ifndef KVSERVE_COMMON_H
+#define KVSERVE_COMMON_H
 
-/* Paged decode attention on the CPU: one query token per sequence against its cached K/V, read
- * page by page through the block table and dequantized as they are read (never gathered into a
- * contiguous copy, never dequantized whole). One task per (sequence, KV head): its G query heads
- * share every K/V row it reads. Online softmax a block at a time (FlashAttention's recurrence).
- *
- * Pages are [2][KVH][NB][BS][row] with K at 0 and V at 1. `kind` says what a row holds:
- *   F32, BF16, F16: full-precision numbers (also the layout of the residual slots);
- *   INT8: int8 numbers, one fp16 scale per (head, block, token)        meta [KVH][NB][BS];
- *   FP8:  e4m3 bytes, one fp32 scale per (head, block)                  meta [KVH][NB];
- *   INT4: two numbers a byte (even channel low); K: fp16 (scale, min) per channel of a block,
- *         meta [KVH][NB][2][D]; V: fp16 (scale, min) per token, meta [KVH][NB][2][BS].
- * For quantized kinds, a block with residual_of[block] >= 0 is still filling: its exact rows are in
- * residual [2][KVH][slots][BS][D] of `residual_kind`.
- */
+/* What the kernels share: number formats, the paged cache as attention reads it, and a few
+ * functions of one number that vectorize. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,6 +49,23 @@ typedef struct {
     int kind, residual_kind, kvh, nb, bs, d, slots;
 } Cache;
 
+
+/* e^x for x <= 0 (scores less their maximum), as 2^k * 2^f with f in [-1/2, 1/2] and 2^f from its
+ * series to the 6th power (relative error about 1e-7): unlike libm's expf, loops of it vectorize. */
+static inline float exp_nonpositive(float x) {
+    const float t = (x < -87.0f ? -87.0f : x) * 1.44269504f;       /* log2(e): 2^t, t >= -125.5 */
+    const float k = (t + 12582912.0f) - 12582912.0f;               /* round to nearest (1.5 * 2^23) */
+    const float y = (t - k) * 0.693147181f;
+    const float p = 1.0f + y * (1.0f + y * 0.5f * (1.0f + y * (1.0f / 3) * (1.0f + y * 0.25f *
+                    (1.0f + y * 0.2f * (1.0f + y * (1.0f / 6))))));
+    return p * bits_to_float((uint32_t)((int32_t)k + 127) << 23);
+}
+
+/* x * sigmoid(x), by e^-|x| (so that it vectorizes too). */
+static inline float silu(float x) {
+    const float z = exp_nonpositive(x < 0.0f ? x : -x);
+    return x * (x < 0.0f ? z : 1.0f) / (1.0f + z);
+}
 
 /* out[g][:] = softmax(q[g] . K^T * scale) V for the `groups` query heads (fp32) that share KV head
  * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table`. */
