@@ -9,7 +9,7 @@
  * by one thread between them.
  *
  * Weights are row-major [out][in] as torch's Linear keeps them, float32 or bfloat16 (`dtype`, the
- * kinds of paged_decode.h), and the cache holds the same dtype. Activations are float32 here; in a
+ * kinds of common.h), and the cache holds the same dtype. Activations are float32 here; in a
  * bfloat16 model they are rounded to bfloat16 wherever the eager model holds them in bfloat16, so
  * that both compute the same numbers up to the order of the sums.
  */
