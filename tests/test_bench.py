@@ -61,6 +61,7 @@ def test_bench_throughput_json(tmp_path):
         assert r["batch1_limit_tok_s"] == pytest.approx(bandwidth / r["weight_bytes"])
         if shutil.which("cc"):   # the CPU decodes small batches by the C step, and op by op beside it
             assert r["native_decode"] and not r["cuda_graphs"] and _positive(r["batch1_eager_tok_s"])
+            assert all(_positive(v["native"]) and _positive(v["eager"]) for v in r["native_by_batch"].values())
 
 
 def test_bench_throughput_one_dtype(tmp_path):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.common import (add_model_args, describe_shape, linear_params, make_checkpoint, matmul_rate,
-                                  model_shape, pick_device, print_table, random_prompts, read_bandwidth,
+from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_params, make_checkpoint,
+                                  matmul_rate, model_shape, pick_device, print_table, random_prompts, read_bandwidth,
                                   step_times, sync, write_json)
 from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
 from kvserve.engine.native_decode import MAX_BATCH as NATIVE_MAX_BATCH
@@ -31,6 +31,7 @@ TARGET_RATIO_VS_HF = 1.5
 TARGET_FRACTION_OF_LIMIT = 0.70
 TARGET_BATCH1_FRACTION = 0.85
 _WARMUP_TOKENS = 4
+NATIVE_SWEEP = (1, 2, 4, 6, 8)      # batch sizes at which the native step is timed against op by op
 
 
 @dataclass
@@ -44,7 +45,8 @@ class Workload:
 
     @property
     def max_len(self) -> int:
-        return max(self.prompt_len + self.tokens, self.batch1_prompt_len + self.batch1_tokens)
+        # batch-1 prompts also seed the native step's sweep, whose decode_rate generates two tokens more
+        return max(self.prompt_len + self.tokens, self.batch1_prompt_len + self.batch1_tokens + 2)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +145,23 @@ def hf_batch1(model, prompt: list[int], tokens: int, device: torch.device) -> fl
     return (len(clock.times) - 2) / (clock.times[-1] - clock.times[1])
 
 
+def native_by_batch(llm: LLM, eager: LLM, vocab_size: int, w: Workload) -> dict[int, dict[str, float]]:
+    """Decode tok/s of small batches by the native C step (let run past its usual limit) and op by op:
+    where the step's limit (native_decode.MAX_BATCH) should be. Medians of `w.repeats`."""
+    native = llm.engine.runner.native
+    native.max_batch = max(NATIVE_SWEEP)
+    try:
+        rates = {}
+        for b in NATIVE_SWEEP:
+            prompts = random_prompts(b, w.batch1_prompt_len, vocab_size, seed=100 + b)
+            runs = [(decode_rate(llm, prompts, w.batch1_tokens), decode_rate(eager, prompts, w.batch1_tokens))
+                    for _ in range(w.repeats)]
+            rates[b] = {"native": statistics.median(n for n, _ in runs), "eager": statistics.median(e for _, e in runs)}
+        return rates
+    finally:
+        native.max_batch = NATIVE_MAX_BATCH
+
+
 def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None) -> dict:
     """One batch-1 decode of each side (and of the engine op by op, if given), and the read bandwidth of
     the moment (this machine's moves by a third from minute to minute): the higher of a measurement just
@@ -195,6 +214,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
             ours_batch1(engine, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
     batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager) for _ in range(w.repeats)]
+    by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if llm.engine.runner.native is not None else None
     prefill_tokens = min(w.requests * w.prompt_len, llm.engine.scheduler_config.max_num_batched_tokens)
     flop_s = matmul_rate(torch_dtype, prefill_tokens, cfg.hidden_size, 2 * cfg.intermediate_size, device)
     lim = limits(cfg, w, torch_dtype, flop_s, bandwidth)
@@ -219,6 +239,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "batch1_limit_tok_s": statistics.median(r["bandwidth"] for r in batch1) / weight_bytes,
         "batch1_fraction_of_bandwidth_limit": statistics.median(r["ours"] * weight_bytes / r["bandwidth"]
                                                                 for r in batch1),
+        "native_by_batch": by_batch,
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "native_decode": llm.engine.runner.native is not None,
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
@@ -267,6 +288,12 @@ def report(results: dict[str, dict]) -> None:
     ]
     print_table(["", *results, "target"], [[name, *(f(r) for r in results.values()), target]
                                            for name, f, target in rows])
+    sweeps = {dtype: r["native_by_batch"] for dtype, r in results.items() if r["native_by_batch"]}
+    if sweeps:
+        print(f"\ndecode tok/s by batch size: native C step (used up to {NATIVE_MAX_BATCH}) / op by op")
+        print_table(["batch", *sweeps], [[str(b), *(f"{s[b]['native']:.0f} / {s[b]['eager']:.0f} = "
+                                                   f"{s[b]['native'] / s[b]['eager']:.2f}x" for s in sweeps.values())]
+                                         for b in NATIVE_SWEEP])
 
 
 def run(args: argparse.Namespace) -> int:

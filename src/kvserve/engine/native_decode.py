@@ -111,11 +111,12 @@ class NativeDecode:
                            storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
                            _address(model.model.embed_tokens.weight), _address(model.model.norm.weight),
                            _address(model.lm_head.weight), self._layers)
+        self.max_batch = MAX_BATCH
         self.steps = 0
 
     def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
-        """A step of at most MAX_BATCH decodes that needs nothing but the logits."""
-        return (batch.num_prefills == 0 and len(batch.query_lens) <= MAX_BATCH and batch.kv_write is None
+        """A step of at most max_batch decodes that needs nothing but the logits."""
+        return (batch.num_prefills == 0 and len(batch.query_lens) <= self.max_batch and batch.kv_write is None
                 and not batch.mass_requests and not prompt_logprobs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
