@@ -97,13 +97,13 @@ class NativeDecode:
         p, i = ctypes.c_void_p, ctypes.c_int
         self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i))
         layers = []
-        for i, layer in enumerate(model.model.layers):
+        for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             tensors = [t for lin in linears for t in (lin.weight, lin.bias)]
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
-                        storage.layer(i)]
+                        storage.layer(index)]
             layers.append(_Layer(*map(_address, tensors)))
         self._layers = (_Layer * len(layers))(*layers)
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
