@@ -126,3 +126,13 @@ def test_the_matrix_vector_products_equal_torch(dtype, n, out, in_):
     ref = torch.nn.functional.linear(x.float(), w.float())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)
     torch.testing.assert_close(linear_rows(w, x), ref, **tol)
+
+
+def test_without_a_c_compiler_the_engine_decodes_op_by_op(tiny_llama, monkeypatch):
+    import kvserve.engine.native_decode as native_decode
+
+    monkeypatch.setattr(native_decode, "library", lambda: None)
+    llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32")
+    assert llm.engine.runner.native is None
+    out = llm.generate(prompts([5]), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
