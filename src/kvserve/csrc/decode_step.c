@@ -15,6 +15,10 @@
  */
 #include "common.h"
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
 typedef struct {
     const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
     const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
@@ -111,10 +115,47 @@ static inline float dot(const void *w, int dtype, int64_t in, const float *restr
     return a;
 }
 
+#ifdef __AVX512BF16__
+/* y[o] = w[o] . x + b[o] for one bfloat16 input held in floats, by the CPU's bfloat16 dot-product
+ * instruction (exact products, float32 sums) on the weights as loaded: converting them to float32
+ * first keeps one sequence's step bound by computing, not by memory (1.61 -> 1.48 ms a step
+ * measured here). Whole vectors only (masked 16-bit loads are slow on some CPUs): the last numbers
+ * of a row, fewer than 64, are added one by one. */
+static void linear_bf16_one(const uint16_t *w, const void *b, const float *x, int in, int out, float *y) {
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)in);      /* each thread its own copy */
+    for (int i = 0; i < in; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        xb[i] = (uint16_t)(u >> 16);      /* exact: x holds bfloat16 numbers */
+    }
+    const int whole = in / 64 * 64;
+    #pragma omp for schedule(static)
+    for (int o = 0; o < out; o++) {
+        const uint16_t *r = w + (size_t)o * in;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int k = 0; k < whole; k += 64) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r + k), (__m512bh)_mm512_loadu_si512(xb + k));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(r + k + 32),
+                                  (__m512bh)_mm512_loadu_si512(xb + k + 32));
+        }
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        for (int k = whole; k < in; k++) sum += bf16_to_float(r[k]) * bf16_to_float(xb[k]);
+        y[o] = round_bf16(sum + (b ? param(b, BF16, o) : 0.0f));
+    }
+    free(xb);
+}
+#endif
+
 /* y[t][o] = w[o] . x[t] + b[o] for n rows of x; the team shares the output rows (call from every
  * thread). The weight is read once: each row meets the inputs four at a time while it is in cache. */
 static void linear(const void *w, const void *b, int dtype, const float *x, int n, int in, int out, float *y,
                    int y_stride) {
+#ifdef __AVX512BF16__
+    if (dtype == BF16 && n == 1) {
+        linear_bf16_one(w, b, x, in, out, y);
+        return;
+    }
+#endif
     const size_t row_bytes = (size_t)in * (dtype == BF16 ? 2 : 4);
     #pragma omp for schedule(static)
     for (int o = 0; o < out; o++) {
