@@ -53,7 +53,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block
     return out.to(q.dtype)
 
 
-
 class NativeBackend(SdpaBackend):
     """sdpa's prefill; decode by the C kernel over the pages (sdpa's decode where it cannot run)."""
 

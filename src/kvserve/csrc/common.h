@@ -49,7 +49,6 @@ typedef struct {
     int kind, residual_kind, kvh, nb, bs, d, slots;
 } Cache;
 
-
 /* e^x for x <= 0 (scores less their maximum), as 2^k * 2^f with f in [-1/2, 1/2] and 2^f from its
  * series to the 6th power (relative error about 1e-7): unlike libm's expf, loops of it vectorize. */
 static inline float exp_nonpositive(float x) {
