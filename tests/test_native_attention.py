@@ -44,6 +44,19 @@ def test_the_kernel_builds_in_the_temporary_directory_when_the_cache_is_not_writ
     assert library.is_relative_to(tmp_path / "tmp") and library.stat().st_size > 0
 
 
+@pytest.mark.parametrize("block_size", [16, 37])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 72), (8, 1, 128), (4, 4, 24)])
+def test_decode_in_blocks_of_sixteen_keys_and_a_rest(block_size, heads, kv_heads, head_dim):
+    """The kernel scores keys sixteen at a time: whole groups, a partial last one, head_dims not
+    a multiple of sixteen."""
+    ctx = [1, 15, 16, 17, 40, 75]
+    q, k, v, kv_cache, batch = make_case([1] * len(ctx), ctx, len(ctx), heads, kv_heads, head_dim,
+                                         block_size=block_size)
+    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+    out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_a_block_as_long_as_a_whole_context_decodes():
     # cache_mode "contiguous" makes one block of max_model_len tokens: its rows must not live on a
     # thread's stack (32768 x 128 floats are 16 MiB, past the usual 8 MiB)

@@ -21,7 +21,7 @@ CODEC_KINDS = {Int8PerToken: 3, Fp8PerBlock: 4, Int4: 5}
 def kernel():
     """The compiled paged_decode, or None where the kernels cannot be built here."""
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    return function("paged_decode", (p, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p))
+    return function("paged_decode", (p, ctypes.c_int64, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p))
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
@@ -44,12 +44,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block
         return None
     # pages, K meta, V meta, residual, residual_of as addresses; None for those a cache lacks
     pages, k_meta, v_meta, residual, residual_of = [t.data_ptr() for t in tensors] + [None] * (5 - len(tensors))
-    qf = q.float().contiguous()
-    out = torch.empty_like(qf)
+    # float32 q is read where it is (a view of the step's qkv rows), with its heads adjacent
+    qf = q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    fn(qf.data_ptr(), out.data_ptr(), qf.shape[0], qf.shape[1], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-       scale, pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots, residual_of)
+    fn(qf.data_ptr(), qf.stride(0), out.data_ptr(), q.shape[0], q.shape[1], tables.data_ptr(), tables.shape[1],
+       lens.data_ptr(), scale, pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots,
+       residual_of)
     return out.to(q.dtype)
 
 

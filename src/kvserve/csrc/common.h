@@ -1,8 +1,8 @@
 #ifndef KVSERVE_COMMON_H
 #define KVSERVE_COMMON_H
 
-/* What the kernels share: number formats, the paged cache as attention reads it, and a few
- * functions of one number that vectorize. */
+/* What the kernels share: number formats and rounding, RMSNorm as the eager model computes it, the
+ * paged cache as attention reads it, and a few functions of one number that vectorize. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,16 +28,74 @@ static inline float f16_to_float(uint16_t h) {
     return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
 }
 
+/* f rounded to bfloat16 (to nearest, ties to even; infinities and NaNs kept): without branches, so
+ * that loops of it vectorize. */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t special = (u & 0xffff0000u) | ((u & 0xffff) ? 0x400000u : 0);
+    return bits_to_float((u & 0x7f800000u) == 0x7f800000u ? special : rounded);
+}
+
+/* Rounded as a tensor of `dtype` would hold it. */
+static inline float as_dtype(float f, int dtype) { return dtype == BF16 ? round_bf16(f) : f; }
+
+static inline void store(void *p, int dtype, int64_t i, float f) {
+    if (dtype == BF16) {
+        float r = round_bf16(f);
+        uint32_t u;
+        memcpy(&u, &r, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+static inline float param(const void *p, int dtype, int64_t i) {
+    return dtype == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* y = RMSNorm(x) * weight over `dim` numbers, rounded as the eager model rounds. */
+static inline void rms_norm(const float *x, const void *weight, int dtype, int dim, float eps, float *y) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / dim + eps);
+    for (int i = 0; i < dim; i++) {
+        const float w = param(weight, dtype, i);
+        /* bfloat16: the normalised number is rounded before the weight scales it (as in transformers) */
+        y[i] = dtype == BF16 ? round_bf16(w * round_bf16(x[i] * inv)) : x[i] * inv * w;
+    }
+}
+
 /* One row of `kind` as floats. */
 static inline void load_row(float *dst, const void *src, int kind, int d) {
     if (kind == F32) {
         memcpy(dst, src, sizeof(float) * d);
     } else if (kind == BF16) {
         const uint16_t *s = src;
+        #pragma omp simd
         for (int i = 0; i < d; i++) dst[i] = bf16_to_float(s[i]);
     } else {
         const uint16_t *s = src;
         for (int i = 0; i < d; i++) dst[i] = f16_to_float(s[i]);
+    }
+}
+
+/* d floats into a row of `kind` F32 or BF16 (rounded). */
+static inline void store_row(void *dst, const float *src, int kind, int d) {
+    if (kind == F32) {
+        memcpy(dst, src, sizeof(float) * d);
+    } else {
+        uint16_t *s = dst;
+        #pragma omp simd
+        for (int i = 0; i < d; i++) {
+            const float r = round_bf16(src[i]);
+            uint32_t u;
+            memcpy(&u, &r, 4);
+            s[i] = (uint16_t)(u >> 16);
+        }
     }
 }
 

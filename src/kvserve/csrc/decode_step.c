@@ -33,32 +33,6 @@ typedef struct {
     const Layer *layers;
 } Model;
 
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u) return bits_to_float((u & 0xffff0000u) | ((u & 0xffff) ? 0x400000u : 0));
-    u += 0x7fffu + ((u >> 16) & 1u);      /* round to nearest, ties to even */
-    return bits_to_float(u & 0xffff0000u);
-}
-
-/* Rounded as a tensor of `dtype` would hold it. */
-static inline float as_dtype(float f, int dtype) { return dtype == BF16 ? round_bf16(f) : f; }
-
-static inline void store(void *p, int dtype, int64_t i, float f) {
-    if (dtype == BF16) {
-        float r = round_bf16(f);
-        uint32_t u;
-        memcpy(&u, &r, 4);
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    } else {
-        ((float *)p)[i] = f;
-    }
-}
-
-static inline float param(const void *p, int dtype, int64_t i) {
-    return dtype == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 /* out[j] = w . x[j] for the four inputs x[0..3] (three: repeat one), w in the model's dtype: each
  * weight is loaded and converted once for all four. */
 static inline void dot4(const void *w, int dtype, int64_t in, const float *const x[4], float out[4]) {
@@ -174,18 +148,6 @@ static void linear(const void *w, const void *b, int dtype, const float *x, int 
             else dot4(row, dtype, in, xs, r);
             for (int j = 0; j < m; j++) y[(size_t)(t + j) * y_stride + o] = as_dtype(r[j] + bias, dtype);
         }
-    }
-}
-
-/* y = RMSNorm(x) * weight over `dim` numbers, rounded as the eager model rounds. */
-static void rms_norm(const float *x, const void *weight, int dtype, int dim, float eps, float *y) {
-    float ss = 0.0f;
-    for (int i = 0; i < dim; i++) ss += x[i] * x[i];
-    const float inv = 1.0f / sqrtf(ss / dim + eps);
-    for (int i = 0; i < dim; i++) {
-        const float w = param(weight, dtype, i);
-        /* bfloat16: the normalised number is rounded before the weight scales it (as in transformers) */
-        y[i] = dtype == BF16 ? round_bf16(w * round_bf16(x[i] * inv)) : x[i] * inv * w;
     }
 }
 

@@ -14,6 +14,8 @@
  */
 #include "common.h"
 
+#define AHEAD 2       /* blocks prefetched ahead of the one attended to */
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -81,22 +83,61 @@ static const float *load_block(const Cache *c, int which, int h, int64_t block, 
     return tile;
 }
 
+/* Asks for the rows of block `block` of K and V, head h, ahead of their use: a block is a few KiB on
+ * its own page, so the hardware prefetchers, which stop at page boundaries, never run ahead into
+ * it, and each block would otherwise start with a wait on memory (1.6x slower measured here). Only
+ * the first 16 KiB of a long block (cache_mode "contiguous"): the hardware runs ahead within it.
+ * Always inlined: GCC drops calls to a function that only prefetches, as having no effect. */
+static inline __attribute__((always_inline)) void prefetch_block(const Cache *c, int h, int64_t block) {
+    const int quantized = c->kind > F16;
+    if (quantized && c->residual_of && c->residual_of[block] >= 0) return;
+    const size_t row = quantized ? (c->kind == INT4 ? (size_t)c->d / 2 : (size_t)c->d)
+                                 : (size_t)c->d * elem_size(c->kind);
+    const size_t bytes = row * c->bs, ask = bytes < 16384 ? bytes : 16384;
+    for (int which = 0; which < 2; which++) {
+        const char *rows = (const char *)c->pages + (((int64_t)which * c->kvh + h) * c->nb + block) * bytes;
+        for (size_t at = 0; at < ask; at += 64) __builtin_prefetch(rows + at);
+    }
+}
+
+#ifdef __AVX512F__
+/* e[t] = q . rows[t] for m <= 16 rows: each row's products summed in a vector, then the sixteen
+ * vectors summed across their lanes together, a transpose-and-add tree of 15 additions (reducing
+ * each vector alone takes 4 additions and 4 shuffles: most of the time of a 64-number product). */
+static inline __attribute__((always_inline)) void scores16(const float *q, const float *rows, int m, int d,
+                                                           float *e) {
+    const int chunks = (d + 15) / 16;
+    const __mmask16 tail = d % 16 ? (__mmask16)((1u << (d % 16)) - 1) : 0xffff;
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+        const __mmask16 mask = c == chunks - 1 ? tail : 0xffff;
+        const __m512 qc = _mm512_maskz_loadu_ps(mask, q + c * 16);
+        for (int t = 0; t < m; t++)
+            acc[t] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(mask, rows + (size_t)t * d + c * 16), acc[t]);
+    }
+    __m512 half[8], quarter[4], eighth[2];
+    for (int i = 0; i < 8; i++)      /* in each 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        half[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                                _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    for (int i = 0; i < 4; i++)      /* in each 128-bit lane: that lane's sums of four rows */
+        quarter[i] = _mm512_add_ps(_mm512_shuffle_ps(half[2 * i], half[2 * i + 1], 0x44),
+                                   _mm512_shuffle_ps(half[2 * i], half[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++)      /* lanes 0+1 and 2+3, of two vectors */
+        eighth[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quarter[2 * i], quarter[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quarter[2 * i], quarter[2 * i + 1], 0xdd));
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(eighth[0], eighth[1], 0x88),
+                                      _mm512_shuffle_f32x4(eighth[0], eighth[1], 0xdd));
+    _mm512_mask_storeu_ps(e, (__mmask16)((1u << m) - 1), sums);
+}
+#endif
+
 /* e[t] = q . rows[t] for the n rows of d numbers. */
 static void scores_of(const float *q, const float *rows, int n, int d, float *e) {
 #ifdef __AVX512F__
-    /* sixteen numbers a step, and each row's sum reduced once (the compiler's `omp simd` reduction
-     * adds the lanes one by one: most of the time of a 64-number dot product) */
-    for (int t = 0; t < n; t++) {
-        const float *k = rows + (size_t)t * d;
-        __m512 acc = _mm512_setzero_ps();
-        int i = 0;
-        for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
-        if (i < d) {
-            const __mmask16 tail = (__mmask16)((1u << (d - i)) - 1);
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + i), _mm512_maskz_loadu_ps(tail, k + i), acc);
-        }
-        e[t] = _mm512_reduce_add_ps(acc);
-    }
+    int t = 0;
+    for (; t + 16 <= n; t += 16) scores16(q, rows + (size_t)t * d, 16, d, e + t);   /* unrolled */
+    if (t < n) scores16(q, rows + (size_t)t * d, n - t, d, e + t);
 #else
     for (int t = 0; t < n; t++) {
         float s = 0.0f;
@@ -107,30 +148,103 @@ static void scores_of(const float *q, const float *rows, int n, int d, float *e)
 #endif
 }
 
-/* a[i] += sum over t < n of p[t] * rows[t][i], for the d numbers of a. */
-static void add_weighted_rows(float *a, const float *p, const float *rows, int n, int d) {
 #ifdef __AVX512F__
-    /* 64 numbers of a at a time, held in registers across the rows (four chains of additions) */
+/* exp_nonpositive of sixteen numbers. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147181f));
+    __m512 p = _mm512_fmadd_ps(y, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.2f)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.25f)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.0f / 3)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.5f)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(y, p, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __mmask16 first(int m) { return m >= 16 ? 0xffff : (__mmask16)((1u << m) - 1); }
+#endif
+
+/* One block of the online softmax: the n scores e become their exponentials less the running
+ * maximum *m, which rises to include them, and their sum joins *l. Returns the factor by which the
+ * sums over earlier blocks shrink (0 for the first block, where *m is -inf). */
+static float softmax_block(float *e, int n, float *m, float *l) {
+#ifdef __AVX512F__
+    __m512 top = _mm512_set1_ps(*m), sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16) top = _mm512_mask_max_ps(top, first(n - t), top, _mm512_loadu_ps(e + t));
+    const float new_max = _mm512_reduce_max_ps(top);
+    const __m512 shift = _mm512_set1_ps(new_max);
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 mask = first(n - t);
+        const __m512 p = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, e + t), shift));
+        _mm512_mask_storeu_ps(e + t, mask, p);
+        sum = _mm512_mask_add_ps(sum, mask, sum, p);
+    }
+    const float correction = expf(*m - new_max), block_sum = _mm512_reduce_add_ps(sum);
+#else
+    float new_max = *m, block_sum = 0.0f;
+    #pragma omp simd reduction(max:new_max)
+    for (int t = 0; t < n; t++) new_max = e[t] > new_max ? e[t] : new_max;
+    const float correction = expf(*m - new_max);
+    #pragma omp simd reduction(+:block_sum)
+    for (int t = 0; t < n; t++) {
+        e[t] = exp_nonpositive(e[t] - new_max);
+        block_sum += e[t];
+    }
+#endif
+    *l = *l * correction + block_sum;
+    *m = new_max;
+    return correction;
+}
+
+#ifdef __AVX512F__
+/* acc[g][i] += sum over t < n of p[g][t] * rows[t][i] for G (a constant, at most 4) query heads
+ * g, 64 numbers i at a time: each row is loaded once for all G heads, and the G x 4 sums stay in
+ * registers across the rows. */
+static inline __attribute__((always_inline)) void add_weighted_rows_of(float *acc, const float *p, int p_stride,
+                                                                      const float *rows, int n, int d, const int G) {
     for (int i = 0; i < d; i += 64) {
         __mmask16 mask[4];
-        __m512 v[4];
+        __m512 v[4][4];
         for (int j = 0; j < 4; j++) {
-            const int left = d - i - 16 * j;
-            mask[j] = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            v[j] = _mm512_maskz_loadu_ps(mask[j], a + i + 16 * j);
+            mask[j] = d - i - 16 * j > 0 ? first(d - i - 16 * j) : 0;
+            for (int g = 0; g < G; g++) v[g][j] = _mm512_maskz_loadu_ps(mask[j], acc + (size_t)g * d + i + 16 * j);
         }
         for (int t = 0; t < n; t++) {
-            const __m512 w = _mm512_set1_ps(p[t]);
-            const float *r = rows + (size_t)t * d + i;
-            for (int j = 0; j < 4; j++) v[j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mask[j], r + 16 * j), v[j]);
+            __m512 r[4];
+            for (int j = 0; j < 4; j++) r[j] = _mm512_maskz_loadu_ps(mask[j], rows + (size_t)t * d + i + 16 * j);
+            for (int g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(p[(size_t)g * p_stride + t]);
+                for (int j = 0; j < 4; j++) v[g][j] = _mm512_fmadd_ps(w, r[j], v[g][j]);
+            }
         }
-        for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(a + i + 16 * j, mask[j], v[j]);
+        for (int j = 0; j < 4; j++)
+            for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(acc + (size_t)g * d + i + 16 * j, mask[j], v[g][j]);
     }
+}
+#endif
+
+/* acc[g][i] += sum over t < n of p[g][t] * rows[t][i], for the d numbers i of each of `groups` query
+ * heads (acc [groups][d], p [groups][p_stride]). */
+static void add_weighted_rows(float *acc, const float *p, int p_stride, const float *rows, int n, int d,
+                              int groups) {
+#ifdef __AVX512F__
+    int g = 0;
+    for (; g + 4 <= groups; g += 4) add_weighted_rows_of(acc + (size_t)g * d, p + (size_t)g * p_stride, p_stride,
+                                                         rows, n, d, 4);
+    if (groups - g >= 2) {
+        add_weighted_rows_of(acc + (size_t)g * d, p + (size_t)g * p_stride, p_stride, rows, n, d, 2);
+        g += 2;
+    }
+    if (g < groups) add_weighted_rows_of(acc + (size_t)g * d, p + (size_t)g * p_stride, p_stride, rows, n, d, 1);
 #else
-    for (int t = 0; t < n; t++) {
-        #pragma omp simd
-        for (int i = 0; i < d; i++) a[i] += p[t] * rows[(size_t)t * d + i];
-    }
+    for (int g = 0; g < groups; g++)
+        for (int t = 0; t < n; t++) {
+            #pragma omp simd
+            for (int i = 0; i < d; i++) acc[(size_t)g * d + i] += p[(size_t)g * p_stride + t] * rows[(size_t)t * d + i];
+        }
 #endif
 }
 
@@ -145,28 +259,18 @@ void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const
     memset(acc, 0, sizeof(acc));
     for (int g = 0; g < groups; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
     for (int i = 0; i < groups * d; i++) qs[i] = q[i] * scale;
+    for (int64_t start = 0; start < ctx && start < AHEAD * bs; start += bs) prefetch_block(c, h, table[start / bs]);
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t block = table[start / bs];
         const int n = ctx - start < bs ? (int)(ctx - start) : bs;
+        if (start + AHEAD * bs < ctx) prefetch_block(c, h, table[start / bs + AHEAD]);
         const float *keys = load_block(c, 0, h, block, n, tile);
         for (int g = 0; g < groups; g++) {
-            float *e = scores + g * bs, top = m[g], sum = 0.0f;
-            scores_of(qs + g * d, keys, n, d, e);
-            #pragma omp simd reduction(max:top)
-            for (int t = 0; t < n; t++) top = e[t] > top ? e[t] : top;
-            const float correction = expf(m[g] - top);   /* 0 on the first block (m = -inf) */
-            l[g] *= correction;
+            scores_of(qs + g * d, keys, n, d, scores + g * bs);
+            const float correction = softmax_block(scores + g * bs, n, &m[g], &l[g]);
             for (int i = 0; i < d; i++) acc[g * d + i] *= correction;
-            #pragma omp simd reduction(+:sum)
-            for (int t = 0; t < n; t++) {
-                e[t] = exp_nonpositive(e[t] - top);
-                sum += e[t];
-            }
-            l[g] += sum;
-            m[g] = top;
         }
-        const float *values = load_block(c, 1, h, block, n, tile);
-        for (int g = 0; g < groups; g++) add_weighted_rows(acc + g * d, scores + g * bs, values, n, d);
+        add_weighted_rows(acc, scores, bs, load_block(c, 1, h, block, n, tile), n, d, groups);
     }
     /* no context (a padding row) leaves l = 0: the output is 0, not 0/0 */
     for (int g = 0; g < groups; g++)
@@ -175,9 +279,10 @@ void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const
     free(scores);
 }
 
-/* out[b][h * G + g][:] = softmax(q . K^T * scale) V for each decoding sequence b (fp32 q and out). */
-void paged_decode(const float *q, float *out, int num_seqs, int num_heads, const int64_t *block_tables,
-                  int table_width, const int64_t *context_lens, float scale,
+/* out[b][h * G + g][:] = softmax(q . K^T * scale) V for each decoding sequence b (fp32 q and out; each
+ * sequence's q heads adjacent, sequences q_stride numbers apart). */
+void paged_decode(const float *q, int64_t q_stride, float *out, int num_seqs, int num_heads,
+                  const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                   const void *pages, int kind, int kvh, int nb, int bs, int d,
                   const void *k_meta, const void *v_meta,
                   const void *residual, int residual_kind, int slots, const int64_t *residual_of) {
@@ -186,8 +291,8 @@ void paged_decode(const float *q, float *out, int num_seqs, int num_heads, const
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (int b = 0; b < num_seqs; b++)
         for (int h = 0; h < kvh; h++) {
-            const int64_t at = ((int64_t)b * num_heads + (int64_t)h * groups) * d;
-            attend_head(&c, h, block_tables + (int64_t)b * table_width, context_lens[b], q + at, groups, scale,
-                        out + at);
+            const int64_t head = (int64_t)h * groups * d;
+            attend_head(&c, h, block_tables + (int64_t)b * table_width, context_lens[b], q + b * q_stride + head,
+                        groups, scale, out + (int64_t)b * num_heads * d + head);
         }
 }

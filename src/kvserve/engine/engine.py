@@ -21,6 +21,7 @@ from kvserve.engine.native_decode import NativeDecode, native_decode_wanted, wei
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
+from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
@@ -39,6 +40,7 @@ class LLMEngine:
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu":
             reuse_freed_memory()
+            library()       # the C kernels: built (or found cached) as the engine starts, not in its first step
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
         self.max_model_len = self._max_model_len(config, mcfg)
         self.tokenizer = load_tokenizer(self.model_path)

@@ -65,9 +65,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, batch, backend, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, backend, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, batch, backend, kv_cache):
+        """The layer's output and the residual stream before it is added (None: x is the stream)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, batch, backend, kv_cache), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -117,10 +122,11 @@ class CausalLM(nn.Module):
         """Hidden states [tokens, hidden] of a flat batch; K/V of the new tokens go to `storage`."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
             kv_cache = storage.layer(i) if storage is not None else None
-            x = layer(x, rope, batch, backend, kv_cache)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, batch, backend, kv_cache)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -4,12 +4,15 @@ Parameters are not initialised: the loader fills every one from the checkpoint (
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.kernels import function
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _PACK_BATCH_HINT = 64
@@ -51,13 +54,42 @@ class Embedding(nn.Embedding):
         pass
 
 
+# dtypes the C kernels of csrc/layer_ops.c take, as they number them
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _layer_op(name: str, argtypes: tuple, x: torch.Tensor, *others: torch.Tensor):
+    """The C kernel `name` (csrc/layer_ops.c) where it runs on x (CPU, float32/bfloat16) and the other
+    tensors are contiguous, else None."""
+    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or not all(t.is_contiguous() for t in others):
+        return None
+    return function(name, argtypes)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with a residual, it first becomes residual + x (in place), and both are returned:
+        (RMSNorm(residual + x), residual + x). One C pass on the CPU."""
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        fn = _layer_op("add_rms_norm", (p, p, p, p, i, i, f, i, i), x, x, *([] if residual is None else [residual]))
+        if fn is None:
+            if residual is None:
+                return self._norm(x)
+            return self._norm(residual.add_(x)), residual
+        out = torch.empty_like(x)
+        rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+        # without a residual, x is normalised where the kernel reads the residual, and left as it is
+        fn(None if residual is None else x.data_ptr(), (x if residual is None else residual).data_ptr(),
+           self.weight.data_ptr(), out.data_ptr(), rows, dim, self.eps, _KERNEL_DTYPES[x.dtype],
+           torch.get_num_threads())
+        return out if residual is None else (out, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and scale in x's dtype, rounding where the reference does.
@@ -102,6 +134,17 @@ class RotaryEmbedding:
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate x [T, heads, D] in place: x * cos + rotate_half(x) * sin."""
-    rolled = x.roll(x.shape[-1] // 2, dims=-1)
-    x.mul_(cos).addcmul_(rolled, sin)
+    """Rotate x [..., D] in place: x * cos + rotate_half(x) * sin (cos, sin broadcast to x). One C pass
+    on the CPU for a step's x [T, heads, D] whose heads are adjacent (q and k, views of qkv's rows)
+    and its cos, sin [T, 1, D]."""
+    d = x.shape[-1]
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fits = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d and cos.shape == sin.shape == (len(x), 1, d) \
+        and cos.dtype == sin.dtype == x.dtype
+    fn = _layer_op("rope", (p, i64, i, i, i, p, p, i, i), x, cos, sin) if fits else None
+    if fn is None:
+        rolled = x.roll(d // 2, dims=-1)
+        x.mul_(cos).addcmul_(rolled, sin)
+        return
+    fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], d, cos.data_ptr(), sin.data_ptr(), _KERNEL_DTYPES[x.dtype],
+       torch.get_num_threads())
