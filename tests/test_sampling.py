@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.detokenizer import detokenize_step
+from kvserve.engine.detokenizer import detokenize_step, text_decoder
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling import Sampler, argmax
 from tiny_models import hf_model, make_checkpoint
@@ -109,15 +109,20 @@ def test_stop_token_and_eos(llm):
         llm.engine.eos_token_ids = eos
 
 
-def test_incremental_detokenization_equals_full_decode(llm):
+@pytest.mark.parametrize("decoder", ["rust", "transformers"])
+def test_incremental_detokenization_equals_full_decode(llm, decoder):
     tok = llm.get_tokenizer()
+    decode = text_decoder(tok) if decoder == "rust" else tok.decode
+    assert (decode == tok.decode) == (decoder == "transformers")
     text = "def f(x):\n    return 'Ünïcödé ✓ 日本語'  # done"
     ids = tok.encode(text, add_special_tokens=False)
+    assert decode([0, *ids, 1], skip_special_tokens=True) == tok.decode([0, *ids, 1], skip_special_tokens=True)
+    assert decode([0, *ids], skip_special_tokens=False) == tok.decode([0, *ids], skip_special_tokens=False)
     seq = Sequence(0, "r", None, [5, 6], SamplingParams(), 100, 0.0)
     pieces = []
     for t in ids:
         seq.token_ids.append(t)
-        pieces.append(detokenize_step(tok, seq))
+        pieces.append(detokenize_step(decode, seq))
         assert "\ufffd" not in pieces[-1]
     assert "".join(pieces) == seq.output_text == text
 

@@ -14,7 +14,7 @@ from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.cuda_graphs import DecodeGraphs
-from kvserve.engine.detokenizer import detokenize_step
+from kvserve.engine.detokenizer import detokenize_step, text_decoder
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.gpu_memory import profile_kv_memory
 from kvserve.engine.native_decode import NativeDecode, native_decode_wanted, weights_to_huge_pages
@@ -44,6 +44,7 @@ class LLMEngine:
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
         self.max_model_len = self._max_model_len(config, mcfg)
         self.tokenizer = load_tokenizer(self.model_path)
+        self.decode = text_decoder(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
@@ -341,7 +342,7 @@ class LLMEngine:
             return self._finish(seq, "stop", token)
         if token in p.stop_token_ids:
             return self._finish(seq, "stop", token)
-        delta = detokenize_step(self.tokenizer, seq)
+        delta = detokenize_step(self.decode, seq)
         if p.stop and delta and self._stop_string(seq, len(delta)):
             return None
         # a sink cache holds a bounded window: only max_tokens ends such a sequence
