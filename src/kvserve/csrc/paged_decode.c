@@ -173,7 +173,10 @@ static inline __mmask16 first(int m) { return m >= 16 ? 0xffff : (__mmask16)((1u
 static float softmax_block(float *e, int n, float *m, float *l) {
 #ifdef __AVX512F__
     __m512 top = _mm512_set1_ps(*m), sum = _mm512_setzero_ps();
-    for (int t = 0; t < n; t += 16) top = _mm512_mask_max_ps(top, first(n - t), top, _mm512_loadu_ps(e + t));
+    for (int t = 0; t < n; t += 16) {
+        const __mmask16 mask = first(n - t);
+        top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, e + t));
+    }
     const float new_max = _mm512_reduce_max_ps(top);
     const __m512 shift = _mm512_set1_ps(new_max);
     for (int t = 0; t < n; t += 16) {
