@@ -108,9 +108,9 @@ def plot_throughput(data: dict, path: Path, where: str) -> None:
     ax1.bar([x - 0.2 for x in xs], [data[d]["ours_tok_s"] for d in dtypes], 0.4, label="kvserve")
     ax1.bar([x + 0.2 for x in xs], [data[d]["hf_tok_s"] for d in dtypes], 0.4, label="transformers")
     ax1.set(xticks=list(xs), xticklabels=dtypes, ylabel="generated tok/s", title="64 requests")
-    ax2.bar([x - 0.2 for x in xs], [data[d]["batch1_tok_s"] for d in dtypes], 0.4, label="kvserve")
-    ax2.bar([x + 0.2 for x in xs], [data[d]["hf_batch1_tok_s"] for d in dtypes], 0.4, label="transformers")
-    ax2.bar([x + 0.6 for x in xs], [data[d]["batch1_limit_tok_s"] for d in dtypes], 0.2, label="bandwidth limit")
+    for offset, key, label in ((-0.27, "batch1_tok_s", "kvserve"), (0.0, "hf_batch1_tok_s", "transformers"),
+                               (0.27, "batch1_limit_tok_s", "bandwidth limit")):
+        ax2.bar([x + offset for x in xs], [data[d][key] for d in dtypes], 0.27, label=label)
     ax2.set(xticks=list(xs), xticklabels=dtypes, ylabel="tok/s", title="batch-1 decode")
     for ax in (ax1, ax2):
         ax.legend()
