@@ -167,39 +167,52 @@ static inline __m512 exp16_nonpositive(__m512 x) {
 static inline __mmask16 first(int m) { return m >= 16 ? 0xffff : (__mmask16)((1u << m) - 1); }
 #endif
 
-/* One block of the online softmax: the n scores e become their exponentials less the running
- * maximum *m, which rises to include them, and their sum joins *l. Returns the factor by which the
- * sums over earlier blocks shrink (0 for the first block, where *m is -inf). */
-static float softmax_block(float *e, int n, float *m, float *l) {
+/* One block of the online softmax for each of `groups` query heads: the n scores of head g (at
+ * e + g * stride) become their exponentials less its running maximum m[g], which rises to include
+ * them, and their sum joins l[g]; correction[g] is the factor by which its sums over earlier blocks
+ * shrink (about 1e-38, as good as 0, on the first block, where m[g] is -inf). Each step runs for all
+ * heads before the next, so that the heads' chains of dependent operations overlap. */
+static void softmax_block(float *e, int stride, int n, int groups, float *m, float *l, float *correction) {
+    float new_max[groups], block_sum[groups];
 #ifdef __AVX512F__
-    __m512 top = _mm512_set1_ps(*m), sum = _mm512_setzero_ps();
-    for (int t = 0; t < n; t += 16) {
-        const __mmask16 mask = first(n - t);
-        top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, e + t));
+    for (int g = 0; g < groups; g++) {
+        __m512 top = _mm512_set1_ps(m[g]);
+        for (int t = 0; t < n; t += 16) {
+            const __mmask16 mask = first(n - t);
+            top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, e + g * stride + t));
+        }
+        new_max[g] = _mm512_reduce_max_ps(top);
     }
-    const float new_max = _mm512_reduce_max_ps(top);
-    const __m512 shift = _mm512_set1_ps(new_max);
-    for (int t = 0; t < n; t += 16) {
-        const __mmask16 mask = first(n - t);
-        const __m512 p = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, e + t), shift));
-        _mm512_mask_storeu_ps(e + t, mask, p);
-        sum = _mm512_mask_add_ps(sum, mask, sum, p);
+    for (int g = 0; g < groups; g++) {
+        const __m512 shift = _mm512_set1_ps(new_max[g]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < n; t += 16) {
+            const __mmask16 mask = first(n - t);
+            float *at = e + g * stride + t;
+            const __m512 p = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, at), shift));
+            _mm512_mask_storeu_ps(at, mask, p);
+            sum = _mm512_mask_add_ps(sum, mask, sum, p);
+        }
+        block_sum[g] = _mm512_reduce_add_ps(sum);
     }
-    const float correction = expf(*m - new_max), block_sum = _mm512_reduce_add_ps(sum);
 #else
-    float new_max = *m, block_sum = 0.0f;
-    #pragma omp simd reduction(max:new_max)
-    for (int t = 0; t < n; t++) new_max = e[t] > new_max ? e[t] : new_max;
-    const float correction = expf(*m - new_max);
-    #pragma omp simd reduction(+:block_sum)
-    for (int t = 0; t < n; t++) {
-        e[t] = exp_nonpositive(e[t] - new_max);
-        block_sum += e[t];
+    for (int g = 0; g < groups; g++) {
+        float *s = e + g * stride, top = m[g], sum = 0.0f;
+        #pragma omp simd reduction(max:top)
+        for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+        #pragma omp simd reduction(+:sum)
+        for (int t = 0; t < n; t++) {
+            s[t] = exp_nonpositive(s[t] - top);
+            sum += s[t];
+        }
+        new_max[g] = top, block_sum[g] = sum;
     }
 #endif
-    *l = *l * correction + block_sum;
-    *m = new_max;
-    return correction;
+    for (int g = 0; g < groups; g++) {
+        correction[g] = exp_nonpositive(m[g] - new_max[g]);
+        l[g] = l[g] * correction[g] + block_sum[g];
+        m[g] = new_max[g];
+    }
 }
 
 #ifdef __AVX512F__
@@ -258,7 +271,7 @@ void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const
      * none for float32 pages, which are read in place */
     float *tile = c->kind == F32 ? NULL : malloc(sizeof(float) * (size_t)bs * d);
     float *scores = malloc(sizeof(float) * (size_t)groups * bs);
-    float acc[groups * d], m[groups], l[groups], qs[groups * d];
+    float acc[groups * d], m[groups], l[groups], correction[groups], qs[groups * d];
     memset(acc, 0, sizeof(acc));
     for (int g = 0; g < groups; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
     for (int i = 0; i < groups * d; i++) qs[i] = q[i] * scale;
@@ -268,11 +281,10 @@ void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const
         const int n = ctx - start < bs ? (int)(ctx - start) : bs;
         if (start + AHEAD * bs < ctx) prefetch_block(c, h, table[start / bs + AHEAD]);
         const float *keys = load_block(c, 0, h, block, n, tile);
-        for (int g = 0; g < groups; g++) {
-            scores_of(qs + g * d, keys, n, d, scores + g * bs);
-            const float correction = softmax_block(scores + g * bs, n, &m[g], &l[g]);
-            for (int i = 0; i < d; i++) acc[g * d + i] *= correction;
-        }
+        for (int g = 0; g < groups; g++) scores_of(qs + g * d, keys, n, d, scores + g * bs);
+        softmax_block(scores, bs, n, groups, m, l, correction);
+        for (int g = 0; g < groups; g++)
+            for (int i = 0; i < d; i++) acc[g * d + i] *= correction[g];
         add_weighted_rows(acc, scores, bs, load_block(c, 1, h, block, n, tile), n, d, groups);
     }
     /* no context (a padding row) leaves l = 0: the output is 0, not 0/0 */
