@@ -12,9 +12,10 @@ def test_bench_attention_rows(tmp_path):
                  "--repeats", "1", "--plot", str(png), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {(r["backend"], r["phase"], r["length"]): r for r in report["rows"]}
-    # textbook, flash and sdpa for both phases at both lengths; native decodes only
-    assert len(rows) == 3 * 4 + 2 and ("native", "decode", 200) in rows
+    # textbook, flash, sdpa and native for both phases at both lengths
+    assert len(rows) == 4 * 4 and ("native", "decode", 200) in rows and ("native", "prefill", 160) in rows
     assert report["decode_time_native_over_sdpa"].keys() == {"64", "200"}
+    assert report["prefill_time_native_over_sdpa"].keys() == {"64", "160"}
     for r in rows.values():
         assert r["time_ms"] > 0 and r["peak_temp_bytes"] > 0
     # the textbook's L x L scores dominate its memory: 4 heads x 160 x 160 float32, twice

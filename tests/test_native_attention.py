@@ -57,6 +57,17 @@ def test_decode_in_blocks_of_sixteen_keys_and_a_rest(block_size, heads, kv_heads
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 72), (8, 1, 128), (4, 4, 24), (16, 1, 64)])
+def test_prefill_in_causal_tiles_matches_the_textbook(heads, kv_heads, head_dim):
+    """Prompts of lengths that are not whole tiles, fresh or after a cached prefix, beside decodes:
+    each token sees exactly the keys up to its own (16 // G tokens a tile; one when G is 16)."""
+    q_lens, ctx = [1, 1, 37, 16, 5, 50], [20, 33, 37, 16, 61, 90]
+    q, k, v, kv_cache, batch = make_case(q_lens, ctx, 2, heads, kv_heads, head_dim, block_size=16)
+    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+    out = NativeBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_a_block_as_long_as_a_whole_context_decodes():
     # cache_mode "contiguous" makes one block of max_model_len tokens: its rows must not live on a
     # thread's stack (32768 x 128 floats are 16 MiB, past the usual 8 MiB)
@@ -74,11 +85,17 @@ def test_the_portable_fallbacks_compute_the_same(tmp_path, monkeypatch):
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
-    portable = ctypes.CDLL(str(kernels.build())).paged_decode
-    portable.argtypes, portable.restype = native.kernel().argtypes, None
-    monkeypatch.setattr(native, "kernel", lambda: portable)
+    library = ctypes.CDLL(str(kernels.build()))
+    for name, typed in (("paged_decode", native.kernel), ("paged_prefill", native.prefill_kernel)):
+        portable = getattr(library, name)
+        portable.argtypes, portable.restype = typed().argtypes, None
+        monkeypatch.setattr(native, typed.__name__, lambda portable=portable: portable)
     for heads, kv_heads, head_dim in [(4, 4, 64), (8, 2, 80), (4, 1, 24)]:
         q, k, v, kv_cache, batch = make_case([1, 1, 1], [9, 30, 17], 3, heads, kv_heads, head_dim, block_size=4)
         ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
         out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        q, k, v, kv_cache, batch = make_case([1, 9, 21], [9, 30, 21], 1, heads, kv_heads, head_dim, block_size=4)
+        ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+        torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5), ref,
+                                   atol=1e-5, rtol=1e-5)

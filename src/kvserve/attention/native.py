@@ -1,10 +1,12 @@
-"""The `native` backend: decode by a C kernel (`csrc/paged_decode.c`) that reads the pages in place,
-dequantizing as it reads. Where no C compiler works (see kvserve.kernels), it decodes as `sdpa` does.
-Prefill is `sdpa`'s.
+"""The `native` backend: attention by C kernels (`csrc/paged_decode.c`) that read the pages in place,
+dequantizing as they read: one query per sequence for decode steps, and causal tiles of a prompt's
+tokens for steps with prompts (the step's K/V are in the pages by then). Where no C compiler works
+(see kvserve.kernels), it runs as `sdpa` does.
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -16,21 +18,24 @@ from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
 # row kinds, as the kernel numbers them
 DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CODEC_KINDS = {Int8PerToken: 3, Fp8PerBlock: 4, Int4: 5}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_CACHE_ARGS = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)
 
 
 def kernel():
     """The compiled paged_decode, or None where the kernels cannot be built here."""
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    return function("paged_decode", (p, ctypes.c_int64, p, i, i, p, i, p, f, p, i, i, i, i, i, p, p, p, i, i, p))
+    return function("paged_decode", (_P, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS))
 
 
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """Attention of one query per sequence, q [B, H, D], over its pages; None if the kernel is unavailable
-    or does not read this cache."""
-    fn = kernel()
-    if fn is None or q.device.type != "cpu":
-        return None
+def prefill_kernel():
+    """The compiled paged_prefill, or None where the kernels cannot be built here."""
+    return function("paged_prefill", (_P, ctypes.c_int64, _P, _I, _P, _I, _P, _I, _P, _F, *_CACHE_ARGS))
+
+
+def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
+    """The cache as the kernels take it: pages, kind, KV heads, blocks, block size, head_dim, K meta,
+    V meta, residual, residual kind, residual slots, residual_of (addresses; None for what a cache
+    lacks). None where the kernels do not read this cache."""
     _, kvh, nb, bs, d = kv_cache.shape
     if isinstance(kv_cache, QuantizedLayer):
         kind = CODEC_KINDS.get(type(kv_cache.k_codec))
@@ -42,26 +47,64 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block
         tensors = (kv_cache,)            # no scales, no residual
     if kind is None or residual_kind is None or not all(t.is_contiguous() for t in tensors):
         return None
-    # pages, K meta, V meta, residual, residual_of as addresses; None for those a cache lacks
     pages, k_meta, v_meta, residual, residual_of = [t.data_ptr() for t in tensors] + [None] * (5 - len(tensors))
-    # float32 q is read where it is (a view of the step's qkv rows), with its heads adjacent
-    qf = q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
+    return pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots, residual_of
+
+
+def _query(q: torch.Tensor) -> torch.Tensor:
+    """float32 q [T, H, D] is read where it is (a view of the step's qkv rows), if its heads are adjacent."""
+    d = q.shape[-1]
+    return q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Attention of one query per sequence, q [B, H, D], over its pages; None if the kernel is unavailable
+    or does not read this cache."""
+    fn = kernel()
+    cache = _cache_args(kv_cache) if fn is not None and q.device.type == "cpu" else None
+    if cache is None:
+        return None
+    qf, out = _query(q), torch.empty(q.shape, dtype=torch.float32)
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     fn(qf.data_ptr(), qf.stride(0), out.data_ptr(), q.shape[0], q.shape[1], tables.data_ptr(), tables.shape[1],
-       lens.data_ptr(), scale, pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots,
-       residual_of)
+       lens.data_ptr(), scale, *cache)
+    return out.to(q.dtype)
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, query_lens: list[int], scale: float) -> torch.Tensor | None:
+    """Causal attention of every query token, q [T, H, D] (query_lens[s] tokens of sequence s, the last
+    of its context_lens[s] cached ones), over its sequence's pages; None if the kernel is unavailable or
+    does not read this cache."""
+    fn = prefill_kernel()
+    cache = _cache_args(kv_cache) if fn is not None and q.device.type == "cpu" else None
+    if cache is None:
+        return None
+    qf, out = _query(q), torch.empty(q.shape, dtype=torch.float32)
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64)
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    fn(qf.data_ptr(), qf.stride(0), out.data_ptr(), len(query_lens), starts.data_ptr(), q.shape[1], tables.data_ptr(),
+       tables.shape[1], lens.data_ptr(), scale, *cache)
     return out.to(q.dtype)
 
 
 class NativeBackend(SdpaBackend):
-    """sdpa's prefill; decode by the C kernel over the pages (sdpa's decode where it cannot run)."""
+    """Decode and prefill by the C kernels over the pages (sdpa's where they cannot run)."""
 
     name = "native"
 
     def __init__(self):
         kernel()     # built (or found in the cache) as an engine starts, not inside its first step
+
+    def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        if kv_cache is not None and batch.num_prefills:
+            out = paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, batch.query_lens, scale)
+            if out is not None:
+                return out
+        return super().forward(q, k, v, kv_cache, batch, scale)
 
     @staticmethod
     def _decode(q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:

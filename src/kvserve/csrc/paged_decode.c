@@ -167,51 +167,56 @@ static inline __m512 exp16_nonpositive(__m512 x) {
 static inline __mmask16 first(int m) { return m >= 16 ? 0xffff : (__mmask16)((1u << m) - 1); }
 #endif
 
-/* One block of the online softmax for each of `groups` query heads: the n scores of head g (at
- * e + g * stride) become their exponentials less its running maximum m[g], which rises to include
- * them, and their sum joins l[g]; correction[g] is the factor by which its sums over earlier blocks
- * shrink (about 1e-38, as good as 0, on the first block, where m[g] is -inf). Each step runs for all
- * heads before the next, so that the heads' chains of dependent operations overlap. */
-static void softmax_block(float *e, int stride, int n, int groups, float *m, float *l, float *correction) {
-    float new_max[groups], block_sum[groups];
+/* One block of the online softmax for each of `rows` query rows: the first valid[r] of the block's
+ * scores of row r (at e + r * stride; the causal mask hides the rest) become their exponentials less
+ * its running maximum m[r], which rises to include them, and their sum joins l[r]; the rest of its
+ * n become 0. correction[r] is the factor by which its sums over earlier blocks shrink (about 1e-38,
+ * as good as 0, on its first block, where m[r] is -inf). Each step runs for all rows before the next,
+ * so that the rows' chains of dependent operations overlap. */
+static void softmax_block(float *e, int stride, int n, int rows, const int *valid, float *m, float *l,
+                          float *correction) {
+    float new_max[rows], block_sum[rows];
 #ifdef __AVX512F__
-    for (int g = 0; g < groups; g++) {
-        __m512 top = _mm512_set1_ps(m[g]);
-        for (int t = 0; t < n; t += 16) {
-            const __mmask16 mask = first(n - t);
-            top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, e + g * stride + t));
+    for (int r = 0; r < rows; r++) {
+        __m512 top = _mm512_set1_ps(m[r]);
+        for (int t = 0; t < valid[r]; t += 16) {
+            const __mmask16 mask = first(valid[r] - t);
+            top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, e + r * stride + t));
         }
-        new_max[g] = _mm512_reduce_max_ps(top);
+        new_max[r] = _mm512_reduce_max_ps(top);
     }
-    for (int g = 0; g < groups; g++) {
-        const __m512 shift = _mm512_set1_ps(new_max[g]);
+    for (int r = 0; r < rows; r++) {
+        const __m512 shift = _mm512_set1_ps(new_max[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int t = 0; t < n; t += 16) {
-            const __mmask16 mask = first(n - t);
-            float *at = e + g * stride + t;
-            const __m512 p = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, at), shift));
+            const __mmask16 mask = first(n - t), kept = valid[r] > t ? first(valid[r] - t) : 0;
+            float *at = e + r * stride + t;
+            const __m512 p = _mm512_maskz_mov_ps(kept, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(kept, at),
+                                                                                       shift)));
             _mm512_mask_storeu_ps(at, mask, p);
-            sum = _mm512_mask_add_ps(sum, mask, sum, p);
+            sum = _mm512_add_ps(sum, p);
         }
-        block_sum[g] = _mm512_reduce_add_ps(sum);
+        block_sum[r] = _mm512_reduce_add_ps(sum);
     }
 #else
-    for (int g = 0; g < groups; g++) {
-        float *s = e + g * stride, top = m[g], sum = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        float *s = e + r * stride, top = m[r], sum = 0.0f;
+        const int kept = valid[r];
         #pragma omp simd reduction(max:top)
-        for (int t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+        for (int t = 0; t < kept; t++) top = s[t] > top ? s[t] : top;
         #pragma omp simd reduction(+:sum)
-        for (int t = 0; t < n; t++) {
+        for (int t = 0; t < kept; t++) {
             s[t] = exp_nonpositive(s[t] - top);
             sum += s[t];
         }
-        new_max[g] = top, block_sum[g] = sum;
+        for (int t = kept; t < n; t++) s[t] = 0.0f;
+        new_max[r] = top, block_sum[r] = sum;
     }
 #endif
-    for (int g = 0; g < groups; g++) {
-        correction[g] = exp_nonpositive(m[g] - new_max[g]);
-        l[g] = l[g] * correction[g] + block_sum[g];
-        m[g] = new_max[g];
+    for (int r = 0; r < rows; r++) {
+        correction[r] = exp_nonpositive(m[r] - new_max[r]);
+        l[r] = l[r] * correction[r] + block_sum[r];
+        m[r] = new_max[r];
     }
 }
 
@@ -264,34 +269,51 @@ static void add_weighted_rows(float *acc, const float *p, int p_stride, const fl
 #endif
 }
 
-void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
-                 float scale, float *out) {
-    const int d = c->d, bs = c->bs;
+/* Attention of `tokens` consecutive query tokens of a sequence (q rows q_stride numbers apart) over
+ * KV head h: token r sees the first ctx - tokens + 1 + r cached tokens (causal; its own are cached
+ * already), and each of its `groups` query heads (adjacent in its row) is one row of the work, so
+ * that all rows share every K/V block read. out rows are out_stride apart. */
+static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int64_t q_stride,
+                        int tokens, int groups, float scale, float *out, int64_t out_stride) {
+    const int d = c->d, bs = c->bs, rows = tokens * groups;
     /* a block's rows can be a whole context (cache_mode "contiguous"): on the heap, not the stack;
      * none for float32 pages, which are read in place */
     float *tile = c->kind == F32 ? NULL : malloc(sizeof(float) * (size_t)bs * d);
-    float *scores = malloc(sizeof(float) * (size_t)groups * bs);
-    float acc[groups * d], m[groups], l[groups], correction[groups], qs[groups * d];
-    memset(acc, 0, sizeof(acc));
-    for (int g = 0; g < groups; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
-    for (int i = 0; i < groups * d; i++) qs[i] = q[i] * scale;
+    float *scores = malloc(sizeof(float) * (size_t)rows * bs);
+    float *acc = calloc((size_t)rows * d, sizeof(float)), *qs = malloc(sizeof(float) * (size_t)rows * d);
+    float m[rows], l[rows], correction[rows];
+    int valid[rows];
+    for (int r = 0; r < rows; r++) {
+        m[r] = -INFINITY, l[r] = 0.0f;
+        for (int i = 0; i < d; i++) qs[(size_t)r * d + i] = q[(r / groups) * q_stride + (r % groups) * d + i] * scale;
+    }
     for (int64_t start = 0; start < ctx && start < AHEAD * bs; start += bs) prefetch_block(c, h, table[start / bs]);
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t block = table[start / bs];
         const int n = ctx - start < bs ? (int)(ctx - start) : bs;
         if (start + AHEAD * bs < ctx) prefetch_block(c, h, table[start / bs + AHEAD]);
         const float *keys = load_block(c, 0, h, block, n, tile);
-        for (int g = 0; g < groups; g++) scores_of(qs + g * d, keys, n, d, scores + g * bs);
-        softmax_block(scores, bs, n, groups, m, l, correction);
-        for (int g = 0; g < groups; g++)
-            for (int i = 0; i < d; i++) acc[g * d + i] *= correction[g];
-        add_weighted_rows(acc, scores, bs, load_block(c, 1, h, block, n, tile), n, d, groups);
+        for (int r = 0; r < rows; r++) {
+            const int64_t seen = ctx - tokens + 1 + r / groups - start;
+            valid[r] = seen <= 0 ? 0 : seen < n ? (int)seen : n;
+            if (valid[r]) scores_of(qs + (size_t)r * d, keys, valid[r], d, scores + (size_t)r * bs);
+        }
+        softmax_block(scores, bs, n, rows, valid, m, l, correction);
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < d; i++) acc[(size_t)r * d + i] *= correction[r];
+        add_weighted_rows(acc, scores, bs, load_block(c, 1, h, block, n, tile), n, d, rows);
     }
     /* no context (a padding row) leaves l = 0: the output is 0, not 0/0 */
-    for (int g = 0; g < groups; g++)
-        for (int i = 0; i < d; i++) out[g * d + i] = l[g] > 0.0f ? acc[g * d + i] / l[g] : 0.0f;
-    free(tile);
-    free(scores);
+    for (int r = 0; r < rows; r++) {
+        float *o = out + (r / groups) * out_stride + (r % groups) * d;
+        for (int i = 0; i < d; i++) o[i] = l[r] > 0.0f ? acc[(size_t)r * d + i] / l[r] : 0.0f;
+    }
+    free(tile), free(scores), free(acc), free(qs);
+}
+
+void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
+                 float scale, float *out) {
+    attend_rows(c, h, table, ctx, q, 0, 1, groups, scale, out, 0);
 }
 
 /* out[b][h * G + g][:] = softmax(q . K^T * scale) V for each decoding sequence b (fp32 q and out; each
@@ -310,4 +332,40 @@ void paged_decode(const float *q, int64_t q_stride, float *out, int num_seqs, in
             attend_head(&c, h, block_tables + (int64_t)b * table_width, context_lens[b], q + b * q_stride + head,
                         groups, scale, out + (int64_t)b * num_heads * d + head);
         }
+}
+
+/* out[t][h * G + g][:] = causal attention of every query token t of a step over its sequence's pages,
+ * where the step's K/V are written already: sequence s has query tokens [query_starts[s],
+ * query_starts[s + 1]), the last of its context_lens[s] cached tokens (a prompt's chunk after a cached
+ * prefix, or a decode's one token). Tasks are tiles of a few consecutive tokens of a sequence and one
+ * KV head, so that each K/V block read serves tokens x G query rows. fp32 q (rows q_stride apart) and
+ * out (contiguous). */
+void paged_prefill(const float *q, int64_t q_stride, float *out, int num_seqs, const int64_t *query_starts,
+                   int num_heads, const int64_t *block_tables, int table_width, const int64_t *context_lens,
+                   float scale, const void *pages, int kind, int kvh, int nb, int bs, int d,
+                   const void *k_meta, const void *v_meta,
+                   const void *residual, int residual_kind, int slots, const int64_t *residual_of) {
+    const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, slots};
+    const int groups = num_heads / kvh, per_tile = groups >= 64 ? 1 : 64 / groups;
+    int64_t num_tiles = 0;
+    for (int s = 0; s < num_seqs; s++) num_tiles += (query_starts[s + 1] - query_starts[s] + per_tile - 1) / per_tile;
+    int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
+    int *tile_seq = malloc(sizeof(int) * (size_t)(num_tiles + 1));
+    int64_t at = 0;
+    for (int s = 0; s < num_seqs; s++)
+        for (int64_t t = query_starts[s]; t < query_starts[s + 1]; t += per_tile) tile_seq[at] = s, tile_start[at++] = t;
+    const int64_t num_tasks = num_tiles * kvh, row = (int64_t)num_heads * d;
+    /* the latest tiles first: they attend to the most keys */
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t i = 0; i < num_tasks; i++) {
+        const int64_t tile = (num_tasks - 1 - i) / kvh, t0 = tile_start[tile];
+        const int h = (int)((num_tasks - 1 - i) % kvh), s = tile_seq[tile];
+        const int64_t end = query_starts[s + 1], tokens = end - t0 < per_tile ? end - t0 : per_tile;
+        /* keys its last token sees: the cache less the sequence's query tokens after it */
+        const int64_t ctx = context_lens[s] - (end - t0 - tokens);
+        const int64_t head = (int64_t)h * groups * d;
+        attend_rows(&c, h, block_tables + (int64_t)s * table_width, ctx, q + t0 * q_stride + head, q_stride,
+                    (int)tokens, groups, scale, out + t0 * row + head, row);
+    }
+    free(tile_start), free(tile_seq);
 }
