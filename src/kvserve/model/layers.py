@@ -76,7 +76,9 @@ class RMSNorm(nn.Module):
         """RMSNorm(x); with a residual, it first becomes residual + x (in place), and both are returned:
         (RMSNorm(residual + x), residual + x). One C pass on the CPU."""
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        fn = _layer_op("add_rms_norm", (p, p, p, p, i, i, f, i, i), x, x, *([] if residual is None else [residual]))
+        same = self.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+        fn = _layer_op("add_rms_norm", (p, p, p, p, i, i, f, i, i), x, x, *([] if residual is None else [residual])) \
+            if same else None
         if fn is None:
             if residual is None:
                 return self._norm(x)
