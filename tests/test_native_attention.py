@@ -44,17 +44,18 @@ def test_the_kernel_builds_in_the_temporary_directory_when_the_cache_is_not_writ
     assert library.is_relative_to(tmp_path / "tmp") and library.stat().st_size > 0
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("block_size", [16, 37])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 72), (8, 1, 128), (4, 4, 24)])
-def test_decode_in_blocks_of_sixteen_keys_and_a_rest(block_size, heads, kv_heads, head_dim):
+def test_decode_in_blocks_of_sixteen_keys_and_a_rest(block_size, heads, kv_heads, head_dim, dtype, tol):
     """The kernel scores keys sixteen at a time: whole groups, a partial last one, head_dims not
-    a multiple of sixteen."""
+    a multiple of sixteen; bfloat16 pages are widened as they are loaded."""
     ctx = [1, 15, 16, 17, 40, 75]
     q, k, v, kv_cache, batch = make_case([1] * len(ctx), ctx, len(ctx), heads, kv_heads, head_dim,
-                                         block_size=block_size)
-    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+                                         block_size=block_size, dtype=dtype)
+    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5)
     out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 72), (8, 1, 128), (4, 4, 24), (16, 1, 64)])

@@ -20,9 +20,16 @@
 #include <immintrin.h>
 #endif
 
-/* Rows [0, n) of block `block` of K (which = 0) or V (1), head h, as floats [n][d]: in place where
- * they are float32 already, else converted into `tile`. */
-static const float *load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
+/* A block's rows as the arithmetic reads them: floats [n][d], or (where the CPU has AVX-512)
+ * bfloat16 numbers read where they are, widened as they are loaded. */
+typedef struct {
+    const void *p;
+    int bf16;
+} Rows;
+
+/* Rows [0, n) of block `block` of K (which = 0) or V (1), head h: in place where they are float32 (or
+ * bfloat16 and the CPU has AVX-512), else converted into `tile`. */
+static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
     const int d = c->d, bs = c->bs;
     if (c->kind <= F16 || (c->residual_of && c->residual_of[block] >= 0)) {
         int kind = c->kind <= F16 ? c->kind : c->residual_kind;
@@ -31,9 +38,12 @@ static const float *load_block(const Cache *c, int which, int h, int64_t block, 
         int64_t at = c->kind <= F16 ? block : c->residual_of[block];
         size_t es = elem_size(kind);
         const char *rows = base + ((((int64_t)which * c->kvh + h) * blocks + at) * bs) * d * es;
-        if (kind == F32) return (const float *)rows;
+        if (kind == F32) return (Rows){rows, 0};
+#ifdef __AVX512F__
+        if (kind == BF16) return (Rows){rows, 1};
+#endif
         for (int t = 0; t < n; t++) load_row(tile + t * d, rows + (size_t)t * d * es, kind, d);
-        return tile;
+        return (Rows){tile, 0};
     }
     const int64_t hb = (int64_t)h * c->nb + block;
     const void *meta = which ? c->v_meta : c->k_meta;
@@ -80,7 +90,7 @@ static const float *load_block(const Cache *c, int which, int h, int64_t block, 
             }
         }
     }
-    return tile;
+    return (Rows){tile, 0};
 }
 
 /* Asks for the rows of block `block` of K and V, head h, ahead of their use: a block is a few KiB on
@@ -104,8 +114,18 @@ static inline __attribute__((always_inline)) void prefetch_block(const Cache *c,
 /* e[t] = q . rows[t] for m <= 16 rows: each row's products summed in a vector, then the sixteen
  * vectors summed across their lanes together, a transpose-and-add tree of 15 additions (reducing
  * each vector alone takes 4 additions and 4 shuffles: most of the time of a 64-number product). */
-static inline __attribute__((always_inline)) void scores16(const float *q, const float *rows, int m, int d,
-                                                           float *e) {
+static inline __attribute__((always_inline)) __m512 row16(const void *rows, size_t at, __mmask16 mask, const int bf16) {
+    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)rows + at);
+    const uint16_t *r = (const uint16_t *)rows + at;     /* whole vectors where it can: masked 16-bit loads are slow */
+    const __m256i h = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)r) : _mm256_maskz_loadu_epi16(mask, r);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* e[t] = q . rows[t0 + t] for m <= 16 rows: each row's products summed in a vector, then the sixteen
+ * vectors summed across their lanes together, a transpose-and-add tree of 15 additions (reducing
+ * each vector alone takes 4 additions and 4 shuffles: most of the time of a 64-number product). */
+static inline __attribute__((always_inline)) void scores16(const float *q, const void *rows, int t0, int m, int d,
+                                                           float *e, const int bf16) {
     const int chunks = (d + 15) / 16;
     const __mmask16 tail = d % 16 ? (__mmask16)((1u << (d % 16)) - 1) : 0xffff;
     __m512 acc[16];
@@ -114,7 +134,7 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
         const __mmask16 mask = c == chunks - 1 ? tail : 0xffff;
         const __m512 qc = _mm512_maskz_loadu_ps(mask, q + c * 16);
         for (int t = 0; t < m; t++)
-            acc[t] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(mask, rows + (size_t)t * d + c * 16), acc[t]);
+            acc[t] = _mm512_fmadd_ps(qc, row16(rows, (size_t)(t0 + t) * d + c * 16, mask, bf16), acc[t]);
     }
     __m512 half[8], quarter[4], eighth[2];
     for (int i = 0; i < 8; i++)      /* in each 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
@@ -128,21 +148,27 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
                                   _mm512_shuffle_f32x4(quarter[2 * i], quarter[2 * i + 1], 0xdd));
     const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(eighth[0], eighth[1], 0x88),
                                       _mm512_shuffle_f32x4(eighth[0], eighth[1], 0xdd));
-    _mm512_mask_storeu_ps(e, (__mmask16)((1u << m) - 1), sums);
+    _mm512_mask_storeu_ps(e + t0, (__mmask16)((1u << m) - 1), sums);
 }
 #endif
 
 /* e[t] = q . rows[t] for the n rows of d numbers. */
-static void scores_of(const float *q, const float *rows, int n, int d, float *e) {
+static void scores_of(const float *q, Rows rows, int n, int d, float *e) {
 #ifdef __AVX512F__
     int t = 0;
-    for (; t + 16 <= n; t += 16) scores16(q, rows + (size_t)t * d, 16, d, e + t);   /* unrolled */
-    if (t < n) scores16(q, rows + (size_t)t * d, n - t, d, e + t);
+    if (rows.bf16) {
+        for (; t + 16 <= n; t += 16) scores16(q, rows.p, t, 16, d, e, 1);   /* unrolled */
+        if (t < n) scores16(q, rows.p, t, n - t, d, e, 1);
+    } else {
+        for (; t + 16 <= n; t += 16) scores16(q, rows.p, t, 16, d, e, 0);
+        if (t < n) scores16(q, rows.p, t, n - t, d, e, 0);
+    }
 #else
+    const float *r = rows.p;
     for (int t = 0; t < n; t++) {
         float s = 0.0f;
         #pragma omp simd reduction(+:s)
-        for (int i = 0; i < d; i++) s += q[i] * rows[(size_t)t * d + i];
+        for (int i = 0; i < d; i++) s += q[i] * r[(size_t)t * d + i];
         e[t] = s;
     }
 #endif
@@ -225,7 +251,8 @@ static void softmax_block(float *e, int stride, int n, int rows, const int *vali
  * g, 64 numbers i at a time: each row is loaded once for all G heads, and the G x 4 sums stay in
  * registers across the rows. */
 static inline __attribute__((always_inline)) void add_weighted_rows_of(float *acc, const float *p, int p_stride,
-                                                                      const float *rows, int n, int d, const int G) {
+                                                                      const void *rows, int n, int d, const int G,
+                                                                      const int bf16) {
     for (int i = 0; i < d; i += 64) {
         __mmask16 mask[4];
         __m512 v[4][4];
@@ -235,7 +262,7 @@ static inline __attribute__((always_inline)) void add_weighted_rows_of(float *ac
         }
         for (int t = 0; t < n; t++) {
             __m512 r[4];
-            for (int j = 0; j < 4; j++) r[j] = _mm512_maskz_loadu_ps(mask[j], rows + (size_t)t * d + i + 16 * j);
+            for (int j = 0; j < 4; j++) r[j] = row16(rows, (size_t)t * d + i + 16 * j, mask[j], bf16);
             for (int g = 0; g < G; g++) {
                 const __m512 w = _mm512_set1_ps(p[(size_t)g * p_stride + t]);
                 for (int j = 0; j < 4; j++) v[g][j] = _mm512_fmadd_ps(w, r[j], v[g][j]);
@@ -249,22 +276,29 @@ static inline __attribute__((always_inline)) void add_weighted_rows_of(float *ac
 
 /* acc[g][i] += sum over t < n of p[g][t] * rows[t][i], for the d numbers i of each of `groups` query
  * heads (acc [groups][d], p [groups][p_stride]). */
-static void add_weighted_rows(float *acc, const float *p, int p_stride, const float *rows, int n, int d,
-                              int groups) {
+static void add_weighted_rows(float *acc, const float *p, int p_stride, Rows rows, int n, int d, int groups) {
 #ifdef __AVX512F__
-    int g = 0;
-    for (; g + 4 <= groups; g += 4) add_weighted_rows_of(acc + (size_t)g * d, p + (size_t)g * p_stride, p_stride,
-                                                         rows, n, d, 4);
-    if (groups - g >= 2) {
-        add_weighted_rows_of(acc + (size_t)g * d, p + (size_t)g * p_stride, p_stride, rows, n, d, 2);
-        g += 2;
+    for (int g = 0; g < groups;) {
+        const int G = groups - g >= 4 ? 4 : groups - g >= 2 ? 2 : 1;
+        float *a = acc + (size_t)g * d;
+        const float *pg = p + (size_t)g * p_stride;
+        if (rows.bf16) {
+            if (G == 4) add_weighted_rows_of(a, pg, p_stride, rows.p, n, d, 4, 1);
+            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, rows.p, n, d, 2, 1);
+            else add_weighted_rows_of(a, pg, p_stride, rows.p, n, d, 1, 1);
+        } else {
+            if (G == 4) add_weighted_rows_of(a, pg, p_stride, rows.p, n, d, 4, 0);
+            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, rows.p, n, d, 2, 0);
+            else add_weighted_rows_of(a, pg, p_stride, rows.p, n, d, 1, 0);
+        }
+        g += G;
     }
-    if (g < groups) add_weighted_rows_of(acc + (size_t)g * d, p + (size_t)g * p_stride, p_stride, rows, n, d, 1);
 #else
+    const float *r = rows.p;
     for (int g = 0; g < groups; g++)
         for (int t = 0; t < n; t++) {
             #pragma omp simd
-            for (int i = 0; i < d; i++) acc[(size_t)g * d + i] += p[(size_t)g * p_stride + t] * rows[(size_t)t * d + i];
+            for (int i = 0; i < d; i++) acc[(size_t)g * d + i] += p[(size_t)g * p_stride + t] * r[(size_t)t * d + i];
         }
 #endif
 }
@@ -292,7 +326,7 @@ static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx
         const int64_t block = table[start / bs];
         const int n = ctx - start < bs ? (int)(ctx - start) : bs;
         if (start + AHEAD * bs < ctx) prefetch_block(c, h, table[start / bs + AHEAD]);
-        const float *keys = load_block(c, 0, h, block, n, tile);
+        const Rows keys = load_block(c, 0, h, block, n, tile);
         for (int r = 0; r < rows; r++) {
             const int64_t seen = ctx - tokens + 1 + r / groups - start;
             valid[r] = seen <= 0 ? 0 : seen < n ? (int)seen : n;
