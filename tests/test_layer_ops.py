@@ -40,8 +40,9 @@ def test_add_rms_norm_is_torchs(rows, dim, dtype, tol, torch_ops):
     assert new_residual is residual          # in place, as torch's path adds
     torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)
     # bfloat16 sums of squares in another order can round the normalised number the other way
+    # float32: sums of squares in another order (and unvectorized in sanitizer builds) move a few ulp
     atol = tol if dtype == torch.float32 else 2 * (out.float().abs().max() * 2 ** -8).item()
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=1e-6 if dtype == torch.float32 else 0)
     if dtype == torch.bfloat16:
         assert (out != ref_out).float().mean() < 0.01
     torch.testing.assert_close(norm(x), torch_ops(lambda: norm(x)), atol=atol, rtol=0)
@@ -75,3 +76,10 @@ def test_store_kv_writes_what_index_copy_writes(dtype, monkeypatch):
     monkeypatch.setattr("kvserve.kv.storage.function", lambda *args: None)
     KVStorage.write(ref, kv, slots)
     assert torch.equal(cache, ref) and ref.abs().sum() > 0
+
+
+def test_store_kv_skips_a_padding_slot():
+    kv = torch.randn(2, 2, 1, 8)
+    cache = torch.zeros(2, 1, 3, 4, 8)
+    KVStorage.write(cache, kv, torch.tensor([-1, 5]))
+    assert torch.equal(cache.view(2, 1, 12, 8)[:, 0, 5], kv[1, :, 0]) and cache.abs().sum() == kv[1].abs().sum()

@@ -69,6 +69,15 @@ def test_prefill_in_causal_tiles_matches_the_textbook(heads, kv_heads, head_dim)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_rows_that_see_no_key_are_zero_not_nan():
+    """Tokens whose causal window holds no cached key (a context shorter than the step's tokens: not
+    something the engine schedules) come out 0, and the rest are not poisoned."""
+    q, k, v, kv_cache, batch = make_case([6], [6], 0, 4, 2, 24, block_size=4)
+    batch.context_lens = torch.tensor([4])          # tokens 0 and 1 see nothing; token r sees r - 1
+    out = native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, [6], 24 ** -0.5)
+    assert not out.isnan().any() and not out[:2].any() and out[2:].abs().sum(-1).all()
+
+
 def test_a_block_as_long_as_a_whole_context_decodes():
     # cache_mode "contiguous" makes one block of max_model_len tokens: its rows must not live on a
     # thread's stack (32768 x 128 floats are 16 MiB, past the usual 8 MiB)

@@ -14,18 +14,23 @@
 void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int n, int dim, float eps,
                   int dtype, int threads) {
     const size_t row_bytes = (size_t)dim * elem_size(dtype);
-    #pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)n * dim >= PARALLEL_FROM)
-    for (int t = 0; t < n; t++) {
-        float sum[dim], add[dim], y[dim];
-        load_row(sum, (const char *)residual + t * row_bytes, dtype, dim);
-        if (x) {
-            load_row(add, (const char *)x + t * row_bytes, dtype, dim);
-            #pragma omp simd
-            for (int i = 0; i < dim; i++) sum[i] = as_dtype(sum[i] + add[i], dtype);
-            store_row((char *)residual + t * row_bytes, sum, dtype, dim);
+    #pragma omp parallel num_threads(threads) if ((int64_t)n * dim >= PARALLEL_FROM)
+    {
+        const size_t stride = ((size_t)dim + 15) / 16 * 16;      /* whole cache lines, for the vector loops */
+        float *sum = aligned_alloc(64, sizeof(float) * 3 * stride), *add = sum + stride, *y = add + stride;
+        #pragma omp for schedule(static)
+        for (int t = 0; t < n; t++) {
+            load_row(sum, (const char *)residual + t * row_bytes, dtype, dim);
+            if (x) {
+                load_row(add, (const char *)x + t * row_bytes, dtype, dim);
+                #pragma omp simd
+                for (int i = 0; i < dim; i++) sum[i] = as_dtype(sum[i] + add[i], dtype);
+                store_row((char *)residual + t * row_bytes, sum, dtype, dim);
+            }
+            rms_norm(sum, weight, dtype, dim, eps, y);
+            store_row((char *)out + t * row_bytes, y, dtype, dim);
         }
-        rms_norm(sum, weight, dtype, dim, eps, y);
-        store_row((char *)out + t * row_bytes, y, dtype, dim);
+        free(sum);
     }
 }
 
@@ -37,8 +42,8 @@ void rope(void *x, int64_t stride, int n, int heads, int d, const void *cos, con
     #pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)n * heads * d >= PARALLEL_FROM)
     for (int t = 0; t < n; t++) {
         float c[d], s[d], v[d], y[d];
-        load_row(c, (const char *)cos + t * d * es, dtype, d);
-        load_row(s, (const char *)sin + t * d * es, dtype, d);
+        load_row(c, (const char *)cos + (int64_t)t * d * es, dtype, d);
+        load_row(s, (const char *)sin + (int64_t)t * d * es, dtype, d);
         for (int h = 0; h < heads; h++) {
             char *row = (char *)x + (t * stride + (int64_t)h * d) * es;
             load_row(v, row, dtype, d);
@@ -54,11 +59,12 @@ void rope(void *x, int64_t stride, int n, int heads, int d, const void *cos, con
 }
 
 /* The K and V [n][2][kvh][d] of n tokens (rows `stride` numbers apart) written to pages
- * [2][kvh][nb][bs][d] at their slots (block * bs + offset), elements of `es` bytes. */
+ * [2][kvh][nb][bs][d] at their slots (block * bs + offset), elements of `es` bytes; a slot outside
+ * the pages (a padding token's -1) writes nothing. */
 void store_kv(const void *kv, int64_t stride, int n, int kvh, int d, const int64_t *slots, void *pages, int64_t nb,
               int bs, int es) {
     for (int t = 0; t < n; t++)
-        for (int which = 0; which < 2; which++)
+        for (int which = 0; which < 2 && slots[t] >= 0 && slots[t] < nb * bs; which++)
             for (int h = 0; h < kvh; h++) {
                 const int64_t page_row = (((int64_t)which * kvh + h) * nb * bs + slots[t]) * d;
                 memcpy((char *)pages + page_row * es, (const char *)kv + (t * stride + ((int64_t)which * kvh + h) * d) * es,

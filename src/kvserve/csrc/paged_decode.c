@@ -240,7 +240,8 @@ static void softmax_block(float *e, int stride, int n, int rows, const int *vali
     }
 #endif
     for (int r = 0; r < rows; r++) {
-        correction[r] = exp_nonpositive(m[r] - new_max[r]);
+        /* a row that has seen no key yet (-inf both) has nothing to shrink; -inf - -inf would be NaN */
+        correction[r] = new_max[r] == -INFINITY ? 1.0f : exp_nonpositive(m[r] - new_max[r]);
         l[r] = l[r] * correction[r] + block_sum[r];
         m[r] = new_max[r];
     }
@@ -312,8 +313,9 @@ static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx
     const int d = c->d, bs = c->bs, rows = tokens * groups;
     /* a block's rows can be a whole context (cache_mode "contiguous"): on the heap, not the stack;
      * none for float32 pages, which are read in place */
-    float *tile = c->kind == F32 ? NULL : malloc(sizeof(float) * (size_t)bs * d);
-    float *scores = malloc(sizeof(float) * (size_t)rows * bs);
+    const int span = ctx < bs ? (int)ctx : bs;      /* rows of a block it reads at most */
+    float *tile = c->kind == F32 ? NULL : malloc(sizeof(float) * (size_t)span * d);
+    float *scores = malloc(sizeof(float) * (size_t)rows * span);
     float *acc = calloc((size_t)rows * d, sizeof(float)), *qs = malloc(sizeof(float) * (size_t)rows * d);
     float m[rows], l[rows], correction[rows];
     int valid[rows];
@@ -330,12 +332,12 @@ static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx
         for (int r = 0; r < rows; r++) {
             const int64_t seen = ctx - tokens + 1 + r / groups - start;
             valid[r] = seen <= 0 ? 0 : seen < n ? (int)seen : n;
-            if (valid[r]) scores_of(qs + (size_t)r * d, keys, valid[r], d, scores + (size_t)r * bs);
+            if (valid[r]) scores_of(qs + (size_t)r * d, keys, valid[r], d, scores + (size_t)r * span);
         }
-        softmax_block(scores, bs, n, rows, valid, m, l, correction);
+        softmax_block(scores, span, n, rows, valid, m, l, correction);
         for (int r = 0; r < rows; r++)
             for (int i = 0; i < d; i++) acc[(size_t)r * d + i] *= correction[r];
-        add_weighted_rows(acc, scores, bs, load_block(c, 1, h, block, n, tile), n, d, rows);
+        add_weighted_rows(acc, scores, span, load_block(c, 1, h, block, n, tile), n, d, rows);
     }
     /* no context (a padding row) leaves l = 0: the output is 0, not 0/0 */
     for (int r = 0; r < rows; r++) {
