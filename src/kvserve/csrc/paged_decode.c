@@ -15,20 +15,26 @@
 #include "common.h"
 
 #define AHEAD 2       /* blocks prefetched ahead of the one attended to */
+/* bfloat16 rows read in place, widened as loaded (needs AVX-512's 16-bit masked loads) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RAW_BF16 1
+#else
+#define RAW_BF16 0
+#endif
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
-/* A block's rows as the arithmetic reads them: floats [n][d], or (where the CPU has AVX-512)
- * bfloat16 numbers read where they are, widened as they are loaded. */
+/* A block's rows as the arithmetic reads them: floats [n][d], or (RAW_BF16) bfloat16 numbers read
+ * where they are, widened as they are loaded. */
 typedef struct {
     const void *p;
     int bf16;
 } Rows;
 
 /* Rows [0, n) of block `block` of K (which = 0) or V (1), head h: in place where they are float32 (or
- * bfloat16 and the CPU has AVX-512), else converted into `tile`. */
+ * bfloat16, RAW_BF16), else converted into `tile`. */
 static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
     const int d = c->d, bs = c->bs;
     if (c->kind <= F16 || (c->residual_of && c->residual_of[block] >= 0)) {
@@ -39,7 +45,7 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
         size_t es = elem_size(kind);
         const char *rows = base + ((((int64_t)which * c->kvh + h) * blocks + at) * bs) * d * es;
         if (kind == F32) return (Rows){rows, 0};
-#ifdef __AVX512F__
+#if RAW_BF16
         if (kind == BF16) return (Rows){rows, 1};
 #endif
         for (int t = 0; t < n; t++) load_row(tile + t * d, rows + (size_t)t * d * es, kind, d);
@@ -111,14 +117,17 @@ static inline __attribute__((always_inline)) void prefetch_block(const Cache *c,
 }
 
 #ifdef __AVX512F__
-/* e[t] = q . rows[t] for m <= 16 rows: each row's products summed in a vector, then the sixteen
- * vectors summed across their lanes together, a transpose-and-add tree of 15 additions (reducing
- * each vector alone takes 4 additions and 4 shuffles: most of the time of a 64-number product). */
+/* Sixteen numbers of a block's rows from number `at` on, as floats (lanes outside `mask`: 0). */
 static inline __attribute__((always_inline)) __m512 row16(const void *rows, size_t at, __mmask16 mask, const int bf16) {
-    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)rows + at);
-    const uint16_t *r = (const uint16_t *)rows + at;     /* whole vectors where it can: masked 16-bit loads are slow */
-    const __m256i h = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)r) : _mm256_maskz_loadu_epi16(mask, r);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#if RAW_BF16
+    if (bf16) {
+        const uint16_t *r = (const uint16_t *)rows + at;  /* whole vectors where it can: masked 16-bit loads are slow */
+        const __m256i h = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)r) : _mm256_maskz_loadu_epi16(mask, r);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#endif
+    (void)bf16;
+    return _mm512_maskz_loadu_ps(mask, (const float *)rows + at);
 }
 
 /* e[t] = q . rows[t0 + t] for m <= 16 rows: each row's products summed in a vector, then the sixteen
