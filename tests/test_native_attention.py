@@ -74,7 +74,7 @@ def test_prefill_rows_that_see_no_key_are_zero_not_nan():
     something the engine schedules) come out 0, and the rest are not poisoned."""
     q, k, v, kv_cache, batch = make_case([6], [6], 0, 4, 2, 24, block_size=4)
     batch.context_lens = torch.tensor([4])          # tokens 0 and 1 see nothing; token r sees r - 1
-    out = native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, [6], 24 ** -0.5)
+    out = native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, torch.tensor([0, 6]), 24 ** -0.5)
     assert not out.isnan().any() and not out[:2].any() and out[2:].abs().sum(-1).all()
 
 

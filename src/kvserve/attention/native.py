@@ -28,8 +28,9 @@ def kernel():
 
 
 def prefill_kernel():
-    """The compiled paged_prefill, or None where the kernels cannot be built here."""
-    return function("paged_prefill", (_P, ctypes.c_int64, _P, _I, _P, _I, _P, _I, _P, _F, *_CACHE_ARGS))
+    """The compiled paged_prefill (paged_decode's arguments, and query starts), or None where the kernels
+    cannot be built here."""
+    return function("paged_prefill", (_P, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS, _P))
 
 
 def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
@@ -51,44 +52,45 @@ def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
     return pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots, residual_of
 
 
-def _query(q: torch.Tensor) -> torch.Tensor:
-    """float32 q [T, H, D] is read where it is (a view of the step's qkv rows), if its heads are adjacent."""
+def _attend(fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+            *extra) -> torch.Tensor | None:
+    """out [T, H, D] of kernel fn over the pages; None if it is unavailable or does not read this cache.
+    float32 q is read where it is (a view of the step's qkv rows), if its heads are adjacent."""
+    cache = _cache_args(kv_cache) if fn is not None and q.device.type == "cpu" else None
+    if cache is None:
+        return None
     d = q.shape[-1]
-    return q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
+    qf = q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    fn(qf.data_ptr(), qf.stride(0), out.data_ptr(), len(lens), q.shape[1], tables.data_ptr(), tables.shape[1],
+       lens.data_ptr(), scale, *cache, *extra)
+    return out.to(q.dtype)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Attention of one query per sequence, q [B, H, D], over its pages; None if the kernel is unavailable
     or does not read this cache."""
-    fn = kernel()
-    cache = _cache_args(kv_cache) if fn is not None and q.device.type == "cpu" else None
-    if cache is None:
-        return None
-    qf, out = _query(q), torch.empty(q.shape, dtype=torch.float32)
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
-    fn(qf.data_ptr(), qf.stride(0), out.data_ptr(), q.shape[0], q.shape[1], tables.data_ptr(), tables.shape[1],
-       lens.data_ptr(), scale, *cache)
-    return out.to(q.dtype)
+    return _attend(kernel(), q, kv_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, query_lens: list[int], scale: float) -> torch.Tensor | None:
-    """Causal attention of every query token, q [T, H, D] (query_lens[s] tokens of sequence s, the last
-    of its context_lens[s] cached ones), over its sequence's pages; None if the kernel is unavailable or
-    does not read this cache."""
-    fn = prefill_kernel()
-    cache = _cache_args(kv_cache) if fn is not None and q.device.type == "cpu" else None
-    if cache is None:
-        return None
-    qf, out = _query(q), torch.empty(q.shape, dtype=torch.float32)
-    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64)
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
-    fn(qf.data_ptr(), qf.stride(0), out.data_ptr(), len(query_lens), starts.data_ptr(), q.shape[1], tables.data_ptr(),
-       tables.shape[1], lens.data_ptr(), scale, *cache)
-    return out.to(q.dtype)
+                  context_lens: torch.Tensor, query_starts: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Causal attention of every query token, q [T, H, D] (tokens [query_starts[s], query_starts[s + 1])
+    of sequence s, the last of its context_lens[s] cached ones), over its sequence's pages; None if the
+    kernel is unavailable or does not read this cache."""
+    return _attend(prefill_kernel(), q, kv_cache, block_tables, context_lens, scale, query_starts.data_ptr())
+
+
+def query_starts(batch: AttentionBatch) -> torch.Tensor:
+    """Each sequence's first flat token, and the total (int64): derived once per step, shared by layers."""
+    starts = batch.scratch.get("query_starts")
+    if starts is None:
+        starts = batch.scratch["query_starts"] = torch.tensor([0, *itertools.accumulate(batch.query_lens)],
+                                                              dtype=torch.int64)
+    return starts
 
 
 class NativeBackend(SdpaBackend):
@@ -101,7 +103,7 @@ class NativeBackend(SdpaBackend):
 
     def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
         if kv_cache is not None and batch.num_prefills:
-            out = paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, batch.query_lens, scale)
+            out = paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, query_starts(batch), scale)
             if out is not None:
                 return out
         return super().forward(q, k, v, kv_cache, batch, scale)

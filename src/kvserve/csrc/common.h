@@ -69,6 +69,17 @@ static inline void rms_norm(const float *x, const void *weight, int dtype, int d
     }
 }
 
+/* y = v rotated by RoPE (rotate-half layout; s carries the sign of the first half) over d numbers,
+ * rounded as the eager model's x.mul_(cos).addcmul_(rolled, sin) rounds: after the product, then
+ * after the sum. Rolled by half, the halves swap. */
+static inline void rope_row(const float *v, const float *c, const float *s, int d, int dtype, float *y) {
+    const int half = d / 2;
+    #pragma omp simd
+    for (int i = 0; i < half; i++) y[i] = as_dtype(as_dtype(v[i] * c[i], dtype) + v[i + half] * s[i], dtype);
+    #pragma omp simd
+    for (int i = half; i < d; i++) y[i] = as_dtype(as_dtype(v[i] * c[i], dtype) + v[i - half] * s[i], dtype);
+}
+
 /* One row of `kind` as floats. */
 static inline void load_row(float *dst, const void *src, int kind, int d) {
     if (kind == F32) {

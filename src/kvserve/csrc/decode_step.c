@@ -151,14 +151,12 @@ static void linear(const void *w, const void *b, int dtype, const float *x, int 
     }
 }
 
-/* x[:] rotated by RoPE in place (rotate-half layout; sin carries the sign of the first half). */
+/* x[:] rotated by RoPE in place, by the float32 cos/sin of its position rounded to the model's dtype
+ * (as the eager model casts them). */
 static void rope(float *x, const float *cos, const float *sin, int d, int dtype) {
-    const int half = d / 2;
-    float rotated[d];
-    for (int i = 0; i < d; i++) {
-        const float c = as_dtype(cos[i], dtype), s = as_dtype(sin[i], dtype);
-        rotated[i] = as_dtype(as_dtype(x[i] * c, dtype) + x[(i + half) % d] * s, dtype);
-    }
+    float c[d], s[d], rotated[d];
+    for (int i = 0; i < d; i++) c[i] = as_dtype(cos[i], dtype), s[i] = as_dtype(sin[i], dtype);
+    rope_row(x, c, s, d, dtype, rotated);
     memcpy(x, rotated, sizeof(rotated));
 }
 

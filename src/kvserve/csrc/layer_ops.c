@@ -47,12 +47,7 @@ void rope(void *x, int64_t stride, int n, int heads, int d, const void *cos, con
         for (int h = 0; h < heads; h++) {
             char *row = (char *)x + (t * stride + (int64_t)h * d) * es;
             load_row(v, row, dtype, d);
-            /* as x.mul_(cos).addcmul_(rolled, sin), two roundings; rolled by half: the halves swap */
-            const int half = d / 2;
-            #pragma omp simd
-            for (int i = 0; i < half; i++) y[i] = as_dtype(as_dtype(v[i] * c[i], dtype) + v[i + half] * s[i], dtype);
-            #pragma omp simd
-            for (int i = half; i < d; i++) y[i] = as_dtype(as_dtype(v[i] * c[i], dtype) + v[i - half] * s[i], dtype);
+            rope_row(v, c, s, d, dtype, y);
             store_row(row, y, dtype, d);
         }
     }

@@ -384,12 +384,13 @@ void paged_decode(const float *q, int64_t q_stride, float *out, int num_seqs, in
  * query_starts[s + 1]), the last of its context_lens[s] cached tokens (a prompt's chunk after a cached
  * prefix, or a decode's one token). Tasks are tiles of a few consecutive tokens of a sequence and one
  * KV head, so that each K/V block read serves tokens x G query rows. fp32 q (rows q_stride apart) and
- * out (contiguous). */
-void paged_prefill(const float *q, int64_t q_stride, float *out, int num_seqs, const int64_t *query_starts,
-                   int num_heads, const int64_t *block_tables, int table_width, const int64_t *context_lens,
-                   float scale, const void *pages, int kind, int kvh, int nb, int bs, int d,
+ * out (contiguous); the arguments are paged_decode's, and query_starts. */
+void paged_prefill(const float *q, int64_t q_stride, float *out, int num_seqs, int num_heads,
+                   const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
+                   const void *pages, int kind, int kvh, int nb, int bs, int d,
                    const void *k_meta, const void *v_meta,
-                   const void *residual, int residual_kind, int slots, const int64_t *residual_of) {
+                   const void *residual, int residual_kind, int slots, const int64_t *residual_of,
+                   const int64_t *query_starts) {
     const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, slots};
     const int groups = num_heads / kvh, per_tile = groups >= 64 ? 1 : 64 / groups;
     int64_t num_tiles = 0;

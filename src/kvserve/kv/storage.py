@@ -65,7 +65,8 @@ class KVStorage:
     @staticmethod
     def write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store new tokens' K and V [tokens, 2, kv_heads, head_dim] at their slots (by a C loop of
-        row copies on the CPU, where each token's K/V heads are adjacent: 10x faster than index_copy_)."""
+        row copies on the CPU, where each token's K/V heads are adjacent: 4.8 us against index_copy_'s
+        11.4 for 64 tokens, measured here)."""
         tokens, _, kvh, d = kv.shape
         p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn = function("store_kv", (p, i64, i, i, i, p, p, i64, i, i)) if kv_cache.device.type == "cpu" \

@@ -58,10 +58,10 @@ class Embedding(nn.Embedding):
 _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _layer_op(name: str, argtypes: tuple, x: torch.Tensor, *others: torch.Tensor):
-    """The C kernel `name` (csrc/layer_ops.c) where it runs on x (CPU, float32/bfloat16) and the other
-    tensors are contiguous, else None."""
-    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or not all(t.is_contiguous() for t in others):
+def _layer_op(name: str, argtypes: tuple, x: torch.Tensor, *contiguous: torch.Tensor):
+    """The C kernel `name` (csrc/layer_ops.c) where it runs on x (CPU, float32/bfloat16) and the tensors
+    in `contiguous` are, else None."""
+    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or not all(t.is_contiguous() for t in contiguous):
         return None
     return function(name, argtypes)
 
