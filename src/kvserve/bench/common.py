@@ -14,7 +14,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
 from kvserve.kernels import library
-from kvserve.model.layers import Linear
+from kvserve.model.layers import gemm, gemm_pack
 from kvserve.sampling import SamplingParams
 
 # bench flag -> LlamaConfig field
@@ -130,36 +130,43 @@ def decode_rate(llm, prompts: list[list[int]], tokens: int) -> float:
     return len(prompts) * tokens / (decode_seconds(llm, prompts, tokens + 2) - decode_seconds(llm, prompts, 2))
 
 
-def _fastest_linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The faster of F.linear and the engine's own (oneDNN-prepacked) Linear for this weight."""
-    lin = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-    lin.weight.data.copy_(w)
-    return lin if lin.pack() else (lambda x: F.linear(x, w))
+def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """x @ w.T by each GEMM the engine may run here: F.linear, oneDNN's prepacked one and csrc/gemm.c's
+    (on the CPU, where built)."""
+    linears = [lambda x: F.linear(x, w)]
+    if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+        if torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            linears.append(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        own = gemm_pack(w)
+        if own is not None:
+            linears.append(lambda x: gemm(x, own, None, w.shape[0]))
+    return linears
 
 
 def matmul_rate(dtype: torch.dtype, m: int, k: int, n: int, device: torch.device, repeats: int = 5) -> float:
-    """Best FLOP/s of x[m, k] @ w[n, k].T over F.linear and the engine's packed kernel."""
+    """Best FLOP/s of x[m, k] @ w[n, k].T over the GEMMs of _linears."""
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device)
     best = 0.0
-    for fn in (lambda: F.linear(x, w), lambda f=_fastest_linear(w): f(x)):
-        fn()
-        best = max(best, 2 * m * k * n / min(timed(fn, device) for _ in range(repeats)))
+    for fn in _linears(w):
+        fn(x)
+        best = max(best, 2 * m * k * n / min(timed(lambda: fn(x), device) for _ in range(repeats)))
     return best
 
 
 @torch.inference_mode()
 def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Best bytes/s read from a buffer much larger than the caches: by a sum, and by matrix-vector
-    products (oneDNN's, and on the CPU the native decode step's). On the CPU the buffer is on huge
-    pages, as the native decode step's weights are."""
+    products (the GEMMs of _linears, and on the CPU the native decode step's). On the CPU the buffer is
+    on huge pages, as the native decode step's weights are."""
     if device.type == "cpu":
         x = huge_page_buffer(nbytes).view(torch.float32).fill_(1.0)
     else:
         x = torch.ones(nbytes // 4, device=device)
     w = x.view(-1, 1024)
     v = torch.ones(1, 1024, device=device)
-    readers = [x.sum, lambda gemv=_fastest_linear(w): gemv(v)]
+    readers = [x.sum, *(lambda gemv=gemv: gemv(v) for gemv in _linears(w))]
     if device.type == "cpu" and library() is not None:
         readers.append(lambda: linear_rows(w, v))
     best = 0.0

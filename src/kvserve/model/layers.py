@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -16,29 +17,37 @@ from kvserve.kernels import function
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _PACK_BATCH_HINT = 64
+# dtypes the C kernels of csrc/layer_ops.c and csrc/gemm.c take, as they number them
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can prepack its weight for oneDNN, 2-3x faster than MKL's GEMM on many CPUs."""
+    """nn.Linear whose weight can be packed once for a CPU GEMM: the project's own (csrc/gemm.c) where this
+    CPU's build multiplies the dtype, else oneDNN's prepacked one (2-3x faster than MKL's on many CPUs)."""
 
     packed: torch.Tensor | None = None
+    own_gemm: bool = False     # packed for csrc/gemm.c (else for oneDNN)
 
     def reset_parameters(self) -> None:
         pass
 
     def pack(self, free_weight: bool = True) -> bool:
-        """Prepack the weight (CPU, float32/bfloat16, torch built with oneDNN); False if not possible.
+        """Pack the weight (CPU, float32/bfloat16); False if neither GEMM takes it here.
 
         The plain weight is then dropped, unless it is shared (tied embeddings), to not hold it twice.
         """
         w = self.weight.detach()
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
-                or not torch.backends.mkldnn.is_available():
+        if w.device.type != "cpu" or w.dtype not in _KERNEL_DTYPES:
             return False
-        try:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
-        except (RuntimeError, AttributeError):
-            return False
+        self.packed, self.own_gemm = gemm_pack(w), True
+        if self.packed is None:
+            self.own_gemm = False
+            if not torch.backends.mkldnn.is_available():
+                return False
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+            except (RuntimeError, AttributeError):
+                return False
         if free_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         return True
@@ -46,16 +55,61 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        if self.own_gemm:
+            return gemm(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+@lru_cache(maxsize=None)
+def _gemm_function(name: str, argtypes: tuple, dtype: torch.dtype, restype=None):
+    """csrc/gemm.c's `name` where this CPU's build multiplies dtype, else None."""
+    dtypes = function("gemm_dtypes", ())
+    if dtypes is None or dtype not in _KERNEL_DTYPES:
+        return None
+    dtypes.restype = ctypes.c_int
+    if not dtypes() >> _KERNEL_DTYPES[dtype] & 1:
+        return None
+    fn = function(name, argtypes)
+    fn.restype = restype
+    return fn
+
+
+def gemm_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """w [out, in] packed for gemm(), or None where csrc/gemm.c does not multiply its dtype here."""
+    p, i = ctypes.c_void_p, ctypes.c_int
+    size = _gemm_function("gemm_packed_size", (i, i, i), w.dtype, ctypes.c_int64)
+    pack = _gemm_function("gemm_pack", (p, i, i, i, p), w.dtype)
+    if pack is None:
+        return None
+    kind, (n, k) = _KERNEL_DTYPES[w.dtype], w.shape
+    packed = torch.empty(size(kind, n, k), dtype=w.dtype)
+    pack(w.contiguous().data_ptr(), kind, n, k, packed.data_ptr())
+    return packed
+
+
+# gemm(packed, bias, dtype, x, ldx, m, k, n, y, threads)
+_GEMM_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack."""
+    if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
+        raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be the "
+                        f"weight's dtype {packed.dtype}")
+    fn = _gemm_function("gemm", _GEMM_ARGS, x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    fn(packed.data_ptr(), None if bias is None else bias.data_ptr(), _KERNEL_DTYPES[x.dtype], rows.data_ptr(),
+       rows.stride(0), rows.shape[0], rows.shape[1], out_features, y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         pass
-
-
-# dtypes the C kernels of csrc/layer_ops.c take, as they number them
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _layer_op(name: str, argtypes: tuple, x: torch.Tensor, *contiguous: torch.Tensor):

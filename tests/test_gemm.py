@@ -1,0 +1,94 @@
+"""csrc/gemm.c, the CPU's linear layers: against float64 on awkward shapes, and the fallbacks where it is not built."""
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import kernels
+from kvserve.model import layers
+from kvserve.model.layers import Linear, gemm, gemm_pack
+
+DTYPES = [torch.float32, torch.bfloat16]
+# rows past a tile (14) and a row block (252), columns past a panel (32), k odd and past a chunk (256; bf16 512)
+SHAPES = [(1, 1, 1), (3, 33, 7), (14, 32, 256), (15, 65, 257), (29, 100, 513), (64, 96, 1031), (253, 40, 300)]
+
+
+def _own_gemm(dtype: torch.dtype) -> bool:
+    return gemm_pack(torch.zeros(1, 1, dtype=dtype)) is not None
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within the error of torch's own F.linear (float32), or one rounding of the exact sum (bfloat16)."""
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    err = (got.double() - exact).abs()
+    if got.dtype == torch.float32:
+        torch_err = (F.linear(x, w, b).double() - exact).abs().max().item()
+        assert err.max().item() <= 4 * torch_err + 1e-6
+    else:
+        # the float32 sum rounded once to bfloat16: half an ulp (2^-8 relative), and the sum's own error
+        assert (err <= exact.abs() * 2 ** -8 + 1e-3 * x.shape[-1] ** 0.5 * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_gemm_matches_float64(dtype, m, n, k):
+    if not _own_gemm(dtype):
+        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (m, k), (n,)))
+    packed = gemm_pack(w)
+    _check(gemm(x, packed, None, n), x, w, None)
+    _check(gemm(x, packed, b, n), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_takes_strided_rows_and_leading_dimensions(dtype):
+    if not _own_gemm(dtype):
+        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
+    wide = torch.randn(2, 5, 90).to(dtype)
+    x = wide[..., 7:77]                       # rows 90 numbers apart
+    w = torch.randn(50, 70).to(dtype)
+    out = gemm(x, gemm_pack(w), None, 50)
+    assert out.shape == (2, 5, 50)
+    _check(out.reshape(10, 50), x.reshape(10, 70), w, None)
+    with pytest.raises(TypeError, match="dtype"):
+        gemm(x.float() if dtype != torch.float32 else x.bfloat16(), gemm_pack(w), None, 50)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("own", [True, False])
+def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own, monkeypatch):
+    """Linear.pack takes csrc/gemm.c where built, else oneDNN's prepacked GEMM: both compute F.linear."""
+    if own and not _own_gemm(dtype):
+        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
+    if not own:
+        monkeypatch.setattr(layers, "gemm_pack", lambda w: None)
+    w, b, x = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype), torch.randn(3, 24).to(dtype)
+    lin = Linear(24, 40, bias=True, dtype=dtype)
+    lin.weight.data.copy_(w)
+    lin.bias.data.copy_(b)
+    assert lin.pack()
+    assert lin.own_gemm == own and lin.weight.numel() == 0
+    _check(lin(x), x, w, b)
+
+
+def test_linear_leaves_float16_to_torch():
+    lin = Linear(8, 4, bias=False, dtype=torch.float16)
+    assert not lin.pack() and lin.packed is None
+
+
+@pytest.mark.parametrize("flags,dtypes", [("-mno-avx512f", 0), ("-mno-avx512bf16", 1)])
+def test_builds_without_the_instructions_say_so(flags, dtypes, tmp_path, monkeypatch):
+    """A CPU without AVX-512 (or its BF16 extension) reports the dtypes it cannot multiply, which then
+    go to oneDNN."""
+    if kernels.library() is None:
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc-flags"
+    wrapper.write_text(f'#!/bin/sh\nexec cc {flags} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    library = ctypes.CDLL(str(kernels.build()))
+    library.gemm_dtypes.restype = ctypes.c_int
+    assert library.gemm_dtypes() == dtypes
