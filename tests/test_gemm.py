@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.model import layers
-from kvserve.model.layers import GatedLinear, Linear, gemm, gemm_pack
+from kvserve.model.layers import Linear, gemm, gemm_pack
 
 DTYPES = [torch.float32, torch.bfloat16]
 # rows past a tile (14) and a row block (252), columns past a panel (32), k odd and past a chunk (256; bf16 512)
@@ -63,7 +63,7 @@ def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own, mon
     if own and not _own_gemm(dtype):
         pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
     if not own:
-        monkeypatch.setattr(layers, "gemm_pack", lambda w, glu=False: None)
+        monkeypatch.setattr(layers, "gemm_pack", lambda w: None)
     w, b, x = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype), torch.randn(3, 24).to(dtype)
     lin = Linear(24, 40, bias=True, dtype=dtype)
     lin.weight.data.copy_(w)
@@ -92,31 +92,3 @@ def test_builds_without_the_instructions_say_so(flags, dtypes, tmp_path, monkeyp
     library = ctypes.CDLL(str(kernels.build()))
     library.gemm_dtypes.restype = ctypes.c_int
     assert library.gemm_dtypes() == dtypes
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,size,k", [(1, 1, 3), (7, 24, 17), (15, 100, 513), (253, 40, 300)])
-@pytest.mark.parametrize("own", [True, False])
-def test_gated_linear_is_silu_of_gate_times_up(dtype, m, size, k, own, monkeypatch):
-    """GatedLinear's output pass (or torch's ops where csrc/gemm.c does not pack it): silu(gate) * up,
-    rounded where torch rounds a bfloat16 model (equal but for numbers near 0 whose exponentials differ
-    in the last bits)."""
-    if own and not _own_gemm(dtype):
-        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
-    if not own:
-        monkeypatch.setattr(layers, "gemm_pack", lambda w, glu=False: None)
-    g = torch.Generator().manual_seed(m + size + k)
-    w, b, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((2 * size, k), (2 * size,), (m, k)))
-    lin = GatedLinear(k, 2 * size, bias=True, dtype=dtype)
-    lin.weight.data.copy_(w)
-    lin.bias.data.copy_(b)
-    assert lin.pack() and lin.own_gemm == own
-    silu_up = lambda x, w, b: (lambda gate, up: F.silu(gate) * up)(*F.linear(x, w, b).split(size, dim=-1))  # noqa: E731
-    got, ref = lin(x), silu_up(x, w, b)
-    assert got.shape == (m, size)
-    if dtype == torch.float32:
-        # within the error of torch's own ops, against float64
-        exact = silu_up(x.double(), w.double(), b.double())
-        assert (got.double() - exact).abs().max() <= 4 * (ref.double() - exact).abs().max() + 1e-5
-    else:
-        torch.testing.assert_close(got, ref, rtol=0, atol=1e-20)

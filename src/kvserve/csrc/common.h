@@ -135,33 +135,6 @@ static inline float silu(float x) {
     return x * (x < 0.0f ? z : 1.0f) / (1.0f + z);
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-/* exp_nonpositive of sixteen numbers. */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147181f));
-    __m512 p = _mm512_fmadd_ps(y, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.2f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.25f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.0f / 3)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.5f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(y, p, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-/* silu of sixteen numbers, as silu() computes each. */
-static inline __m512 silu16(__m512 x) {
-    const __m512 z = exp16_nonpositive(_mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x)));
-    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 top = _mm512_mask_mul_ps(x, negative, x, z);
-    return _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.0f), z));
-}
-#endif
-
 /* out[g][:] = softmax(q[g] . K^T * scale) V for the `groups` query heads (fp32) that share KV head
  * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table`. */
 void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,

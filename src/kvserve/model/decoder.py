@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
 from kvserve.kv.storage import KVStorage
-from kvserve.model.layers import Embedding, GatedLinear, Linear, RMSNorm, RotaryEmbedding, apply_rope_
+from kvserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rope_
 
 
 class Attention(nn.Module):
@@ -47,11 +48,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = GatedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):

@@ -27,7 +27,6 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     own_gemm: bool = False     # packed for csrc/gemm.c (else for oneDNN)
-    glu = False                # GatedLinear: csrc/gemm.c packs and multiplies it as gate and up
 
     def reset_parameters(self) -> None:
         pass
@@ -40,7 +39,7 @@ class Linear(nn.Linear):
         w = self.weight.detach()
         if w.device.type != "cpu" or w.dtype not in _KERNEL_DTYPES:
             return False
-        self.packed, self.own_gemm = gemm_pack(w, self.glu), True
+        self.packed, self.own_gemm = gemm_pack(w), True
         if self.packed is None:
             self.own_gemm = False
             if not torch.backends.mkldnn.is_available():
@@ -61,19 +60,6 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class GatedLinear(Linear):
-    """The gate and up projections of a SwiGLU MLP as one weight [2 * size, in]; forward returns
-    silu(gate) * up [.., size], computed in csrc/gemm.c's output pass where it packed the weight."""
-
-    glu = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own_gemm:
-            return gemm(x, self.packed, self.bias, self.out_features, glu=True)
-        gate, up = super().forward(x).split(self.out_features // 2, dim=-1)
-        return F.silu(gate).mul_(up)
-
-
 @lru_cache(maxsize=None)
 def _gemm_function(name: str, argtypes: tuple, dtype: torch.dtype, restype=None):
     """csrc/gemm.c's `name` where this CPU's build multiplies dtype, else None."""
@@ -88,31 +74,26 @@ def _gemm_function(name: str, argtypes: tuple, dtype: torch.dtype, restype=None)
     return fn
 
 
-def gemm_pack(w: torch.Tensor, glu: bool = False) -> torch.Tensor | None:
-    """w [out, in] packed for gemm() (glu: its two halves as gate and up), or None where csrc/gemm.c does
-    not multiply its dtype here."""
+def gemm_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """w [out, in] packed for gemm(), or None where csrc/gemm.c does not multiply its dtype here."""
     p, i = ctypes.c_void_p, ctypes.c_int
     size = _gemm_function("gemm_packed_size", (i, i, i), w.dtype, ctypes.c_int64)
-    pack = _gemm_function("gemm_pack", (p, i, i, i, i, p), w.dtype)
+    pack = _gemm_function("gemm_pack", (p, i, i, i, p), w.dtype)
     if pack is None:
         return None
     kind, (n, k) = _KERNEL_DTYPES[w.dtype], w.shape
-    if glu and n % 2:
-        raise ValueError(f"a gate and up weight has an even number of rows; got {n}")
     packed = torch.empty(size(kind, n, k), dtype=w.dtype)
-    pack(w.contiguous().data_ptr(), kind, n, k, glu, packed.data_ptr())
+    pack(w.contiguous().data_ptr(), kind, n, k, packed.data_ptr())
     return packed
 
 
-# gemm(packed, bias, dtype, x, ldx, m, k, n, glu, y, threads)
+# gemm(packed, bias, dtype, x, ldx, m, k, n, y, threads)
 _GEMM_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         glu: bool = False) -> torch.Tensor:
-    """F.linear(x, w, bias) by csrc/gemm.c, w [out_features, in] packed by gemm_pack; glu (packed so):
-    silu(gate) * up of its two halves, [.., out_features / 2]."""
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack."""
     if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
         raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be the "
                         f"weight's dtype {packed.dtype}")
@@ -120,9 +101,9 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y = torch.empty(*x.shape[:-1], out_features // 2 if glu else out_features, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     fn(packed.data_ptr(), None if bias is None else bias.data_ptr(), _KERNEL_DTYPES[x.dtype], rows.data_ptr(),
-       rows.stride(0), rows.shape[0], rows.shape[1], out_features, glu, y.data_ptr(), torch.get_num_threads())
+       rows.stride(0), rows.shape[0], rows.shape[1], out_features, y.data_ptr(), torch.get_num_threads())
     return y
 
 
