@@ -1,10 +1,12 @@
 """Sampling, stops, logprobs, detokenization and chat."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
 from kvserve.engine.detokenizer import detokenize_step, text_decoder
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling import Sampler, argmax
@@ -212,5 +214,32 @@ def test_tiled_argmax_equals_torch_argmax(rows, n):
         x[1, n - 1] = x[1].max() + 1                   # the maximum in the last, maybe partial, tile
     if rows > 2:
         x[2, n // 2] = float("nan")                    # NaN counts as the largest, as in torch
+    if rows > 3:
+        x[3] = float("-inf")                           # nothing but -inf: the first
     assert torch.equal(argmax(x), x.argmax(-1))
     assert torch.equal(argmax(x.bfloat16().float()), x.bfloat16().float().argmax(-1))
+    # bfloat16 logits as the model wrote them, and rows of a wider tensor
+    assert torch.equal(argmax(x.bfloat16()), x.bfloat16().float().argmax(-1))
+    assert torch.equal(argmax(x[:, : n - 3]), x[:, : n - 3].argmax(-1))
+
+
+def test_argmax_without_avx512(tmp_path, monkeypatch):
+    """The plain C loop that CPUs without AVX-512 run: torch's answer too, NaN and ties included."""
+    if kernels.library() is None:
+        pytest.skip("no C compiler")
+    wrapper = tmp_path / "cc-no-avx512"
+    wrapper.write_text('#!/bin/sh\nexec cc -mno-avx512f "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    fn = ctypes.CDLL(str(kernels.build())).argmax_rows
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_int), None
+    x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    x[0, [3, 900]] = 10.0
+    x[1, 500] = float("nan")
+    x[2] = float("-inf")
+    for rows, dtype in ((x, 0), (x.bfloat16(), 1)):
+        out = torch.empty(4, dtype=torch.int64)
+        fn(rows.data_ptr(), 4, 1000, 1000, dtype, out.data_ptr(), 1)
+        assert torch.equal(out, rows.float().argmax(-1))
