@@ -103,7 +103,7 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
  * it, and each block would otherwise start with a wait on memory (1.6x slower measured here). Only
  * the first 16 KiB of a long block (cache_mode "contiguous"): the hardware runs ahead within it.
  * `next`: the block after the one attended to, asked for into L1; else the one after that, asked for
- * as non-temporal. The pair measured better than either kind alone at any distance (a 64-sequence
+ * as non-temporal. The pair measured better than either kind alone, 1 to 3 blocks ahead (a 64-sequence
  * decode layer over pages out of cache: float32 0.49-0.51 -> 0.37-0.39 ms, bfloat16 0.38-0.41 ->
  * 0.25-0.29; L2 hints in place of non-temporal 0.42-0.43 and 0.32).
  * Always inlined: GCC drops calls to a function that only prefetches, as having no effect. */
