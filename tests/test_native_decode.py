@@ -55,7 +55,8 @@ def test_native_steps_give_the_eager_logits(tmp_path, variant, dtype, atol, thre
     path = make_checkpoint(tmp_path, arch, dtype=getattr(torch, dtype), **overrides)
     torch.set_num_threads(threads)
     # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4
-    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=dtype, max_num_seqs=MAX_BATCH)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=dtype, max_num_seqs=4)
+    llm.engine.runner.native.max_batch = 4
     diffs = compare_with_eager(llm)
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     llm.generate(prompts([1, 3, 4, 5, 13, 6]), params, use_tqdm=False)
@@ -76,9 +77,9 @@ def test_it_runs_small_decode_steps_only(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
     native = llm.engine.runner.native
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm.generate(prompts([5] * (MAX_BATCH + 1)), params, use_tqdm=False)
+    llm.generate(prompts([5] * (MAX_BATCH[torch.float32] + 1)), params, use_tqdm=False)
     assert native.steps == 0                       # a prefill, then decodes of 5 sequences
-    llm.generate(prompts([5] * MAX_BATCH), params, use_tqdm=False)
+    llm.generate(prompts([5] * MAX_BATCH[torch.float32]), params, use_tqdm=False)
     assert native.steps == 3
     # h2o scores the cache with the attention of each step: those steps need the eager forward
     llm.generate(prompts([5]), SamplingParams(max_tokens=4, eviction="h2o:budget=64,recent=8"), use_tqdm=False)

@@ -21,7 +21,6 @@ from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, l
                                   matmul_rate, model_shape, pick_device, print_table, random_prompts, read_bandwidth,
                                   step_times, sync, write_json)
 from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
-from kvserve.engine.native_decode import MAX_BATCH as NATIVE_MAX_BATCH
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
 
@@ -149,7 +148,7 @@ def native_by_batch(llm: LLM, eager: LLM, vocab_size: int, w: Workload) -> dict[
     """Decode tok/s of small batches by the native C step (let run past its usual limit) and op by op:
     where the step's limit (native_decode.MAX_BATCH) should be. Medians of `w.repeats`."""
     native = llm.engine.runner.native
-    native.max_batch = max(NATIVE_SWEEP)
+    limit, native.max_batch = native.max_batch, max(NATIVE_SWEEP)
     try:
         rates = {}
         for b in NATIVE_SWEEP:
@@ -159,7 +158,7 @@ def native_by_batch(llm: LLM, eager: LLM, vocab_size: int, w: Workload) -> dict[
             rates[b] = {"native": statistics.median(n for n, _ in runs), "eager": statistics.median(e for _, e in runs)}
         return rates
     finally:
-        native.max_batch = NATIVE_MAX_BATCH
+        native.max_batch = limit
 
 
 def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None) -> dict:
@@ -242,6 +241,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "native_by_batch": by_batch,
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "native_decode": llm.engine.runner.native is not None,
+        "native_max_batch": llm.engine.runner.native.max_batch if llm.engine.runner.native is not None else None,
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
                  "batch1_tok_s": [r["ours"] for r in batch1], "hf_batch1_tok_s": [r["hf"] for r in batch1],
                  "batch1_eager_tok_s": [r["eager"] for r in batch1],
@@ -252,7 +252,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
 def _decode_path(r: dict) -> str:
     if r["cuda_graphs"]:
         return "CUDA graphs"
-    return f"native C step up to {NATIVE_MAX_BATCH} seqs" if r["native_decode"] else "eager"
+    return f"native C step up to {r['native_max_batch']} seqs" if r["native_decode"] else "eager"
 
 
 def _rate(tok_s: float | None) -> str:
@@ -290,7 +290,8 @@ def report(results: dict[str, dict]) -> None:
                                            for name, f, target in rows])
     sweeps = {dtype: r["native_by_batch"] for dtype, r in results.items() if r["native_by_batch"]}
     if sweeps:
-        print(f"\ndecode tok/s by batch size: native C step (used up to {NATIVE_MAX_BATCH}) / op by op")
+        used = ", ".join(f"{dtype} up to {results[dtype]['native_max_batch']}" for dtype in sweeps)
+        print(f"\ndecode tok/s by batch size: native C step (used: {used}) / op by op")
         print_table(["batch", *sweeps], [[str(b), *(f"{s[b]['native']:.0f} / {s[b]['eager']:.0f} = "
                                                    f"{s[b]['native'] / s[b]['eager']:.2f}x" for s in sweeps.values())]
                                          for b in NATIVE_SWEEP])
