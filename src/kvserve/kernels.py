@@ -14,8 +14,13 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
+# the dtypes of the numbers the kernels take, as csrc/common.h numbers them; they compute in the first two
+DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kernels import function
+from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, function
 from kvserve.kv.eviction import parse_eviction
 
 _EPS = 1e-5
@@ -83,7 +83,6 @@ class SampleResult:
 
 ARGMAX_TILE = 128
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # as csrc/common.h numbers them
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +94,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     tiles' maxima, then the best tile (torch's argmax does not vectorize on the CPU, its amax does)."""
     rows, n = x.shape
     fn = function("argmax_rows", (_P, _I, _I, ctypes.c_int64, _I, _P, _I)) \
-        if x.device.type == "cpu" and x.dtype in _ROW_DTYPES and x.stride(-1) == 1 and rows else None
+        if x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.stride(-1) == 1 and rows else None
     if fn is not None:
         out = torch.empty(rows, dtype=torch.int64)
-        fn(x.data_ptr(), rows, n, x.stride(0), _ROW_DTYPES[x.dtype], out.data_ptr(), torch.get_num_threads())
+        fn(x.data_ptr(), rows, n, x.stride(0), DTYPE_KINDS[x.dtype], out.data_ptr(), torch.get_num_threads())
         return out
     x = x.float()
     # one or two rows: torch's single op, which costs less than the tiles' several right after a
@@ -125,10 +124,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
         tokens = argmax(logits)
-        if not all(p.greedy for p in params) or any(p.logprobs is not None for p in params):
-            # float32 keeps every bf16/fp16 value and its order
-            logits = logits.float()
-        if not all(p.greedy for p in params):
+        sampled = not all(p.greedy for p in params)
+        if sampled or any(p.logprobs is not None for p in params):
+            logits = logits.float()     # keeps every bf16/fp16 value and its order
+        if sampled:
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
         token_list = tokens.tolist()

@@ -12,11 +12,10 @@ import torch
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.paged import SdpaBackend
-from kvserve.kernels import function
+from kvserve.kernels import DTYPE_KINDS, function
 from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
 
-# row kinds, as the kernel numbers them
-DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# quantized row kinds, as the kernel numbers them (full-precision ones: DTYPE_KINDS)
 CODEC_KINDS = {Int8PerToken: 3, Fp8PerBlock: 4, Int4: 5}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _CACHE_ARGS = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)

@@ -13,12 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import function
+from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, function
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _PACK_BATCH_HINT = 64
-# dtypes the C kernels of csrc/layer_ops.c and csrc/gemm.c take, as they number them
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class Linear(nn.Linear):
@@ -37,11 +35,11 @@ class Linear(nn.Linear):
         The plain weight is then dropped, unless it is shared (tied embeddings), to not hold it twice.
         """
         w = self.weight.detach()
-        if w.device.type != "cpu" or w.dtype not in _KERNEL_DTYPES:
+        if w.device.type != "cpu" or w.dtype not in COMPUTE_DTYPES:
             return False
-        self.packed, self.own_gemm = gemm_pack(w), True
-        if self.packed is None:
-            self.own_gemm = False
+        self.packed = gemm_pack(w)
+        self.own_gemm = self.packed is not None
+        if not self.own_gemm:
             if not torch.backends.mkldnn.is_available():
                 return False
             try:
@@ -64,10 +62,10 @@ class Linear(nn.Linear):
 def _gemm_function(name: str, argtypes: tuple, dtype: torch.dtype, restype=None):
     """csrc/gemm.c's `name` where this CPU's build multiplies dtype, else None."""
     dtypes = function("gemm_dtypes", ())
-    if dtypes is None or dtype not in _KERNEL_DTYPES:
+    if dtypes is None or dtype not in COMPUTE_DTYPES:
         return None
     dtypes.restype = ctypes.c_int
-    if not dtypes() >> _KERNEL_DTYPES[dtype] & 1:
+    if not dtypes() >> DTYPE_KINDS[dtype] & 1:
         return None
     fn = function(name, argtypes)
     fn.restype = restype
@@ -81,7 +79,7 @@ def gemm_pack(w: torch.Tensor) -> torch.Tensor | None:
     pack = _gemm_function("gemm_pack", (p, i, i, i, p), w.dtype)
     if pack is None:
         return None
-    kind, (n, k) = _KERNEL_DTYPES[w.dtype], w.shape
+    kind, (n, k) = DTYPE_KINDS[w.dtype], w.shape
     packed = torch.empty(size(kind, n, k), dtype=w.dtype)
     pack(w.contiguous().data_ptr(), kind, n, k, packed.data_ptr())
     return packed
@@ -102,7 +100,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    fn(packed.data_ptr(), None if bias is None else bias.data_ptr(), _KERNEL_DTYPES[x.dtype], rows.data_ptr(),
+    fn(packed.data_ptr(), None if bias is None else bias.data_ptr(), DTYPE_KINDS[x.dtype], rows.data_ptr(),
        rows.stride(0), rows.shape[0], rows.shape[1], out_features, y.data_ptr(), torch.get_num_threads())
     return y
 
@@ -115,7 +113,7 @@ class Embedding(nn.Embedding):
 def _layer_op(name: str, argtypes: tuple, x: torch.Tensor, *contiguous: torch.Tensor):
     """The C kernel `name` (csrc/layer_ops.c) where it runs on x (CPU, float32/bfloat16) and the tensors
     in `contiguous` are, else None."""
-    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or not all(t.is_contiguous() for t in contiguous):
+    if x.device.type != "cpu" or x.dtype not in COMPUTE_DTYPES or not all(t.is_contiguous() for t in contiguous):
         return None
     return function(name, argtypes)
 
@@ -141,7 +139,7 @@ class RMSNorm(nn.Module):
         rows, dim = x.numel() // x.shape[-1], x.shape[-1]
         # without a residual, x is normalised where the kernel reads the residual, and left as it is
         fn(None if residual is None else x.data_ptr(), (x if residual is None else residual).data_ptr(),
-           self.weight.data_ptr(), out.data_ptr(), rows, dim, self.eps, _KERNEL_DTYPES[x.dtype],
+           self.weight.data_ptr(), out.data_ptr(), rows, dim, self.eps, DTYPE_KINDS[x.dtype],
            torch.get_num_threads())
         return out if residual is None else (out, residual)
 
@@ -202,5 +200,5 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         rolled = x.roll(d // 2, dims=-1)
         x.mul_(cos).addcmul_(rolled, sin)
         return
-    fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], d, cos.data_ptr(), sin.data_ptr(), _KERNEL_DTYPES[x.dtype],
+    fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], d, cos.data_ptr(), sin.data_ptr(), DTYPE_KINDS[x.dtype],
        torch.get_num_threads())
