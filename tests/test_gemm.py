@@ -73,12 +73,20 @@ def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own, mon
     _check(lin(x), x, w, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_of_no_inputs_is_the_bias(dtype):
+    if not _own_gemm(dtype):
+        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
+    x, b = torch.empty(3, 0, dtype=dtype), torch.arange(4.0).to(dtype)
+    assert torch.equal(gemm(x, gemm_pack(torch.empty(4, 0, dtype=dtype)), b, 4), b.expand(3, 4))
+
+
 def test_linear_leaves_float16_to_torch():
     lin = Linear(8, 4, bias=False, dtype=torch.float16)
     assert not lin.pack() and lin.packed is None
 
 
-@pytest.mark.parametrize("flags,dtypes", [("-mno-avx512f", 0), ("-mno-avx512bf16", 1)])
+@pytest.mark.parametrize("flags,dtypes", [("-mno-avx512f", 0), ("-mno-avx512bw", 0), ("-mno-avx512bf16", 1)])
 def test_builds_without_the_instructions_say_so(flags, dtypes, tmp_path, monkeypatch):
     """A CPU without AVX-512 (or its BF16 extension) reports the dtypes it cannot multiply, which then
     go to oneDNN."""

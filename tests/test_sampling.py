@@ -223,6 +223,11 @@ def test_tiled_argmax_equals_torch_argmax(rows, n):
     assert torch.equal(argmax(x[:, : n - 3]), x[:, : n - 3].argmax(-1))
 
 
+def test_argmax_of_empty_rows_raises_as_torch_does():
+    with pytest.raises(IndexError):
+        argmax(torch.empty(2, 0))
+
+
 def test_argmax_without_avx512(tmp_path, monkeypatch):
     """The plain C loop that CPUs without AVX-512 run: torch's answer too, NaN and ties included."""
     if kernels.library() is None:

@@ -94,7 +94,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     tiles' maxima, then the best tile (torch's argmax does not vectorize on the CPU, its amax does)."""
     rows, n = x.shape
     fn = function("argmax_rows", (_P, _I, _I, ctypes.c_int64, _I, _P, _I)) \
-        if x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.stride(-1) == 1 and rows else None
+        if x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.stride(-1) == 1 and rows and n else None
     if fn is not None:
         out = torch.empty(rows, dtype=torch.int64)
         fn(x.data_ptr(), rows, n, x.stride(0), DTYPE_KINDS[x.dtype], out.data_ptr(), torch.get_num_threads())

@@ -1,15 +1,16 @@
-/* y[m][n] = x[m][k] . W[n][k]^T (+ bias[n]): the CPU's linear layers, float32 or bfloat16 (`dtype`: F32 or
- * BF16 of common.h), with AVX-512 (bfloat16: its BF16 extension). A GotoBLAS-style GEMM over a weight packed
- * once at load: panels of NR = 32 output columns, each stored k-row by k-row (bfloat16: pairs of k rows
- * interleaved, as VDPBF16PS reads them). A tile of up to MR = 14 input rows by one panel keeps its 28 sums
- * in registers while a k-chunk of the panel (32 KiB, in L1) and of the rows (in L2) goes by; the threads
- * share the panels. Measured here on the decoder layers of `kvserve bench throughput`'s model, it takes
- * 12-23% less time than oneDNN's prepacked GEMM (tuned for large matrices) at the 4-64 rows of decode
- * steps, and 1-4% more at prefill's 8192. Sums run in float32, in k order within chunks of KC; a bfloat16
- * output is rounded once, to nearest even. */
+/* y[m][n] = x[m][k] . W[n][k]^T (+ bias[n]): the CPU's linear layers, float32 or bfloat16 (`dtype`: F32
+ * or BF16 of common.h), with AVX-512 F, BW and VL (bfloat16: also its BF16 extension). A GotoBLAS-style
+ * GEMM over a weight packed once at load: panels of NR = 32 output columns, each stored k-row by k-row
+ * (bfloat16: pairs of k rows interleaved, as VDPBF16PS reads them). A tile of up to MR = 14 input rows
+ * by one panel keeps its 28 sums in registers while a k-chunk of the panel (32 KiB, in L1) and of the
+ * rows (in L2) goes by; the threads share the panels. Measured here on the decoder layers of `kvserve
+ * bench throughput`'s model, it takes 12-23% less time than oneDNN's prepacked GEMM (tuned for large
+ * matrices) at the 4-64 rows of decode steps, and 1-4% more at prefill's 8192. Sums run in float32, in
+ * k order within chunks of KC (at a few rows and k of hundreds, float32 errors up to a few times
+ * those of torch's GEMM); a bfloat16 output is rounded once, to nearest even. */
 #include "common.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
 #define NV 2                 /* vectors of 16 columns per panel */

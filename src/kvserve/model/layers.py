@@ -95,6 +95,9 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
         raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be the "
                         f"weight's dtype {packed.dtype}")
+    if x.shape[-1] == 0:        # no products: the bias alone, as F.linear gives
+        y = torch.zeros(*x.shape[:-1], out_features, dtype=x.dtype)
+        return y if bias is None else y.add_(bias)
     fn = _gemm_function("gemm", _GEMM_ARGS, x.dtype)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
