@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from kvserve.config import ModelConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
-from kvserve.kernels import library
-from kvserve.model.layers import gemm, gemm_pack
+from kvserve.kernels import COMPUTE_DTYPES, library
+from kvserve.model.layers import gemm, gemm_pack, onednn_linear, onednn_pack
 from kvserve.sampling import SamplingParams
 
 # bench flag -> LlamaConfig field
@@ -134,12 +134,10 @@ def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """x @ w.T by each GEMM the engine may run here: F.linear, oneDNN's prepacked one and csrc/gemm.c's
     (on the CPU, where built)."""
     linears = [lambda x: F.linear(x, w)]
-    if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
-        if torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-            linears.append(lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-        own = gemm_pack(w)
-        if own is not None:
+    if w.device.type == "cpu" and w.dtype in COMPUTE_DTYPES:
+        if (prepacked := onednn_pack(w)) is not None:
+            linears.append(lambda x: onednn_linear(x, prepacked, None))
+        if (own := gemm_pack(w)) is not None:
             linears.append(lambda x: gemm(x, own, None, w.shape[0]))
     return linears
 

@@ -2,7 +2,8 @@
 #define KVSERVE_COMMON_H
 
 /* What the kernels share: number formats and rounding, RMSNorm as the eager model computes it, the
- * paged cache as attention reads it, and a few functions of one number that vectorize. */
+ * paged cache as attention reads it, a few functions of one number that vectorize, and (AVX-512)
+ * sixteen-lane masks and loads. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -134,6 +135,26 @@ static inline float silu(float x) {
     const float z = exp_nonpositive(x < 0.0f ? x : -x);
     return x * (x < 0.0f ? z : 1.0f) / (1.0f + z);
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* The first m of sixteen lanes (none for m <= 0). */
+static inline __mmask16 lanes16(int m) { return m >= 16 ? 0xffff : m <= 0 ? 0 : (__mmask16)((1u << m) - 1); }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Sixteen numbers of a row of F32 or BF16 from number i on, as floats (lanes outside m: 0); bfloat16
+ * widened as loaded, by a whole-vector load where it can (masked 16-bit loads are slow). */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, size_t i, __mmask16 m, int dtype) {
+    if (dtype == BF16) {
+        const uint16_t *r = (const uint16_t *)row + i;
+        const __m256i h = m == 0xffff ? _mm256_loadu_si256((const __m256i *)r) : _mm256_maskz_loadu_epi16(m, r);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(m, (const float *)row + i);
+}
+#endif
 
 /* out[g][:] = softmax(q[g] . K^T * scale) V for the `groups` query heads (fp32) that share KV head
  * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table`. */

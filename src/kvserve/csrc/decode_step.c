@@ -15,10 +15,6 @@
  */
 #include "common.h"
 
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
-
 typedef struct {
     const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
     const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */

@@ -21,10 +21,6 @@
 #define RAW_BF16 0
 #endif
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 /* A block's rows as the arithmetic reads them: floats [n][d], or (RAW_BF16) bfloat16 numbers read
  * where they are, widened as they are loaded. */
 typedef struct {
@@ -127,14 +123,11 @@ static inline __attribute__((always_inline)) void prefetch_block(const Cache *c,
 /* Sixteen numbers of a block's rows from number `at` on, as floats (lanes outside `mask`: 0). */
 static inline __attribute__((always_inline)) __m512 row16(const void *rows, size_t at, __mmask16 mask, const int bf16) {
 #if RAW_BF16
-    if (bf16) {
-        const uint16_t *r = (const uint16_t *)rows + at;  /* whole vectors where it can: masked 16-bit loads are slow */
-        const __m256i h = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)r) : _mm256_maskz_loadu_epi16(mask, r);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-#endif
+    return load16(rows, at, mask, bf16 ? BF16 : F32);
+#else
     (void)bf16;
     return _mm512_maskz_loadu_ps(mask, (const float *)rows + at);
+#endif
 }
 
 /* e[t] = q . rows[t0 + t] for m <= 16 rows: each row's products summed in a vector, then the sixteen
@@ -206,7 +199,6 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-static inline __mmask16 first(int m) { return m >= 16 ? 0xffff : (__mmask16)((1u << m) - 1); }
 #endif
 
 /* One block of the online softmax for each of `rows` query rows: the first valid[r] of the block's
@@ -222,7 +214,7 @@ static void softmax_block(float *e, int stride, int n, int rows, const int *vali
     for (int r = 0; r < rows; r++) {
         __m512 top = _mm512_set1_ps(m[r]);
         for (int t = 0; t < valid[r]; t += 16) {
-            const __mmask16 mask = first(valid[r] - t);
+            const __mmask16 mask = lanes16(valid[r] - t);
             top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, e + r * stride + t));
         }
         new_max[r] = _mm512_reduce_max_ps(top);
@@ -231,7 +223,7 @@ static void softmax_block(float *e, int stride, int n, int rows, const int *vali
         const __m512 shift = _mm512_set1_ps(new_max[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int t = 0; t < n; t += 16) {
-            const __mmask16 mask = first(n - t), kept = valid[r] > t ? first(valid[r] - t) : 0;
+            const __mmask16 mask = lanes16(n - t), kept = lanes16(valid[r] - t);
             float *at = e + r * stride + t;
             const __m512 p = _mm512_maskz_mov_ps(kept, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(kept, at),
                                                                                        shift)));
@@ -274,7 +266,7 @@ static inline __attribute__((always_inline)) void add_weighted_rows_of(float *ac
         __mmask16 mask[4];
         __m512 v[4][4];
         for (int j = 0; j < 4; j++) {
-            mask[j] = d - i - 16 * j > 0 ? first(d - i - 16 * j) : 0;
+            mask[j] = lanes16(d - i - 16 * j);
             for (int g = 0; g < G; g++) v[g][j] = _mm512_maskz_loadu_ps(mask[j], acc + (size_t)g * d + i + 16 * j);
         }
         for (int t = 0; t < n; t++) {

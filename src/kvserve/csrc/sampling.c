@@ -5,7 +5,6 @@
 #include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
 
 /* Numbers asked for ahead of the one read: the logits come straight from the lm_head's GEMM, half of
  * each row in the other core's cache, and the hardware prefetchers fetch those too late (without it, 523
@@ -22,10 +21,8 @@ static int64_t argmax_row(const void *row, int n, int dtype) {
         for (int c = 0; c < CHAINS; c++) {
             const int i = i0 + 16 * c;
             _mm_prefetch((const char *)row + (int64_t)(i + PREFETCH) * elem_size(dtype), _MM_HINT_T0);
-            const __mmask16 m = n - i >= 16 ? 0xffff : n - i <= 0 ? 0 : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 v = dtype == F32 ? _mm512_maskz_loadu_ps(m, (const float *)row + i)
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                      _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + i)), 16));
+            const __mmask16 m = lanes16(n - i);
+            const __m512 v = load16(row, i, m, dtype);
             const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
             if (nan) return i + __builtin_ctz(nan);
             /* lanes past n never move */

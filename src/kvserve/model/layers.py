@@ -40,11 +40,8 @@ class Linear(nn.Linear):
         self.packed = gemm_pack(w)
         self.own_gemm = self.packed is not None
         if not self.own_gemm:
-            if not torch.backends.mkldnn.is_available():
-                return False
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
-            except (RuntimeError, AttributeError):
+            self.packed = onednn_pack(w)
+            if self.packed is None:
                 return False
         if free_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
@@ -55,7 +52,21 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self.own_gemm:
             return gemm(x, self.packed, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return onednn_linear(x, self.packed, self.bias)
+
+
+def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """w [out, in] prepacked for oneDNN's GEMM (onednn_linear), or None where torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @lru_cache(maxsize=None)
