@@ -59,9 +59,12 @@ def test_bench_throughput_json(tmp_path):
         # the limit of batch-1 decode is the bandwidth measured around its run
         bandwidth = r["runs"]["batch1_read_bandwidth_bytes_s"][0]
         assert r["batch1_limit_tok_s"] == pytest.approx(bandwidth / r["weight_bytes"])
-        if shutil.which("cc"):   # the CPU decodes small batches by the C step, and op by op beside it
+        if shutil.which("cc"):   # the CPU decodes by the C step, and op by op beside it
             assert r["native_decode"] and not r["cuda_graphs"] and _positive(r["batch1_eager_tok_s"])
-            assert all(_positive(v["native"]) and _positive(v["eager"]) for v in r["native_by_batch"].values())
+            # the step's own products, and the packed GEMM where every layer is packed for it
+            packed = r["native_max_batch"] is None
+            assert all(_positive(v["matvec"]) and _positive(v["eager"]) and ("gemm" in v) == packed
+                       and (not packed or _positive(v["gemm"])) for v in r["native_by_batch"].values())
 
 
 def test_bench_throughput_one_dtype(tmp_path):

@@ -93,6 +93,8 @@ def test_decode_logits_and_greedy_tokens_match_transformers(checkpoint, decode):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_tracks_transformers(tmp_path, dtype):
+    """Against the float32 forward of the same weights, kvserve's error is no larger than transformers'
+    own in that dtype (half again as large at most: the roundings fall elsewhere)."""
     path = make_checkpoint(tmp_path, "llama", dtype=dtype)
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
     llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=name)
@@ -100,8 +102,12 @@ def test_half_precision_tracks_transformers(tmp_path, dtype):
     ids = prompt_ids(13)
     seen = capture_logits(llm)
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-    ref = hf_model(path, dtype)(torch.tensor([ids])).logits[0, -1].float()
-    torch.testing.assert_close(seen[0][0].float(), ref, atol=0.1, rtol=0.05)
+    with torch.inference_mode():
+        exact = hf_model(path, torch.float32)(torch.tensor([ids])).logits[0, -1]
+        ref = hf_model(path, dtype)(torch.tensor([ids])).logits[0, -1].float()
+    ours, theirs = (seen[0][0].float() - exact).abs(), (ref - exact).abs()
+    assert ours.max() <= 1.5 * theirs.max() and ours.mean() <= 1.5 * theirs.mean()
+    torch.testing.assert_close(seen[0][0].float(), ref, atol=0.2, rtol=0.05)
 
 
 def test_auto_dtype(tmp_path):

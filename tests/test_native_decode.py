@@ -8,6 +8,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.native_decode import MAX_BATCH
+from kvserve.model import layers
 from tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -50,13 +51,15 @@ def prompts(lengths: list[int]) -> list[dict]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype, atol", [("float32", 5e-5), ("bfloat16", 0.1)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_steps_give_the_eager_logits(tmp_path, variant, dtype, atol, threads):
+@pytest.mark.parametrize("gemm_from", [5, 1], ids=["matrix-vector", "gemm"])
+def test_native_steps_give_the_eager_logits(tmp_path, variant, dtype, atol, threads, gemm_from):
     arch, overrides = VARIANTS[variant]
     path = make_checkpoint(tmp_path, arch, dtype=getattr(torch, dtype), **overrides)
     torch.set_num_threads(threads)
-    # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4
+    # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4, their
+    # layers multiplied by the step's matrix-vector products or by the packed GEMM
     llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=dtype, max_num_seqs=4)
-    llm.engine.runner.native.max_batch = 4
+    llm.engine.runner.native.gemm_from = gemm_from
     diffs = compare_with_eager(llm)
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     llm.generate(prompts([1, 3, 4, 5, 13, 6]), params, use_tqdm=False)
@@ -65,24 +68,37 @@ def test_native_steps_give_the_eager_logits(tmp_path, variant, dtype, atol, thre
 
 def test_bfloat16_rounds_where_the_eager_model_does(tmp_path):
     """Activations kept in float32 between the ops (not rounded where the eager model rounds them) leave
-    differences of whole bfloat16 steps (0.13-0.30 here); what is left is the order of the sums."""
+    differences of whole bfloat16 steps at every step (0.09-0.13 here); what is left is the order of the
+    sums, which now and then tips a rounding."""
     path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512)
     llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16")
     diffs = compare_with_eager(llm)
     llm.generate(prompts([7]), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert len(diffs) == 5 and max(diffs) <= 0.05
+    assert len(diffs) == 5 and sorted(diffs)[2] <= 0.02 and max(diffs) <= 0.1
 
 
-def test_it_runs_small_decode_steps_only(tiny_llama):
+def test_it_runs_every_step_of_decodes_only(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
     native = llm.engine.runner.native
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm.generate(prompts([5] * (MAX_BATCH[torch.float32] + 1)), params, use_tqdm=False)
-    assert native.steps == 0                       # a prefill, then decodes of 5 sequences
-    llm.generate(prompts([5] * MAX_BATCH[torch.float32]), params, use_tqdm=False)
-    assert native.steps == 3
+    llm.generate(prompts([5] * (MAX_BATCH[torch.float32] + 3)), params, use_tqdm=False)
+    assert native.steps == 3                       # a prefill, then decodes of 7 sequences
     # h2o scores the cache with the attention of each step: those steps need the eager forward
     llm.generate(prompts([5]), SamplingParams(max_tokens=4, eviction="h2o:budget=64,recent=8"), use_tqdm=False)
+    assert native.steps == 3
+
+
+def test_without_its_gemm_it_runs_small_decode_steps_only(tiny_llama, monkeypatch):
+    """Weights packed for oneDNN (no csrc/gemm.c for the dtype here): past its matrix-vector products'
+    limit, steps run op by op."""
+    monkeypatch.setattr(layers, "gemm_pack", lambda w: None)
+    llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
+    native = llm.engine.runner.native
+    assert native.max_batch == MAX_BATCH[torch.float32]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate(prompts([5] * (MAX_BATCH[torch.float32] + 1)), params, use_tqdm=False)
+    assert native.steps == 0
+    llm.generate(prompts([5] * MAX_BATCH[torch.float32]), params, use_tqdm=False)
     assert native.steps == 3
 
 

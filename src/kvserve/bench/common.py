@@ -60,11 +60,20 @@ def make_tokenizer(corpus: list[str] | None = None, vocab_size: int = 300):
 
 def save_random_model(path: Path, config, dtype: torch.dtype = torch.float32, seed: int = 0,
                       tokenizer=None) -> Path:
-    """Save a model of a transformers `config` with seeded random weights, and a tokenizer, as a checkpoint."""
+    """Save a model of a transformers `config` with seeded random weights, and a tokenizer, as a checkpoint.
+    Biases and norm scales are random too (transformers starts them at 0 and 1), so that a path that
+    skips one gives other numbers."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.to(dtype).save_pretrained(path)
     (tokenizer or make_tokenizer()).save_pretrained(path)
     return Path(path)
 

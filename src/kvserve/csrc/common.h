@@ -144,6 +144,12 @@ static inline __mmask16 lanes16(int m) { return m >= 16 ? 0xffff : m <= 0 ? 0 : 
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define AVX512_BW_VL 1     /* AVX-512 with its 16-bit lanes and narrower vectors: load16, and gemm.c */
+#else
+#define AVX512_BW_VL 0
+#endif
+
+#if AVX512_BW_VL
 /* Sixteen numbers of a row of F32 or BF16 from number i on, as floats (lanes outside m: 0); bfloat16
  * widened as loaded, by a whole-vector load where it can (masked 16-bit loads are slow). */
 static inline __attribute__((always_inline)) __m512 load16(const void *row, size_t i, __mmask16 m, int dtype) {
@@ -160,5 +166,11 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, size
  * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table`. */
 void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
                  float scale, float *out);
+
+#if AVX512_BW_VL
+/* csrc/gemm.c's share of one thread of a team (see there). */
+void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
+               void *y);
+#endif
 
 #endif

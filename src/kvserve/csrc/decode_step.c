@@ -1,12 +1,14 @@
 /* A whole decode step of a Llama-family decoder on the CPU in one call: embedding, every layer
  * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, O, RMSNorm, gate/up, SiLU, down)
- * and the logits, for a few sequences of one new token each.
+ * and the logits, for sequences of one new token each.
  *
  * Decoding a few tokens reads every weight once per step: the step is bound by memory reads, and
  * run op by op from Python it loses as much time again in dispatch and in small-matrix overheads.
  * Here one OpenMP team runs the step: matrix-vector products split their rows between the threads,
- * attention its (sequence, KV head) tasks, and the few thousand numbers of norms and RoPE are done
- * by one thread between them.
+ * attention its (sequence, KV head) tasks, and norms, RoPE and SiLU the sequences. With more
+ * sequences the step is bound by computing: from `gemm_from` on, the layers packed for csrc/gemm.c
+ * multiply by it, and the step saves what op by op costs between the GEMMs (dispatch, and each op's
+ * own pass over the activations).
  *
  * Weights are row-major [out][in] as torch's Linear keeps them, float32 or bfloat16 (`dtype`, the
  * kinds of common.h), and the cache holds the same dtype. Activations are float32 here; in a
@@ -15,8 +17,14 @@
  */
 #include "common.h"
 
+/* A linear layer: its weight [out][in] as torch keeps it, bias (or NULL), and the weight packed for
+ * csrc/gemm.c (or NULL: the matrix-vector products only). */
 typedef struct {
-    const void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
+    const void *w, *b, *packed;
+} Proj;
+
+typedef struct {
+    Proj qkv, o, gate_up, down;
     const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
     void *kv;                                                 /* pages [2][KVH][NB][BS][D] */
 } Layer;
@@ -25,7 +33,8 @@ typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, dtype;
     int num_blocks, block_size;
     float eps, scale;
-    const void *embed, *norm, *lm_head;
+    const void *embed, *norm;
+    Proj lm_head;
     const Layer *layers;
 } Model;
 
@@ -147,6 +156,40 @@ static void linear(const void *w, const void *b, int dtype, const float *x, int 
     }
 }
 
+#if AVX512_BW_VL
+/* yd[t] = p . x[t] + b in the model's dtype, by csrc/gemm.c, for the n rows of x (float32, `in` numbers
+ * apart; bfloat16: converted into xd first, exactly, since they hold bfloat16 numbers). Called from every
+ * thread of the team; yd is whole when it returns. */
+static void gemm_rows(const Proj *p, int dtype, const float *x, int n, int in, int out, void *yd, void *xd) {
+    if (dtype == BF16) {
+        #pragma omp for schedule(static)
+        for (int t = 0; t < n; t++) store_row((uint16_t *)xd + (size_t)t * in, x + (size_t)t * in, BF16, in);
+    }
+    gemm_team(p->packed, p->b, dtype, dtype == BF16 ? xd : x, in, n, in, out, yd);
+    #pragma omp barrier
+}
+#endif
+
+/* y[t] = p . x[t] + b for the n rows of x (float32, `in` numbers apart) into y (float32, rows `out`
+ * apart): by the packed GEMM where the step takes it (`gemm`, and p is packed), else by the
+ * matrix-vector products. xd, yd: room for the GEMM's bfloat16 rows. Called from every thread. */
+static void project(const Proj *p, int dtype, const float *x, int n, int in, int out, float *y, int gemm,
+                    void *xd, void *yd) {
+#if AVX512_BW_VL
+    if (gemm && p->packed) {
+        gemm_rows(p, dtype, x, n, in, out, dtype == BF16 ? yd : (void *)y, xd);
+        if (dtype == BF16) {
+            #pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) load_row(y + (size_t)t * out, (uint16_t *)yd + (size_t)t * out, BF16, out);
+        }
+        return;
+    }
+#else
+    (void)gemm, (void)xd, (void)yd;
+#endif
+    linear(p->w, p->b, dtype, x, n, in, out, y, out);
+}
+
 /* x[:] rotated by RoPE in place, by the float32 cos/sin of its position rounded to the model's dtype
  * (as the eager model casts them). */
 static void rope(float *x, const float *cos, const float *sin, int d, int dtype) {
@@ -176,16 +219,28 @@ static void position_and_store(const Model *m, const Layer *l, float *qkv, int64
 }
 
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
- * token each at `positions`, writing their K/V at `slots` and attending over their pages. */
+ * token each at `positions`, writing their K/V at `slots` and attending over their pages. From
+ * `gemm_from` sequences on, the layers the model packed for csrc/gemm.c run by it: there the weights
+ * are read once for many rows and the step is bound by computing, not by reading them. */
 void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
                  const int64_t *block_tables, int table_width, const int64_t *context_lens,
-                 const float *cos_table, const float *sin_table, void *logits, int threads) {
+                 const float *cos_table, const float *sin_table, void *logits, int gemm_from, int threads) {
     const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int inter = m->intermediate, dt = m->dtype, q_size = nh * d, qkv_size = (nh + 2 * nkv) * d;
+    const int gemm = n >= gemm_from;
+#if AVX512_BW_VL
+    const int head_gemm = gemm && m->lm_head.packed;       /* the logits straight from the GEMM */
+#else
+    const int head_gemm = 0;
+#endif
+    const int widest_in = inter > hdim ? (inter > q_size ? inter : q_size) : (hdim > q_size ? hdim : q_size);
+    const int widest_out = 2 * inter > qkv_size ? (2 * inter > hdim ? 2 * inter : hdim) : qkv_size;
     float *x = malloc(sizeof(float) * n * hdim), *h = malloc(sizeof(float) * n * hdim);
     float *qkv = malloc(sizeof(float) * n * qkv_size), *attn = malloc(sizeof(float) * n * q_size);
     float *gate_up = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
-    float *y = malloc(sizeof(float) * n * (hdim > m->vocab ? hdim : m->vocab));
+    float *y = malloc(sizeof(float) * n * (head_gemm || hdim > m->vocab ? hdim : m->vocab));
+    void *xd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_in) : NULL;
+    void *yd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_out) : NULL;
     for (int t = 0; t < n; t++)
         for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
     #pragma omp parallel num_threads(threads)
@@ -193,10 +248,10 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
             const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
-            #pragma omp single
+            #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) rms_norm(x + t * hdim, l->input_norm, dt, hdim, m->eps, h + t * hdim);
-            linear(l->qkv_w, l->qkv_b, dt, h, n, hdim, qkv_size, qkv, qkv_size);
-            #pragma omp single
+            project(&l->qkv, dt, h, n, hdim, qkv_size, qkv, gemm, xd, yd);
+            #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 position_and_store(m, l, qkv + (size_t)t * qkv_size, positions[t], slots[t], cos_table, sin_table);
             #pragma omp for collapse(2) schedule(dynamic)
@@ -208,30 +263,35 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
                                 qkv + (size_t)t * qkv_size + (size_t)kh * groups * d, groups, m->scale, o);
                     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], dt);
                 }
-            linear(l->o_w, l->o_b, dt, attn, n, q_size, hdim, y, hdim);
-            #pragma omp single
+            project(&l->o, dt, attn, n, q_size, hdim, y, gemm, xd, yd);
+            #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) {
                 for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
                 rms_norm(x + t * hdim, l->post_norm, dt, hdim, m->eps, h + t * hdim);
             }
-            linear(l->gate_up_w, l->gate_up_b, dt, h, n, hdim, 2 * inter, gate_up, 2 * inter);
+            project(&l->gate_up, dt, h, n, hdim, 2 * inter, gate_up, gemm, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 for (int i = 0; i < inter; i++) {
                     const float *g = gate_up + (size_t)t * 2 * inter;
                     act[(size_t)t * inter + i] = as_dtype(as_dtype(silu(g[i]), dt) * g[inter + i], dt);
                 }
-            linear(l->down_w, l->down_b, dt, act, n, inter, hdim, y, hdim);
-            #pragma omp single
+            project(&l->down, dt, act, n, inter, hdim, y, gemm, xd, yd);
+            #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
         }
-        #pragma omp single
+        #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) rms_norm(x + t * hdim, m->norm, dt, hdim, m->eps, h + t * hdim);
-        linear(m->lm_head, NULL, dt, h, n, hdim, m->vocab, y, m->vocab);
+#if AVX512_BW_VL
+        if (head_gemm) gemm_rows(&m->lm_head, dt, h, n, hdim, m->vocab, logits, xd);
+        else
+#endif
+        linear(m->lm_head.w, NULL, dt, h, n, hdim, m->vocab, y, m->vocab);
     }
-    for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
-    free(x), free(h), free(qkv), free(attn), free(gate_up), free(act), free(y);
+    if (!head_gemm)
+        for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
+    free(x), free(h), free(qkv), free(attn), free(gate_up), free(act), free(y), free(xd), free(yd);
 }
 
 /* y[t] = w . x[t] for n inputs by the step's own matrix-vector product (y and x float32): to test it

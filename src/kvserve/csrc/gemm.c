@@ -10,7 +10,7 @@
  * those of torch's GEMM); a bfloat16 output is rounded once, to nearest even. */
 #include "common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if AVX512_BW_VL
 
 #define NV 2                 /* vectors of 16 columns per panel */
 #define NR (16 * NV)
@@ -162,38 +162,43 @@ static void tile(int dtype, const void *panel, const void *next, const void *x, 
 #undef ROWS_BF16
 }
 
-/* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack. */
-void gemm(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n, void *y,
-          int threads) {
+/* gemm's share of one thread of a team: call from every thread of a parallel region; y is whole once
+ * they have all returned and met at a barrier (this ends without one). */
+void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
+               void *y) {
     const int panels = (n + NR - 1) / NR, depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
     const int kc_max = dtype == BF16 ? 2 * KC : KC;
     const size_t size = elem_size(dtype);
-    #pragma omp parallel num_threads(threads)
-    {
-        float partial[MC * NR] __attribute__((aligned(64)));
-        for (int m0 = 0; m0 < m; m0 += MC) {
-            const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
-            #pragma omp for schedule(static) nowait
-            for (int p = 0; p < panels; p++) {
-                const char *panel = (const char *)packed + (int64_t)p * depth * NR * size;
-                for (int k0 = 0; k0 < k; k0 += kc_max) {
-                    const int kc = k - k0 < kc_max ? k - k0 : kc_max;
-                    const Chunk c = {k0 == 0, k0 + kc >= k, n - p * NR < NR ? n - p * NR : NR,
-                                     bias ? (const char *)bias + (int64_t)p * NR * size : NULL};
-                    /* the thread's next chunk: this panel's next k-chunk, else the next panel's first */
-                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * size : NULL)
-                                              : panel + (int64_t)(k0 + kc) * NR * size;
-                    for (int g = 0, r0 = 0; g < groups; g++) {
-                        const int mr = mb / groups + (g < mb % groups);
-                        tile(dtype, panel + (int64_t)k0 * NR * size, g == 0 ? next : NULL,
-                             (const char *)x + ((m0 + r0) * ldx + k0) * size, ldx, kc, mr, partial + r0 * NR, &c,
-                             (char *)y + ((int64_t)(m0 + r0) * n + p * NR) * size, n);
-                        r0 += mr;
-                    }
+    float partial[MC * NR] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < m; m0 += MC) {
+        const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
+        #pragma omp for schedule(static) nowait
+        for (int p = 0; p < panels; p++) {
+            const char *panel = (const char *)packed + (int64_t)p * depth * NR * size;
+            for (int k0 = 0; k0 < k; k0 += kc_max) {
+                const int kc = k - k0 < kc_max ? k - k0 : kc_max;
+                const Chunk c = {k0 == 0, k0 + kc >= k, n - p * NR < NR ? n - p * NR : NR,
+                                 bias ? (const char *)bias + (int64_t)p * NR * size : NULL};
+                /* the thread's next chunk: this panel's next k-chunk, else the next panel's first */
+                const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * size : NULL)
+                                          : panel + (int64_t)(k0 + kc) * NR * size;
+                for (int g = 0, r0 = 0; g < groups; g++) {
+                    const int mr = mb / groups + (g < mb % groups);
+                    tile(dtype, panel + (int64_t)k0 * NR * size, g == 0 ? next : NULL,
+                         (const char *)x + ((m0 + r0) * ldx + k0) * size, ldx, kc, mr, partial + r0 * NR, &c,
+                         (char *)y + ((int64_t)(m0 + r0) * n + p * NR) * size, n);
+                    r0 += mr;
                 }
             }
         }
     }
+}
+
+/* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack. */
+void gemm(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n, void *y,
+          int threads) {
+    #pragma omp parallel num_threads(threads)
+    gemm_team(packed, bias, dtype, x, ldx, m, k, n, y);
 }
 #else
 int gemm_dtypes(void) { return 0; }

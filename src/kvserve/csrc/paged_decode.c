@@ -15,7 +15,7 @@
 #include "common.h"
 
 /* bfloat16 rows read in place, widened as loaded (needs AVX-512's 16-bit masked loads) */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if AVX512_BW_VL
 #define RAW_BF16 1
 #else
 #define RAW_BF16 0

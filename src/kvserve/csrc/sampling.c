@@ -4,7 +4,7 @@
  * if there is one (NaN counts as the largest). */
 #include "common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if AVX512_BW_VL
 
 /* Numbers asked for ahead of the one read: the logits come straight from the lm_head's GEMM, half of
  * each row in the other core's cache, and the hardware prefetchers fetch those too late (without it, 523

@@ -1,11 +1,13 @@
-"""Decode steps of a few sequences run on the CPU by one C call (`csrc/decode_step.c`).
+"""Decode steps run on the CPU by one C call (`csrc/decode_step.c`).
 
 The CPU's counterpart of CUDA graphs. Decoding a few tokens reads every weight once per step, so the
 step is bound by memory reads; run op by op from Python, it loses as much time again in dispatch and
 in the small-matrix overheads of a GEMM library. The C step reads the weights as torch's Linear keeps
-them ([out, in]), so the engine keeps those, on huge pages, beside the prepacked copies its larger
-batches use (`CausalLM.pack_weights(keep_weights=True)`): the weights take twice their memory, as
-CUDA graphs take memory of their own. `enforce_eager` turns it off.
+them ([out, in]), so the engine keeps those, on huge pages, beside the packed copies
+(`CausalLM.pack_weights(keep_weights=True)`): the weights take twice their memory, as CUDA graphs
+take memory of their own. Past a few sequences the step multiplies by the packed copies (csrc/gemm.c),
+and still saves the Python and the passes between the GEMMs of a step run op by op. `enforce_eager`
+turns it off.
 """
 from __future__ import annotations
 
@@ -23,17 +25,21 @@ from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import Linear
 
 DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many sequences a step is bound by reading the weights, and one C call is the faster
-# way; past it, the packed GEMMs are (kvserve bench throughput measures both sides): bfloat16's GEMM
-# does twice the float32 work a cycle, so it overtakes the step sooner (at 4 sequences the step was
-# 1.07x the GEMMs in float32, 0.80-0.90x in bfloat16, two runs here).
+# Up to this many sequences the step's matrix-vector products, bound by reading the weights, are the
+# faster way; past it, the packed GEMMs are (kvserve bench throughput measures both sides): bfloat16's
+# GEMM does twice the float32 work a cycle, so it overtakes them sooner (at 4 sequences the products
+# were 1.07x the GEMMs in float32, 0.80-0.90x in bfloat16, two runs here). Where the model is not packed
+# for csrc/gemm.c, steps of more sequences run op by op.
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
-_LAYER_FIELDS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
-                 "input_norm", "post_norm", "q_norm", "k_norm", "kv")
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "packed")]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+    _fields_ = [*((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
+                *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv"))]
 
 
 class _Model(ctypes.Structure):
@@ -41,12 +47,18 @@ class _Model(ctypes.Structure):
                                                     "head_dim", "intermediate", "vocab", "dtype",
                                                     "num_blocks", "block_size")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+                ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
 def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _proj(linear: Linear) -> _Proj:
+    """A linear layer as the C step takes it: weight, bias and, where packed for csrc/gemm.c, the packed
+    copy."""
+    return _Proj(_address(linear.weight), _address(linear.bias), _address(linear.packed) if linear.own_gemm else None)
 
 
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -97,29 +109,33 @@ class NativeDecode:
         if any(m.weight.numel() == 0 for m in model.modules() if isinstance(m, Linear)):
             raise ValueError("the C decode step reads the plain weights: pack them with keep_weights=True")
         p, i = ctypes.c_void_p, ctypes.c_int
-        self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i))
+        self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i, i))
         layers = []
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            tensors = [t for lin in linears for t in (lin.weight, lin.bias)]
-            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
-                        storage.layer(index)]
-            layers.append(_Layer(*map(_address, tensors)))
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                     attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
+                     storage.layer(index)]
+            layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                                 *map(_address, norms)))
         self._layers = (_Layer * len(layers))(*layers)
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
                            storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
                            _address(model.model.embed_tokens.weight), _address(model.model.norm.weight),
-                           _address(model.lm_head.weight), self._layers)
-        self.max_batch = MAX_BATCH[model.lm_head.weight.dtype]
+                           _proj(model.lm_head), self._layers)
+        dtype = model.lm_head.weight.dtype
+        # past the matrix-vector products' limit the step multiplies by csrc/gemm.c, where every layer is
+        # packed for it; else those steps run op by op
+        self.gemm_from = MAX_BATCH[dtype] + 1
+        packed = all(m.own_gemm for m in model.modules() if isinstance(m, Linear))
+        self.max_batch = None if packed else MAX_BATCH[dtype]
         self.steps = 0
 
     def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
-        """A step of at most max_batch decodes that needs nothing but the logits."""
-        return (batch.num_prefills == 0 and len(batch.query_lens) <= self.max_batch and batch.kv_write is None
-                and not batch.mass_requests and not prompt_logprobs)
+        """A step of decodes only (at most max_batch, where that is set) that needs nothing but the logits."""
+        return (batch.num_prefills == 0 and (self.max_batch is None or len(batch.query_lens) <= self.max_batch)
+                and batch.kv_write is None and not batch.mass_requests and not prompt_logprobs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache."""
@@ -128,6 +144,6 @@ class NativeDecode:
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), batch.slot_mapping.data_ptr(),
                 batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
-                rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+                rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), self.gemm_from, torch.get_num_threads())
         self.steps += 1
         return logits
