@@ -25,11 +25,15 @@ from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import Linear
 
 DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many sequences the step's matrix-vector products, bound by reading the weights, are the
-# faster way; past it, the packed GEMMs are (kvserve bench throughput measures both sides): bfloat16's
-# GEMM does twice the float32 work a cycle, so it overtakes them sooner (at 4 sequences the products
-# were 1.07x the GEMMs in float32, 0.80-0.90x in bfloat16, two runs here). Where the model is not packed
-# for csrc/gemm.c, steps of more sequences run op by op.
+# From this many sequences on, the step multiplies by the packed GEMM (csrc/gemm.c) rather than by its
+# own matrix-vector products: measured by kvserve bench throughput's sweep and alternated A/Bs here, the
+# GEMM streams the weights faster even for one float32 sequence (503 against 452 tok/s, medians of 5),
+# and ties with the products' bfloat16 dot-product instruction at one bfloat16 sequence (691 against 694);
+# at two it is 1.36x and 1.22x.
+GEMM_FROM = {torch.float32: 1, torch.bfloat16: 2}
+# Where the model is not packed for csrc/gemm.c, the step takes at most this many sequences; past it,
+# op by op with oneDNN's GEMMs was faster (at 4 sequences the products were 1.07x those in float32,
+# 0.80-0.90x in bfloat16, two runs here).
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
 
@@ -125,9 +129,8 @@ class NativeDecode:
                            _address(model.model.embed_tokens.weight), _address(model.model.norm.weight),
                            _proj(model.lm_head), self._layers)
         dtype = model.lm_head.weight.dtype
-        # past the matrix-vector products' limit the step multiplies by csrc/gemm.c, where every layer is
-        # packed for it; else those steps run op by op
-        self.gemm_from = MAX_BATCH[dtype] + 1
+        # steps of more sequences run op by op unless every layer is packed for csrc/gemm.c
+        self.gemm_from = GEMM_FROM[dtype]
         packed = all(m.own_gemm for m in model.modules() if isinstance(m, Linear))
         self.max_batch = None if packed else MAX_BATCH[dtype]
         self.steps = 0
