@@ -145,29 +145,21 @@ def hf_batch1(model, prompt: list[int], tokens: int, device: torch.device) -> fl
 
 
 def native_by_batch(llm: LLM, eager: LLM, vocab_size: int, w: Workload) -> dict[int, dict[str, float]]:
-    """Decode tok/s of small batches by the native C step, its layers multiplied by its matrix-vector
-    products and by the packed GEMM (where the model is packed for it), and op by op: where the step
-    should switch (native_decode.MAX_BATCH). Medians of `w.repeats`."""
+    """Decode tok/s of small batches by the native C step (let run past its limit, where it has one) and
+    op by op: where that limit (native_decode.MAX_BATCH) should be, or what the step gains at each size.
+    Medians of `w.repeats`."""
     native = llm.engine.runner.native
-    limits = native.max_batch, native.gemm_from
-    native.max_batch = None
+    limit, native.max_batch = native.max_batch, None
     try:
         rates = {}
         for b in NATIVE_SWEEP:
             prompts = random_prompts(b, w.batch1_prompt_len, vocab_size, seed=100 + b)
-            runs = []
-            for _ in range(w.repeats):
-                native.gemm_from = b + 1
-                run = {"matvec": decode_rate(llm, prompts, w.batch1_tokens)}
-                if limits[0] is None:
-                    native.gemm_from = 1
-                    run["gemm"] = decode_rate(llm, prompts, w.batch1_tokens)
-                run["eager"] = decode_rate(eager, prompts, w.batch1_tokens)
-                runs.append(run)
-            rates[b] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            runs = [(decode_rate(llm, prompts, w.batch1_tokens), decode_rate(eager, prompts, w.batch1_tokens))
+                    for _ in range(w.repeats)]
+            rates[b] = {"native": statistics.median(n for n, _ in runs), "eager": statistics.median(e for _, e in runs)}
         return rates
     finally:
-        native.max_batch, native.gemm_from = limits
+        native.max_batch = limit
 
 
 def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None) -> dict:
@@ -251,7 +243,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "native_decode": llm.engine.runner.native is not None,
         "native_max_batch": llm.engine.runner.native.max_batch if llm.engine.runner.native is not None else None,
-        "native_gemm_from": llm.engine.runner.native.gemm_from if llm.engine.runner.native is not None else None,
+        "native_gemm": llm.engine.runner.native.packed if llm.engine.runner.native is not None else None,
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
                  "batch1_tok_s": [r["ours"] for r in batch1], "hf_batch1_tok_s": [r["hf"] for r in batch1],
                  "batch1_eager_tok_s": [r["eager"] for r in batch1],
@@ -265,8 +257,8 @@ def _decode_path(r: dict) -> str:
     if not r["native_decode"]:
         return "eager"
     if r["native_max_batch"] is None:
-        return f"native C step, GEMM from {r['native_gemm_from']} seqs"
-    return f"native C step up to {r['native_max_batch']} seqs"
+        return "native C step (packed GEMMs)"
+    return f"native C step up to {r['native_max_batch']} seqs (matrix-vector products)"
 
 
 def _rate(tok_s: float | None) -> str:
@@ -305,14 +297,10 @@ def report(results: dict[str, dict]) -> None:
     sweeps = {dtype: r["native_by_batch"] for dtype, r in results.items() if r["native_by_batch"]}
     if sweeps:
         used = ", ".join(f"{dtype}: {_decode_path(results[dtype])}" for dtype in sweeps)
-        print(f"\ndecode tok/s by batch size, native C step with its matrix-vector products / with the packed "
-              f"GEMM / op by op ({used})")
-        print_table(["batch", *sweeps], [[str(b), *(_sweep_cell(s[b]) for s in sweeps.values())] for b in NATIVE_SWEEP])
-
-
-def _sweep_cell(rates: dict[str, float]) -> str:
-    gemm = f"{rates['gemm']:.0f}" if "gemm" in rates else "-"
-    return f"{rates['matvec']:.0f} / {gemm} / {rates['eager']:.0f}"
+        print(f"\ndecode tok/s by batch size: native C step / op by op ({used})")
+        print_table(["batch", *sweeps], [[str(b), *(f"{s[b]['native']:.0f} / {s[b]['eager']:.0f} = "
+                                                   f"{s[b]['native'] / s[b]['eager']:.2f}x" for s in sweeps.values())]
+                                         for b in NATIVE_SWEEP])
 
 
 def run(args: argparse.Namespace) -> int:

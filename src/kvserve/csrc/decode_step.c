@@ -4,21 +4,21 @@
  *
  * Decoding a few tokens reads every weight once per step: the step is bound by memory reads, and
  * run op by op from Python it loses as much time again in dispatch and in small-matrix overheads.
- * Here one OpenMP team runs the step: matrix-vector products split their rows between the threads,
- * attention its (sequence, KV head) tasks, and norms, RoPE and SiLU the sequences. With more
- * sequences the step is bound by computing: from `gemm_from` on, the layers packed for csrc/gemm.c
- * multiply by it, and the step saves what op by op costs between the GEMMs (dispatch, and each op's
- * own pass over the activations).
+ * Here one OpenMP team runs the step: attention by (sequence, KV head) tasks, norms, RoPE and SiLU by
+ * sequence, and the linear layers by csrc/gemm.c over their packed copies, which stream the weights
+ * faster than matrix-vector products do even for one sequence (float32: 503 against 452 tok/s here;
+ * bfloat16 alike, 742 against 737) and are bound by computing at many. Where gemm.c does not
+ * multiply the dtype, matrix-vector products split by rows read the weights as torch keeps them.
  *
- * Weights are row-major [out][in] as torch's Linear keeps them, float32 or bfloat16 (`dtype`, the
- * kinds of common.h), and the cache holds the same dtype. Activations are float32 here; in a
+ * Weights are float32 or bfloat16 (`dtype`, the kinds of common.h), and the cache holds the same
+ * dtype. Activations are float32 here; in a
  * bfloat16 model they are rounded to bfloat16 wherever the eager model holds them in bfloat16, so
  * that both compute the same numbers up to the order of the sums.
  */
 #include "common.h"
 
-/* A linear layer: its weight [out][in] as torch keeps it, bias (or NULL), and the weight packed for
- * csrc/gemm.c (or NULL: the matrix-vector products only). */
+/* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
+ * keeps it, for the matrix-vector products; and its bias (or NULL). */
 typedef struct {
     const void *w, *b, *packed;
 } Proj;
@@ -94,47 +94,10 @@ static inline float dot(const void *w, int dtype, int64_t in, const float *restr
     return a;
 }
 
-#ifdef __AVX512BF16__
-/* y[o] = w[o] . x + b[o] for one bfloat16 input held in floats, by the CPU's bfloat16 dot-product
- * instruction (exact products, float32 sums) on the weights as loaded: converting them to float32
- * first keeps one sequence's step bound by computing, not by memory (1.61 -> 1.48 ms a step
- * measured here). Whole vectors only (masked 16-bit loads are slow on some CPUs): the last numbers
- * of a row, fewer than 64, are added one by one. */
-static void linear_bf16_one(const uint16_t *w, const void *b, const float *x, int in, int out, float *y) {
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)in);      /* each thread its own copy */
-    for (int i = 0; i < in; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], 4);
-        xb[i] = (uint16_t)(u >> 16);      /* exact: x holds bfloat16 numbers */
-    }
-    const int whole = in / 64 * 64;
-    #pragma omp for schedule(static)
-    for (int o = 0; o < out; o++) {
-        const uint16_t *r = w + (size_t)o * in;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (int k = 0; k < whole; k += 64) {
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r + k), (__m512bh)_mm512_loadu_si512(xb + k));
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(r + k + 32),
-                                  (__m512bh)_mm512_loadu_si512(xb + k + 32));
-        }
-        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        for (int k = whole; k < in; k++) sum += bf16_to_float(r[k]) * bf16_to_float(xb[k]);
-        y[o] = round_bf16(sum + (b ? param(b, BF16, o) : 0.0f));
-    }
-    free(xb);
-}
-#endif
-
 /* y[t][o] = w[o] . x[t] + b[o] for n rows of x; the team shares the output rows (call from every
  * thread). The weight is read once: each row meets the inputs four at a time while it is in cache. */
 static void linear(const void *w, const void *b, int dtype, const float *x, int n, int in, int out, float *y,
                    int y_stride) {
-#ifdef __AVX512BF16__
-    if (dtype == BF16 && n == 1) {
-        linear_bf16_one(w, b, x, in, out, y);
-        return;
-    }
-#endif
     const size_t row_bytes = (size_t)in * (dtype == BF16 ? 2 : 4);
     #pragma omp for schedule(static)
     for (int o = 0; o < out; o++) {
@@ -171,12 +134,11 @@ static void gemm_rows(const Proj *p, int dtype, const float *x, int n, int in, i
 #endif
 
 /* y[t] = p . x[t] + b for the n rows of x (float32, `in` numbers apart) into y (float32, rows `out`
- * apart): by the packed GEMM where the step takes it (`gemm`, and p is packed), else by the
- * matrix-vector products. xd, yd: room for the GEMM's bfloat16 rows. Called from every thread. */
-static void project(const Proj *p, int dtype, const float *x, int n, int in, int out, float *y, int gemm,
-                    void *xd, void *yd) {
+ * apart): by the packed GEMM where p is packed, else by the matrix-vector products. xd, yd: room for
+ * the GEMM's bfloat16 rows. Called from every thread. */
+static void project(const Proj *p, int dtype, const float *x, int n, int in, int out, float *y, void *xd, void *yd) {
 #if AVX512_BW_VL
-    if (gemm && p->packed) {
+    if (p->packed) {
         gemm_rows(p, dtype, x, n, in, out, dtype == BF16 ? yd : (void *)y, xd);
         if (dtype == BF16) {
             #pragma omp for schedule(static)
@@ -185,7 +147,7 @@ static void project(const Proj *p, int dtype, const float *x, int n, int in, int
         return;
     }
 #else
-    (void)gemm, (void)xd, (void)yd;
+    (void)xd, (void)yd;
 #endif
     linear(p->w, p->b, dtype, x, n, in, out, y, out);
 }
@@ -219,26 +181,23 @@ static void position_and_store(const Model *m, const Layer *l, float *qkv, int64
 }
 
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
- * token each at `positions`, writing their K/V at `slots` and attending over their pages. From
- * `gemm_from` sequences on, the layers the model packed for csrc/gemm.c run by it: there the weights
- * are read once for many rows and the step is bound by computing, not by reading them. */
+ * token each at `positions`, writing their K/V at `slots` and attending over their pages. */
 void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
                  const int64_t *block_tables, int table_width, const int64_t *context_lens,
-                 const float *cos_table, const float *sin_table, void *logits, int gemm_from, int threads) {
+                 const float *cos_table, const float *sin_table, void *logits, int threads) {
     const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int inter = m->intermediate, dt = m->dtype, q_size = nh * d, qkv_size = (nh + 2 * nkv) * d;
-    const int gemm = n >= gemm_from;
 #if AVX512_BW_VL
-    const int head_gemm = gemm && m->lm_head.packed;       /* the logits straight from the GEMM */
+    const int gemm = m->lm_head.packed != NULL;     /* every layer packed; the logits straight from the GEMM */
 #else
-    const int head_gemm = 0;
+    const int gemm = 0;
 #endif
     const int widest_in = inter > hdim ? (inter > q_size ? inter : q_size) : (hdim > q_size ? hdim : q_size);
     const int widest_out = 2 * inter > qkv_size ? (2 * inter > hdim ? 2 * inter : hdim) : qkv_size;
     float *x = malloc(sizeof(float) * n * hdim), *h = malloc(sizeof(float) * n * hdim);
     float *qkv = malloc(sizeof(float) * n * qkv_size), *attn = malloc(sizeof(float) * n * q_size);
     float *gate_up = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
-    float *y = malloc(sizeof(float) * n * (head_gemm || hdim > m->vocab ? hdim : m->vocab));
+    float *y = malloc(sizeof(float) * n * (gemm || hdim > m->vocab ? hdim : m->vocab));
     void *xd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_in) : NULL;
     void *yd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_out) : NULL;
     for (int t = 0; t < n; t++)
@@ -250,7 +209,7 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
             const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) rms_norm(x + t * hdim, l->input_norm, dt, hdim, m->eps, h + t * hdim);
-            project(&l->qkv, dt, h, n, hdim, qkv_size, qkv, gemm, xd, yd);
+            project(&l->qkv, dt, h, n, hdim, qkv_size, qkv, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 position_and_store(m, l, qkv + (size_t)t * qkv_size, positions[t], slots[t], cos_table, sin_table);
@@ -263,20 +222,20 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
                                 qkv + (size_t)t * qkv_size + (size_t)kh * groups * d, groups, m->scale, o);
                     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], dt);
                 }
-            project(&l->o, dt, attn, n, q_size, hdim, y, gemm, xd, yd);
+            project(&l->o, dt, attn, n, q_size, hdim, y, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) {
                 for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
                 rms_norm(x + t * hdim, l->post_norm, dt, hdim, m->eps, h + t * hdim);
             }
-            project(&l->gate_up, dt, h, n, hdim, 2 * inter, gate_up, gemm, xd, yd);
+            project(&l->gate_up, dt, h, n, hdim, 2 * inter, gate_up, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 for (int i = 0; i < inter; i++) {
                     const float *g = gate_up + (size_t)t * 2 * inter;
                     act[(size_t)t * inter + i] = as_dtype(as_dtype(silu(g[i]), dt) * g[inter + i], dt);
                 }
-            project(&l->down, dt, act, n, inter, hdim, y, gemm, xd, yd);
+            project(&l->down, dt, act, n, inter, hdim, y, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
@@ -284,12 +243,12 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
         #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) rms_norm(x + t * hdim, m->norm, dt, hdim, m->eps, h + t * hdim);
 #if AVX512_BW_VL
-        if (head_gemm) gemm_rows(&m->lm_head, dt, h, n, hdim, m->vocab, logits, xd);
+        if (gemm) gemm_rows(&m->lm_head, dt, h, n, hdim, m->vocab, logits, xd);
         else
 #endif
         linear(m->lm_head.w, NULL, dt, h, n, hdim, m->vocab, y, m->vocab);
     }
-    if (!head_gemm)
+    if (!gemm)
         for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
     free(x), free(h), free(qkv), free(attn), free(gate_up), free(act), free(y), free(xd), free(yd);
 }

@@ -17,7 +17,7 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.detokenizer import detokenize_step, text_decoder
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.gpu_memory import profile_kv_memory
-from kvserve.engine.native_decode import NativeDecode, native_decode_wanted, weights_to_huge_pages
+from kvserve.engine.native_decode import NativeDecode, native_decode_wanted, prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
@@ -51,10 +51,7 @@ class LLMEngine:
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
                                 pack_weights=not native)
         if native:
-            # the plain weights that the C step streams move first, so that the prepacked copies
-            # reuse the memory they leave (the heap keeps what is freed: see reuse_freed_memory)
-            weights_to_huge_pages(self.model)
-            self.model.pack_weights(keep_weights=True)
+            prepare_weights(self.model)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole

@@ -1,13 +1,13 @@
 """Decode steps run on the CPU by one C call (`csrc/decode_step.c`).
 
-The CPU's counterpart of CUDA graphs. Decoding a few tokens reads every weight once per step, so the
-step is bound by memory reads; run op by op from Python, it loses as much time again in dispatch and
-in the small-matrix overheads of a GEMM library. The C step reads the weights as torch's Linear keeps
-them ([out, in]), so the engine keeps those, on huge pages, beside the packed copies
-(`CausalLM.pack_weights(keep_weights=True)`): the weights take twice their memory, as CUDA graphs
-take memory of their own. Past a few sequences the step multiplies by the packed copies (csrc/gemm.c),
-and still saves the Python and the passes between the GEMMs of a step run op by op. `enforce_eager`
-turns it off.
+The CPU's counterpart of CUDA graphs: run op by op from Python, a decode step loses time in dispatch
+and in each op's own pass over the activations between the GEMMs; the C step runs them all in one
+OpenMP team. Its linear layers are csrc/gemm.c's over the packed weights, the engine's own copies.
+Where gemm.c does not multiply the dtype (CPUs without AVX-512, or without its BF16 extension for
+bfloat16), the step reads the weights as torch's Linear keeps them ([out, in]) by matrix-vector
+products, which win only while reading the weights bounds the step: then the engine keeps those, on
+huge pages, beside oneDNN's packed copies (the weights take twice their memory, as CUDA graphs take
+memory of their own), and larger steps run op by op. `enforce_eager` turns it off.
 """
 from __future__ import annotations
 
@@ -22,20 +22,13 @@ from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.kernels import function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
-from kvserve.model.layers import Linear
+from kvserve.model.layers import Linear, gemm_packs
 
 DTYPES = (torch.float32, torch.bfloat16)
-# From this many sequences on, the step multiplies by the packed GEMM (csrc/gemm.c) rather than by its
-# own matrix-vector products: measured by kvserve bench throughput's sweep and alternated A/Bs here, the
-# GEMM streams the weights faster even for one float32 sequence (503 against 452 tok/s, medians of 5),
-# and ties with the products' bfloat16 dot-product instruction at one bfloat16 sequence (691 against 694);
-# at two it is 1.36x and 1.22x.
-GEMM_FROM = {torch.float32: 1, torch.bfloat16: 2}
-# Where the model is not packed for csrc/gemm.c, the step takes at most this many sequences; past it,
+# Where the model is not packed for csrc/gemm.c, the step takes at most this many sequences: past it,
 # op by op with oneDNN's GEMMs was faster (at 4 sequences the products were 1.07x those in float32,
 # 0.80-0.90x in bfloat16, two runs here).
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
-
 
 class _Proj(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "packed")]
@@ -60,9 +53,10 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 
 def _proj(linear: Linear) -> _Proj:
-    """A linear layer as the C step takes it: weight, bias and, where packed for csrc/gemm.c, the packed
-    copy."""
-    return _Proj(_address(linear.weight), _address(linear.bias), _address(linear.packed) if linear.own_gemm else None)
+    """A linear layer as the C step takes it: the weight (where not packed for csrc/gemm.c), bias, and the
+    packed copy (where packed for csrc/gemm.c)."""
+    packed = _address(linear.packed) if linear.own_gemm else None
+    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed)
 
 
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -90,18 +84,37 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
             and config.kv_cache_dtype == "auto" and library() is not None)
 
 
-def weights_to_huge_pages(model: CausalLM) -> None:
-    """Move the weights the C step streams every time (the linear layers', the embedding's) into one
-    buffer on huge pages; call before packing them, so that the packed copies reuse the freed memory."""
-    params = [m.weight for m in model.modules() if isinstance(m, Linear)] + [model.model.embed_tokens.weight]
-    params = list({p.data_ptr(): p for p in params}.values())        # tied weights once
-    sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]
-    buffer = huge_page_buffer(sum(sizes))
-    offset = 0
-    for p, size in zip(params, sizes):
-        view = buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-        p.data = view.copy_(p.data)
-        offset += size
+def prepare_weights(model: CausalLM) -> None:
+    """Pack the linear layers, keeping the plain weights where the C step reads them (no csrc/gemm.c for
+    the dtype here), and put what it streams every step on huge pages."""
+    dtype = model.lm_head.weight.dtype
+    if gemm_packs(dtype):
+        model.pack_weights()
+        packed = [m for m in model.modules() if isinstance(m, Linear)]
+        _to_huge_pages([(m, "packed") for m in packed] + [(model.model.embed_tokens, "weight")])
+    else:
+        # the plain weights move first, so that the packed copies reuse the memory they leave (the heap
+        # keeps what is freed: see reuse_freed_memory)
+        plain = [m for m in model.modules() if isinstance(m, Linear)] + [model.model.embed_tokens]
+        _to_huge_pages([(m, "weight") for m in plain])
+        model.pack_weights(keep_weights=True)
+
+
+def _to_huge_pages(fields: list[tuple[torch.nn.Module, str]]) -> None:
+    """Move each module's tensor `field` into one buffer on huge pages (a tensor shared by two once)."""
+    tensors = {getattr(m, f).data_ptr(): getattr(m, f) for m, f in fields}
+    sizes = {ptr: -(-t.numel() * t.element_size() // 64) * 64 for ptr, t in tensors.items()}
+    buffer = huge_page_buffer(sum(sizes.values()))
+    moved, offset = {}, 0
+    for ptr, t in tensors.items():
+        moved[ptr] = buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+        offset += sizes[ptr]
+    for (m, f), ptr in zip(fields, [getattr(m, f).data_ptr() for m, f in fields]):
+        t = getattr(m, f)
+        if isinstance(t, torch.nn.Parameter):
+            t.data = moved[ptr]         # a tied parameter: moved twice to the same view
+        else:
+            setattr(m, f, moved[ptr])
 
 
 class NativeDecode:
@@ -110,10 +123,13 @@ class NativeDecode:
     def __init__(self, model: CausalLM, storage: KVStorage):
         cfg = model.config
         self.model = model
-        if any(m.weight.numel() == 0 for m in model.modules() if isinstance(m, Linear)):
-            raise ValueError("the C decode step reads the plain weights: pack them with keep_weights=True")
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        self.packed = all(m.own_gemm for m in linears)
+        if not self.packed and any(m.weight.numel() == 0 for m in linears):
+            raise ValueError("the C decode step reads the plain weights where they are not packed for csrc/gemm.c: "
+                             "pack them with keep_weights=True")
         p, i = ctypes.c_void_p, ctypes.c_int
-        self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i, i))
+        self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i))
         layers = []
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -128,11 +144,8 @@ class NativeDecode:
                            storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
                            _address(model.model.embed_tokens.weight), _address(model.model.norm.weight),
                            _proj(model.lm_head), self._layers)
-        dtype = model.lm_head.weight.dtype
-        # steps of more sequences run op by op unless every layer is packed for csrc/gemm.c
-        self.gemm_from = GEMM_FROM[dtype]
-        packed = all(m.own_gemm for m in model.modules() if isinstance(m, Linear))
-        self.max_batch = None if packed else MAX_BATCH[dtype]
+        # the packed GEMMs take any batch; the matrix-vector products only small ones
+        self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0
 
     def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
@@ -147,6 +160,6 @@ class NativeDecode:
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), batch.slot_mapping.data_ptr(),
                 batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
-                rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), self.gemm_from, torch.get_num_threads())
+                rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         self.steps += 1
         return logits

@@ -83,6 +83,11 @@ def _gemm_function(name: str, argtypes: tuple, dtype: torch.dtype, restype=None)
     return fn
 
 
+def gemm_packs(dtype: torch.dtype) -> bool:
+    """Whether csrc/gemm.c multiplies dtype on this CPU (Linear.pack then packs for it)."""
+    return _gemm_function("gemm", _GEMM_ARGS, dtype) is not None
+
+
 def gemm_pack(w: torch.Tensor) -> torch.Tensor | None:
     """w [out, in] packed for gemm(), or None where csrc/gemm.c does not multiply its dtype here."""
     p, i = ctypes.c_void_p, ctypes.c_int
