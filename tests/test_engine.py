@@ -156,3 +156,24 @@ def test_stats_keys(ckpt):
     for key in ("kv_blocks_total", "kv_blocks_free", "kv_block_size", "kv_bytes_per_token",
                 "num_running", "num_waiting", "num_preemptions"):
         assert key in stats
+
+
+def test_final_only_requests_are_reported_once_finished(ckpt):
+    """As vLLM's FINAL_ONLY output kind: LLM.generate's requests; the others at every step they gain a token."""
+    engine = LLM(str(ckpt), block_size=4, num_kv_blocks=64).engine
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("final", {"prompt_token_ids": [5, 6, 7]}, params, final_only=True)
+    engine.add_request("stream", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, n=2, temperature=0,
+                                                                                  ignore_eos=True))
+    engine.add_request("final-n", {"prompt_token_ids": [8, 9]}, SamplingParams(max_tokens=3, n=2, temperature=0,
+                                                                                ignore_eos=True), final_only=True)
+    reports = []
+    while engine.has_unfinished_requests():
+        reports += [(out.request_id, out.finished, len(out.outputs[0].token_ids)) for out in engine.step()]
+    assert [r for r in reports if r[0] == "stream"] == [("stream", i == 3, i) for i in (1, 2, 3)]
+    assert [r for r in reports if r[0] != "stream"] == [("final", True, 3), ("final-n", True, 3)]
+    assert not engine.requests and not engine._final_only
+    # an aborted one is forgotten too
+    engine.add_request("gone", {"prompt_token_ids": [5]}, params, final_only=True)
+    engine.abort_request("gone")
+    assert not engine._final_only

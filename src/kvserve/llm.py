@@ -59,7 +59,7 @@ class LLM:
         try:
             for prompt, params in requests:
                 rid = str(next(self._request_ids))
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, final_only=True)
                 ids.append(rid)
             with tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2) as bar:
                 while len(finished) < len(ids):

@@ -76,6 +76,7 @@ class LLMEngine:
         self.eviction = parse_eviction(config.eviction)
         self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
+        self._final_only: set[str] = set()              # requests reported only when finished
         # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
         # need whole distributions (KL divergence), not just the logprobs a request returns
         self.prompt_logits_hook: Callable[[list[Sequence], torch.Tensor, list], None] | None = None
@@ -165,10 +166,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None, cache_salt: str | None = None) -> Sequence:
+                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    final_only: bool = False) -> Sequence:
         """Validate and queue one request; a bad request raises ValueError and changes nothing.
 
-        Its n samples start as one sequence, forked into n once the prompt is computed.
+        Its n samples start as one sequence, forked into n once the prompt is computed. `final_only`:
+        step() reports it once, finished (vLLM's FINAL_ONLY output kind, for offline batches), not at
+        every step it gains tokens.
         """
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -184,6 +188,8 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),
                        self._generator(params, 0), cache_salt=cache_salt, eviction=policy)
         self.requests[request_id] = [seq]
+        if final_only:
+            self._final_only.add(request_id)
         self.scheduler.add(seq)
         return seq
 
@@ -244,6 +250,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool at once."""
+        self._final_only.discard(request_id)
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -285,7 +292,8 @@ class LLMEngine:
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             self._append(seq, token, lp)
         touched = dict.fromkeys(s.request_id for s in seqs)
-        return [self._output(rid) for rid in touched]
+        return [self._output(rid) for rid in touched
+                if rid not in self._final_only or self._finished(self.requests[rid])]
 
     def _fork_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Fork requests with n > 1 whose prompt is now computed: the n samples share its blocks.
@@ -363,15 +371,20 @@ class LLMEngine:
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq, reason)
 
+    @staticmethod
+    def _finished(group: list[Sequence]) -> bool:
+        return all(s.is_finished for s in group) and group[0].params.n == len(group)
+
     def _output(self, request_id: str) -> RequestOutput:
         """The request's state; a finished request is forgotten once reported."""
         group = self.requests[request_id]
         seq = group[0]
         completions = [CompletionOutput(i, s.output_text, s.output_token_ids, s.finish_reason, s.logprobs,
                                         s.stop_reason) for i, s in enumerate(group)]
-        finished = all(s.is_finished for s in group) and (seq.params.n == len(group))
+        finished = self._finished(group)
         if finished:
             del self.requests[request_id]
+            self._final_only.discard(request_id)
         metrics = {"arrival_time": seq.arrival_time}
         if seq.first_token_time is not None:
             metrics["first_token_time"] = seq.first_token_time
