@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams, kernels
-from kvserve.engine.detokenizer import detokenize_step, text_decoder
+from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling import Sampler, argmax
 from tiny_models import hf_model, make_checkpoint
@@ -111,22 +111,42 @@ def test_stop_token_and_eos(llm):
         llm.engine.eos_token_ids = eos
 
 
-@pytest.mark.parametrize("decoder", ["rust", "transformers"])
-def test_incremental_detokenization_equals_full_decode(llm, decoder):
-    tok = llm.get_tokenizer()
-    decode = text_decoder(tok) if decoder == "rust" else tok.decode
-    assert (decode == tok.decode) == (decoder == "transformers")
-    text = "def f(x):\n    return 'Ünïcödé ✓ 日本語'  # done"
-    ids = tok.encode(text, add_special_tokens=False)
-    assert decode([0, *ids, 1], skip_special_tokens=True) == tok.decode([0, *ids, 1], skip_special_tokens=True)
-    assert decode([0, *ids], skip_special_tokens=False) == tok.decode([0, *ids], skip_special_tokens=False)
-    seq = Sequence(0, "r", None, [5, 6], SamplingParams(), 100, 0.0)
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer, whose decode drops the space before the first word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tk.train_from_iterator(["def f(x): return x more", "x = 1 more text here"] * 3,
+                           trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["decode-stream", "windows"])
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_incremental_detokenization_equals_full_decode(llm, stream, skip, kind):
+    tok = llm.get_tokenizer() if kind == "byte-level" else metaspace_tokenizer()
+    detokenize = Detokenizer(tok)
+    assert detokenize.stream_of is not None      # a fast tokenizer that keeps spaces as they are
+    if not stream:
+        detokenize.stream_of = None
+    text = "def f(x):\n    return 'Ünïcödé ✓ 日本語'  # done" if kind == "byte-level" else " return x more"
+    eos = tok.convert_tokens_to_ids("</s>")
+    ids = [*tok.encode(text, add_special_tokens=False), eos, *tok.encode(" more", add_special_tokens=False)]
+    # the first output token's space shows only after the prompt's last tokens
+    seq = Sequence(0, "r", None, tok.encode("x =", add_special_tokens=False), SamplingParams(skip_special_tokens=skip),
+                   100, 0.0)
     pieces = []
     for t in ids:
         seq.token_ids.append(t)
-        pieces.append(detokenize_step(decode, seq))
+        pieces.append(detokenize(seq))
         assert "\ufffd" not in pieces[-1]
-    assert "".join(pieces) == seq.output_text == text
+    full = tok.decode(seq.token_ids, skip_special_tokens=skip)
+    prompt = tok.decode(seq.prompt_token_ids, skip_special_tokens=skip)
+    assert "".join(pieces) == seq.output_text == full[len(prompt):]
+    assert seq.output_text.startswith(" ") == text.startswith(" ")
 
 
 def test_chat_applies_the_template(llm):

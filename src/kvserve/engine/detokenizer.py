@@ -3,27 +3,51 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tokenizers.decoders import DecodeStream
+
 from kvserve.engine.sequence import Sequence
 
 Decode = Callable[..., str]     # (token ids, skip_special_tokens=...) -> text
 
 
-def text_decoder(tokenizer) -> Decode:
-    """tokenizer.decode, or the Rust tokenizer's own decode where it gives the same text (a fast
-    tokenizer that does not clean up spaces, as transformers' then only wraps it): a step decodes two
-    windows per sequence, and the wrapper's overhead was 1.3 ms of a 64-sequence step (21 ms) here."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return tokenizer.decode
-    return backend.decode
+class Detokenizer:
+    """Appends each new token's text to its sequence's output_text.
+
+    With a fast tokenizer that does not clean up spaces (whose decode is then the Rust tokenizer's),
+    each sequence keeps a `tokenizers` DecodeStream, one Rust call a token: 0.09 ms for a 64-sequence
+    step here, against 0.27 for decoding two windows per sequence, which the others do.
+    Either way a token is decoded in the context of the ones before it, starting inside the prompt so
+    that tokenizers that strip a leading space keep the first output token's space, and text ending in
+    U+FFFD waits for the rest of a multi-byte character.
+    """
+
+    def __init__(self, tokenizer):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream_of = None if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) \
+            else backend
+        self.decode = tokenizer.decode
+
+    def __call__(self, seq: Sequence) -> str:
+        """The text of seq's newest token (maybe empty, until a character is whole), appended to output_text."""
+        if self.stream_of is None:
+            return detokenize_step(self.decode, seq)
+        if seq.detokenize_stream is None:
+            seq.detokenize_stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+            new = seq.token_ids[seq.prefix_offset:]
+            for token in new[:seq.read_offset - seq.prefix_offset]:     # the prompt's last tokens: context
+                seq.detokenize_stream.step(self.stream_of, token)
+            new = new[seq.read_offset - seq.prefix_offset:]
+        else:
+            new = seq.token_ids[-1:]
+        delta = "".join(filter(None, (seq.detokenize_stream.step(self.stream_of, t) for t in new)))
+        seq.output_text += delta
+        return delta
 
 
 def detokenize_step(decode: Decode, seq: Sequence) -> str:
     """Append the text of the newest tokens to seq.output_text; returns the new text (maybe empty).
 
-    Decoding a short window (prefix_offset..) rather than the whole output keeps a step O(1); the
-    window starts inside the prompt so that tokenizers that strip a leading space keep the first
-    output token's space; text ending in U+FFFD waits for the rest of a multi-byte character.
+    Decoding a short window (prefix_offset..) rather than the whole output keeps a step O(1).
     """
     ids = seq.token_ids
     skip = seq.params.skip_special_tokens

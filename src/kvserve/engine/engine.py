@@ -14,7 +14,7 @@ from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.cuda_graphs import DecodeGraphs
-from kvserve.engine.detokenizer import detokenize_step, text_decoder
+from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.gpu_memory import profile_kv_memory
 from kvserve.engine.native_decode import NativeDecode, native_decode_wanted, prepare_weights
@@ -44,7 +44,7 @@ class LLMEngine:
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
         self.max_model_len = self._max_model_len(config, mcfg)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.decode = text_decoder(self.tokenizer)
+        self.detokenize = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
@@ -315,6 +315,7 @@ class LLMEngine:
             child.seq_id, child.generator = next(self._seq_ids), self._generator(parent.params, index)
             child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
             child.logprobs = None if parent.logprobs is None else []
+            child.detokenize_stream = None
             if self.kv is not None:
                 self.kv.fork(parent.seq_id, child.seq_id)
             self.scheduler.running.append(child)
@@ -347,7 +348,7 @@ class LLMEngine:
             return self._finish(seq, "stop", token)
         if token in p.stop_token_ids:
             return self._finish(seq, "stop", token)
-        delta = detokenize_step(self.decode, seq)
+        delta = self.detokenize(seq)
         if p.stop and delta and self._stop_string(seq, len(delta)):
             return None
         # a sink cache holds a bounded window: only max_tokens ends such a sequence

@@ -85,12 +85,13 @@ class Scheduler:
         """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
         if self.kv is None:
             return True
-        while self.kv.num_new_blocks(seq.seq_id, seq.num_cache_tokens, n) > self.kv.num_free_blocks:
+        while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_cache_tokens, n)) > self.kv.num_free_blocks:
             victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
             self.preempt(victim)
             if victim is seq:
                 return False
-        out.block_copies += self.kv.allocate(seq.seq_id, seq.num_cache_tokens, n)
+        if needed:       # most decode steps write into the last block, theirs alone: nothing to take
+            out.block_copies += self.kv.allocate(seq.seq_id, seq.num_cache_tokens, n)
         self._cache_full_blocks(seq, seq.num_computed_tokens + n)
         return True
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class Sequence:
     output_text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    detokenize_stream: Any = None            # a tokenizers DecodeStream, made at the first output token
     first_token_time: float | None = None
     # prefix caching
     cache_salt: str | None = None
