@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.attention import AttentionBatch
@@ -11,6 +12,12 @@ from kvserve.engine.native_decode import NativeDecode
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
+
+
+def index_tensor(values: list, device: torch.device) -> torch.Tensor:
+    """int64 tensor of a (nested) list of ints: through numpy, 4x faster than torch.tensor on lists
+    (a 64-sequence step's padded block tables: 24 against 105 us here)."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 
 @dataclass
@@ -84,7 +91,7 @@ class ModelRunner:
             num_decodes=nd,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
-            context_lens=torch.tensor(ctx_lens, device=dev),
+            context_lens=index_tensor(ctx_lens, dev),
             query_lens=q_lens,
             context_lens_list=ctx_lens,
             # a quantized cache is read by every prefill, so that a sequence's result never depends on
@@ -93,9 +100,8 @@ class ModelRunner:
             kv_write=kv_write,
             mass_requests=mass_requests,
         )
-        as_index = lambda xs: torch.tensor(xs, device=dev, dtype=torch.long)  # noqa: E731
-        return StepInputs(as_index(input_ids), positions, batch, as_index(logits_indices), sample_rows,
-                          as_index(prompt_indices), prompt_spans)
+        return StepInputs(index_tensor(input_ids, dev), positions, batch, index_tensor(logits_indices, dev),
+                          sample_rows, index_tensor(prompt_indices, dev), prompt_spans)
 
     def _places(self, starts: list[int], cache_starts: list[int], q_lens: list[int], num_tokens: int,
                 tables: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -104,22 +110,21 @@ class ModelRunner:
         block_tables = slot_mapping = None
         if tables is not None:
             width = max(len(t) for t in tables)
-            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+            block_tables = index_tensor([t + [0] * (width - len(t)) for t in tables], dev)
         if num_tokens == len(q_lens):
             # one token per sequence (decodes): cheaper in Python than a dozen small tensor ops
-            positions = torch.tensor(starts, device=dev)
+            positions = index_tensor(starts, dev)
             if tables is not None:
                 bs = self.storage.block_size
-                slot_mapping = torch.tensor([t[c // bs] * bs + c % bs for t, c in zip(tables, cache_starts)],
-                                            device=dev)
+                slot_mapping = index_tensor([t[c // bs] * bs + c % bs for t, c in zip(tables, cache_starts)], dev)
             return positions, slot_mapping, block_tables
-        q_lens_t = torch.tensor(q_lens, device=dev)
+        q_lens_t = index_tensor(q_lens, dev)
         rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev), q_lens_t)
         offsets = torch.arange(num_tokens, device=dev) - (torch.cumsum(q_lens_t, 0) - q_lens_t)[rows]
-        positions = torch.tensor(starts, device=dev)[rows] + offsets
+        positions = index_tensor(starts, dev)[rows] + offsets
         if tables is not None:
             bs = self.storage.block_size
-            cache_positions = torch.tensor(cache_starts, device=dev)[rows] + offsets
+            cache_positions = index_tensor(cache_starts, dev)[rows] + offsets
             slot_mapping = block_tables[rows, cache_positions // bs] * bs + cache_positions % bs
         return positions, slot_mapping, block_tables
 
