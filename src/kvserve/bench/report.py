@@ -85,7 +85,7 @@ def _figure(ncols: int = 1):
 
 
 def _save(fig, path: Path, title: str) -> None:
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=9, wrap=True)    # a single plot's width does not hold a long title
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
