@@ -157,3 +157,14 @@ def test_without_a_c_compiler_the_engine_decodes_op_by_op(tiny_llama, monkeypatc
     assert llm.engine.runner.native is None
     out = llm.generate(prompts([5]), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_of_more_sequences_than_a_gemm_row_block(tmp_path, dtype):
+    """260 sequences: past the GEMM's 252-row blocks; the eager forward checks every step's logits."""
+    path = make_checkpoint(tmp_path, "llama", dtype=getattr(torch, dtype))
+    llm = LLM(str(path), block_size=4, num_kv_blocks=600, dtype=dtype, max_num_seqs=260)
+    assert llm.engine.runner.native.max_batch is None or not layers.gemm_packs(getattr(torch, dtype))
+    diffs = compare_with_eager(llm)
+    llm.generate(prompts([3, 5] * 130), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(diffs) == 2 and max(diffs) <= (5e-5 if dtype == "float32" else 0.1)
