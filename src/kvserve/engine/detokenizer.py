@@ -31,15 +31,14 @@ class Detokenizer:
         """The text of seq's newest token (maybe empty, until a character is whole), appended to output_text."""
         if self.stream_of is None:
             return detokenize_step(self.decode, seq)
-        if seq.detokenize_stream is None:
-            seq.detokenize_stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
-            new = seq.token_ids[seq.prefix_offset:]
-            for token in new[:seq.read_offset - seq.prefix_offset]:     # the prompt's last tokens: context
-                seq.detokenize_stream.step(self.stream_of, token)
-            new = new[seq.read_offset - seq.prefix_offset:]
-        else:
-            new = seq.token_ids[-1:]
-        delta = "".join(filter(None, (seq.detokenize_stream.step(self.stream_of, t) for t in new)))
+        stream = seq.detokenize_stream
+        if stream is None:
+            stream = seq.detokenize_stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+            for token in seq.token_ids[seq.prefix_offset:seq.read_offset]:     # the prompt's last tokens: context
+                stream.step(self.stream_of, token)
+        # read_offset: the tokens the stream has taken
+        delta = "".join(filter(None, (stream.step(self.stream_of, t) for t in seq.token_ids[seq.read_offset:])))
+        seq.read_offset = len(seq.token_ids)
         seq.output_text += delta
         return delta
 
