@@ -58,15 +58,30 @@ def test_decode_in_blocks_of_sixteen_keys_and_a_rest(block_size, heads, kv_heads
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 72), (8, 1, 128), (4, 4, 24), (16, 1, 64)])
-def test_prefill_in_causal_tiles_matches_the_textbook(heads, kv_heads, head_dim):
+def test_prefill_in_causal_tiles_matches_the_textbook(heads, kv_heads, head_dim, block_size, dtype, tol):
     """Prompts of lengths that are not whole tiles, fresh or after a cached prefix, beside decodes:
-    each token sees exactly the keys up to its own (16 // G tokens a tile; one when G is 16)."""
+    each token sees exactly the keys up to its own (16 // G tokens a tile; one when G is 16), over
+    blocks that make steps of 64 keys (16) or of 60 and a rest (5); bfloat16 queries and pages are
+    scored in pairs where the CPU has AVX-512 BF16."""
     q_lens, ctx = [1, 1, 37, 16, 5, 50], [20, 33, 37, 16, 61, 90]
-    q, k, v, kv_cache, batch = make_case(q_lens, ctx, 2, heads, kv_heads, head_dim, block_size=16)
-    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+    q, k, v, kv_cache, batch = make_case(q_lens, ctx, 2, heads, kv_heads, head_dim, block_size=block_size,
+                                         dtype=dtype)
+    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5)
     out = NativeBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_float32_queries_over_bfloat16_pages_are_not_rounded():
+    """Queries that are not bfloat16 numbers are scored as they are, not in bfloat16 pairs."""
+    q, k, v, kv_cache, batch = make_case([1, 1, 9], [30, 17, 40], 2, 8, 2, 64, block_size=16, dtype=torch.bfloat16)
+    q = q.float() + torch.randn(q.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
+    ref = TextbookBackend().forward(q, k.float(), v.float(), kv_cache.float(), batch, 64 ** -0.5)
+    torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 64 ** -0.5), ref,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_rows_that_see_no_key_are_zero_not_nan():

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.paged import SdpaBackend
-from kvserve.kernels import DTYPE_KINDS, function
+from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, function
 from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
 
 # quantized row kinds, as the kernel numbers them (full-precision ones: DTYPE_KINDS)
@@ -23,13 +23,13 @@ _CACHE_ARGS = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)
 
 def kernel():
     """The compiled paged_decode, or None where the kernels cannot be built here."""
-    return function("paged_decode", (_P, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS))
+    return function("paged_decode", (_P, _I, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS))
 
 
 def prefill_kernel():
     """The compiled paged_prefill (paged_decode's arguments, and query starts), or None where the kernels
     cannot be built here."""
-    return function("paged_prefill", (_P, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS, _P))
+    return function("paged_prefill", (_P, _I, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS, _P))
 
 
 def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
@@ -54,18 +54,20 @@ def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
 def _attend(fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
             *extra) -> torch.Tensor | None:
     """out [T, H, D] of kernel fn over the pages; None if it is unavailable or does not read this cache.
-    float32 q is read where it is (a view of the step's qkv rows), if its heads are adjacent."""
+    float32 or bfloat16 q is read where it is (a view of the step's qkv rows), if its heads are adjacent, and
+    out is of its dtype; float16 goes through float32."""
     cache = _cache_args(kv_cache) if fn is not None and q.device.type == "cpu" else None
     if cache is None:
         return None
-    d = q.shape[-1]
-    qf = q if q.dtype == torch.float32 and q.stride(2) == 1 and q.stride(1) == d else q.float().contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
+    d, dtype = q.shape[-1], q.dtype
+    if q.dtype not in COMPUTE_DTYPES or q.stride(2) != 1 or q.stride(1) != d:
+        q = q.float().contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    fn(qf.data_ptr(), qf.stride(0), out.data_ptr(), len(lens), q.shape[1], tables.data_ptr(), tables.shape[1],
-       lens.data_ptr(), scale, *cache, *extra)
-    return out.to(q.dtype)
+    fn(q.data_ptr(), DTYPE_KINDS[q.dtype], q.stride(0), out.data_ptr(), len(lens), q.shape[1], tables.data_ptr(),
+       tables.shape[1], lens.data_ptr(), scale, *cache, *extra)
+    return out.to(dtype)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
