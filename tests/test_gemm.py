@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.model import layers
-from kvserve.model.layers import Linear, gemm, gemm_pack
+from kvserve.model.layers import GateUpLinear, Linear, gemm, gemm_pack
 
 DTYPES = [torch.float32, torch.bfloat16]
 # rows past a tile (14) and a row block (252), columns past a panel (32), k odd and past a chunk (256; bf16 512)
@@ -63,7 +63,7 @@ def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own, mon
     if own and not _own_gemm(dtype):
         pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
     if not own:
-        monkeypatch.setattr(layers, "gemm_pack", lambda w: None)
+        monkeypatch.setattr(layers, "gemm_pack", lambda w, gated=False: None)
     w, b, x = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype), torch.randn(3, 24).to(dtype)
     lin = Linear(24, 40, bias=True, dtype=dtype)
     lin.weight.data.copy_(w)
@@ -71,6 +71,48 @@ def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own, mon
     assert lin.pack()
     assert lin.own_gemm == own and lin.weight.numel() == 0
     _check(lin(x), x, w, b)
+
+
+def _swiglu_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up from the exact products, rounded where a bfloat16 model rounds (float32: not)."""
+    rnd = (lambda t: t.to(x.dtype).double()) if x.dtype == torch.bfloat16 else (lambda t: t)
+    gate, up = rnd(F.linear(x.double(), w.double(), None if b is None else b.double())).chunk(2, dim=-1)
+    return rnd(rnd(F.silu(gate)) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (3, 33, 7), (15, 64, 257), (64, 100, 513), (253, 40, 300)])
+def test_gated_gemm_writes_silu_of_gate_times_up(dtype, m, n, k):
+    """A weight [gate; up] of 2n rows, packed gated: n outputs silu(gate) * up (n past a panel, and not
+    a whole number of panels: gate and up columns stay paired), each half with its half of the bias."""
+    if not _own_gemm(dtype):
+        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((2 * n, k), (m, k), (2 * n,)))
+    packed = gemm_pack(w, gated=True)
+    for bias in (None, b):
+        got, ref = gemm(x, packed, bias, n, gated=True).double(), _swiglu_reference(x, w, bias)
+        # float32: the sums' error; bfloat16: a gate or up sum that rounds the other way moves a few ulps
+        tol = 1e-5 * k ** 0.5 if dtype == torch.float32 else 2 ** -6
+        assert ((got - ref).abs() <= tol * (ref.abs() + 1)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("own", [True, False])
+def test_gate_up_linear_is_swiglu_packed_or_not(dtype, own, monkeypatch):
+    if own and not _own_gemm(dtype):
+        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
+    if not own:
+        monkeypatch.setattr(layers, "gemm_pack", lambda w, gated=False: None)
+    w, x = torch.randn(80, 24).to(dtype), torch.randn(5, 24).to(dtype)
+    lin = GateUpLinear(24, 80, bias=False, dtype=dtype)
+    lin.weight.data.copy_(w)
+    unpacked = lin(x)
+    assert lin.pack() and lin.own_gemm == own
+    ref = _swiglu_reference(x, w, None)
+    for out in (unpacked, lin(x)):
+        assert out.shape == (5, 40)
+        torch.testing.assert_close(out.double(), ref, rtol=2 ** -6, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

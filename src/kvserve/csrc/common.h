@@ -136,11 +136,39 @@ static inline float silu(float x) {
     return x * (x < 0.0f ? z : 1.0f) / (1.0f + z);
 }
 
+/* silu(gate) * up, rounded as the eager model rounds: the SiLU's output, then the product. */
+static inline float swiglu(float gate, float up, int dtype) { return as_dtype(as_dtype(silu(gate), dtype) * up, dtype); }
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 /* The first m of sixteen lanes (none for m <= 0). */
 static inline __mmask16 lanes16(int m) { return m >= 16 ? 0xffff : m <= 0 ? 0 : (__mmask16)((1u << m) - 1); }
+
+/* exp_nonpositive of sixteen numbers. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147181f));
+    __m512 p = _mm512_fmadd_ps(y, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.2f)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.25f)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.0f / 3)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.5f)), p, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(y, p, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* silu of sixteen numbers, as silu() computes it (the reciprocal to float32 precision, not the division). */
+static inline __m512 silu16(__m512 x) {
+    const __m512 z = exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 d = _mm512_add_ps(z, _mm512_set1_ps(1.0f)), r = _mm512_rcp14_ps(d);
+    const __m512 inv = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));    /* a Newton step */
+    const __m512 sig = _mm512_mul_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                                          _mm512_set1_ps(1.0f), z), inv);
+    return _mm512_mul_ps(x, sig);
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -170,7 +198,7 @@ void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const
 #if AVX512_BW_VL
 /* csrc/gemm.c's share of one thread of a team (see there). */
 void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
-               void *y);
+               void *y, int gated);
 #endif
 
 #endif

@@ -121,25 +121,28 @@ static void linear(const void *w, const void *b, int dtype, const float *x, int 
 
 #if AVX512_BW_VL
 /* yd[t] = p . x[t] + b in the model's dtype, by csrc/gemm.c, for the n rows of x (float32, `in` numbers
- * apart; bfloat16: converted into xd first, exactly, since they hold bfloat16 numbers). Called from every
- * thread of the team; yd is whole when it returns. */
-static void gemm_rows(const Proj *p, int dtype, const float *x, int n, int in, int out, void *yd, void *xd) {
+ * apart; bfloat16: converted into xd first, exactly, since they hold bfloat16 numbers); gated (the MLP's
+ * gate_up): silu(gate) * up, `out` numbers each. Called from every thread of the team; yd is whole when
+ * it returns. */
+static void gemm_rows(const Proj *p, int gated, int dtype, const float *x, int n, int in, int out, void *yd,
+                      void *xd) {
     if (dtype == BF16) {
         #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) store_row((uint16_t *)xd + (size_t)t * in, x + (size_t)t * in, BF16, in);
     }
-    gemm_team(p->packed, p->b, dtype, dtype == BF16 ? xd : x, in, n, in, out, yd);
+    gemm_team(p->packed, p->b, dtype, dtype == BF16 ? xd : x, in, n, in, out, yd, gated);
     #pragma omp barrier
 }
 #endif
 
 /* y[t] = p . x[t] + b for the n rows of x (float32, `in` numbers apart) into y (float32, rows `out`
- * apart): by the packed GEMM where p is packed, else by the matrix-vector products. xd, yd: room for
- * the GEMM's bfloat16 rows. Called from every thread. */
-static void project(const Proj *p, int dtype, const float *x, int n, int in, int out, float *y, void *xd, void *yd) {
+ * apart): by the packed GEMM where p is packed (gated: as gemm_rows), else by the matrix-vector products.
+ * xd, yd: room for the GEMM's bfloat16 rows. Called from every thread. */
+static void project(const Proj *p, int gated, int dtype, const float *x, int n, int in, int out, float *y, void *xd,
+                    void *yd) {
 #if AVX512_BW_VL
     if (p->packed) {
-        gemm_rows(p, dtype, x, n, in, out, dtype == BF16 ? yd : (void *)y, xd);
+        gemm_rows(p, gated, dtype, x, n, in, out, dtype == BF16 ? yd : (void *)y, xd);
         if (dtype == BF16) {
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) load_row(y + (size_t)t * out, (uint16_t *)yd + (size_t)t * out, BF16, out);
@@ -149,6 +152,7 @@ static void project(const Proj *p, int dtype, const float *x, int n, int in, int
 #else
     (void)xd, (void)yd;
 #endif
+    (void)gated;        /* only packed weights are gated */
     linear(p->w, p->b, dtype, x, n, in, out, y, out);
 }
 
@@ -197,7 +201,7 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
     const int widest_in = max3(hdim, q_size, inter), widest_out = max3(qkv_size, hdim, 2 * inter);
     float *x = malloc(sizeof(float) * n * hdim), *h = malloc(sizeof(float) * n * hdim);
     float *qkv = malloc(sizeof(float) * n * qkv_size), *attn = malloc(sizeof(float) * n * q_size);
-    float *gate_up = malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
+    float *gate_up = gemm ? NULL : malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
     float *y = malloc(sizeof(float) * n * (gemm || hdim > m->vocab ? hdim : m->vocab));
     void *xd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_in) : NULL;
     void *yd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_out) : NULL;
@@ -210,7 +214,7 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
             const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) rms_norm(x + t * hdim, l->input_norm, dt, hdim, m->eps, h + t * hdim);
-            project(&l->qkv, dt, h, n, hdim, qkv_size, qkv, xd, yd);
+            project(&l->qkv, 0, dt, h, n, hdim, qkv_size, qkv, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 position_and_store(m, l, qkv + (size_t)t * qkv_size, positions[t], slots[t], cos_table, sin_table);
@@ -223,20 +227,24 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
                                 qkv + (size_t)t * qkv_size + (size_t)kh * groups * d, groups, m->scale, o);
                     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], dt);
                 }
-            project(&l->o, dt, attn, n, q_size, hdim, y, xd, yd);
+            project(&l->o, 0, dt, attn, n, q_size, hdim, y, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) {
                 for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
                 rms_norm(x + t * hdim, l->post_norm, dt, hdim, m->eps, h + t * hdim);
             }
-            project(&l->gate_up, dt, h, n, hdim, 2 * inter, gate_up, xd, yd);
-            #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++)
-                for (int i = 0; i < inter; i++) {
-                    const float *g = gate_up + (size_t)t * 2 * inter;
-                    act[(size_t)t * inter + i] = as_dtype(as_dtype(silu(g[i]), dt) * g[inter + i], dt);
-                }
-            project(&l->down, dt, act, n, inter, hdim, y, xd, yd);
+            if (gemm) {
+                project(&l->gate_up, 1, dt, h, n, hdim, inter, act, xd, yd);
+            } else {
+                project(&l->gate_up, 0, dt, h, n, hdim, 2 * inter, gate_up, xd, yd);
+                #pragma omp for schedule(static)
+                for (int t = 0; t < n; t++)
+                    for (int i = 0; i < inter; i++) {
+                        const float *g = gate_up + (size_t)t * 2 * inter;
+                        act[(size_t)t * inter + i] = swiglu(g[i], g[inter + i], dt);
+                    }
+            }
+            project(&l->down, 0, dt, act, n, inter, hdim, y, xd, yd);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++)
                 for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
@@ -244,7 +252,7 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
         #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) rms_norm(x + t * hdim, m->norm, dt, hdim, m->eps, h + t * hdim);
 #if AVX512_BW_VL
-        if (gemm) gemm_rows(&m->lm_head, dt, h, n, hdim, m->vocab, logits, xd);
+        if (gemm) gemm_rows(&m->lm_head, 0, dt, h, n, hdim, m->vocab, logits, xd);
         else
 #endif
         linear(m->lm_head.w, NULL, dt, h, n, hdim, m->vocab, y, m->vocab);

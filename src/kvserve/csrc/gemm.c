@@ -7,7 +7,11 @@
  * bench throughput`'s model, it takes 12-23% less time than oneDNN's prepacked GEMM (tuned for large
  * matrices) at the 4-64 rows of decode steps, and 1-4% more at prefill's 8192. Sums run in float32, in
  * k order within chunks of KC (at a few rows and k of hundreds, float32 errors up to a few times
- * those of torch's GEMM); a bfloat16 output is rounded once, to nearest even. */
+ * those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
+ *
+ * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
+ * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
+ * (SwiGLU): the 2n products are never stored, nor read back by a separate activation pass. */
 #include "common.h"
 
 #if AVX512_BW_VL
@@ -27,33 +31,48 @@ int gemm_dtypes(void) {
 #endif
 }
 
+/* Panels of a weight of n output columns (gated: n = 2 x its outputs; a pair of panels per 32 outputs). */
+static int num_panels(int n, int gated) { return gated ? 2 * ((n / 2 + NR - 1) / NR) : (n + NR - 1) / NR; }
+
 /* Numbers (of the weight's dtype) the packed copy of an [n, k] weight takes. */
-int64_t gemm_packed_size(int dtype, int n, int k) {
-    return (int64_t)(n + NR - 1) / NR * (dtype == BF16 ? (k + 1) / 2 * 2 : k) * NR;
+int64_t gemm_packed_size(int dtype, int n, int k, int gated) {
+    return (int64_t)num_panels(n, gated) * (dtype == BF16 ? (k + 1) / 2 * 2 : k) * NR;
 }
 
-void gemm_pack(const void *w, int dtype, int n, int k, void *packed) {
-    const int panels = (n + NR - 1) / NR, depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
+/* The weight's row (output column) that column j of panel p holds, or -1 for none (padding). */
+static int panel_column(int p, int j, int n, int gated) {
+    if (!gated) return p * NR + j < n ? p * NR + j : -1;
+    const int half = n / 2, col = p / 2 * NR + j;
+    return col < half ? (p % 2) * half + col : -1;
+}
+
+void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) {
+    const int panels = num_panels(n, gated), depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
     const size_t size = elem_size(dtype);
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++)
         for (int kk = 0; kk < depth; kk++)
             for (int j = 0; j < NR; j++) {
-                const int col = p * NR + j;
+                const int col = panel_column(p, j, n, gated);
                 /* bfloat16: pairs of k rows interleaved, column by column */
                 const int64_t to = dtype == BF16 ? ((int64_t)p * depth + kk / 2 * 2) * NR + 2 * j + kk % 2
                                                  : ((int64_t)p * depth + kk) * NR + j;
-                if (col < n && kk < k)
+                if (col >= 0 && kk < k)
                     memcpy((char *)packed + to * size, (const char *)w + ((int64_t)col * k + kk) * size, size);
                 else
                     memset((char *)packed + to * size, 0, size);
             }
 }
 
+/* What a panel's last k-chunk writes: y; or (a gated weight's) its gate sums, or silu(gate) * up. */
+enum { PLAIN, GATE, SWIGLU };
+
 typedef struct {
     int first, last;        /* the k-chunk starts the sums / ends them (the output is written) */
     int cols;               /* columns of the panel that are real (the last panel may be partial) */
     const void *bias;       /* NULL: none */
+    int out;                /* PLAIN, GATE or SWIGLU */
+    float *gate;            /* GATE, SWIGLU: the tile's gate sums, as the dtype rounds them, NR a row */
 } Chunk;
 
 static inline __attribute__((always_inline)) void begin(__m512 acc[MR][NV]) {
@@ -61,6 +80,18 @@ static inline __attribute__((always_inline)) void begin(__m512 acc[MR][NV]) {
         for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
 }
 
+
+/* v as the dtype holds it: bfloat16 rounded to nearest even (builds with BF16; others multiply only
+ * float32). */
+static inline __m512 rounded(__m512 v, int dtype) {
+#if defined(__AVX512BF16__)
+    if (dtype == BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#else
+    (void)dtype;
+#endif
+    return v;
+}
 
 /* The chunk's sums join the earlier chunks' in `partial` (sums of chunks, not one running sum: the
  * rounding error grows with KC, not k), or (last chunk) go with the bias to y. */
@@ -80,6 +111,15 @@ static inline __attribute__((always_inline)) void finish(__m512 acc[MR][NV], flo
                     ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                           _mm256_maskz_loadu_epi16(m, (const uint16_t *)c->bias + 16 * j)), 16))
                     : _mm512_maskz_loadu_ps(m, (const float *)c->bias + 16 * j));
+            if (c->out != PLAIN) {       /* as swiglu() rounds, the gate and up sums first */
+                float *gate = c->gate + r * NR + 16 * j;
+                v = rounded(v, dtype);
+                if (c->out == GATE) {
+                    _mm512_storeu_ps(gate, v);
+                    continue;
+                }
+                v = rounded(_mm512_mul_ps(rounded(silu16(_mm512_loadu_ps(gate)), dtype), v), dtype);
+            }
             if (dtype == BF16) {
 #if defined(__AVX512BF16__)
                 _mm256_mask_storeu_epi16((uint16_t *)y + (int64_t)r * ldy + 16 * j, m,
@@ -163,42 +203,50 @@ static void tile(int dtype, const void *panel, const void *next, const void *x, 
 }
 
 /* gemm's share of one thread of a team: call from every thread of a parallel region; y is whole once
- * they have all returned and met at a barrier (this ends without one). */
+ * they have all returned and met at a barrier (this ends without one). y has n columns; a gated
+ * weight holds 2n (packed with gated set) and y = silu(gate) * up. */
 void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
-               void *y) {
-    const int panels = (n + NR - 1) / NR, depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
-    const int kc_max = dtype == BF16 ? 2 * KC : KC;
+               void *y, int gated) {
+    const int panels = num_panels(gated ? 2 * n : n, gated), depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
+    const int kc_max = dtype == BF16 ? 2 * KC : KC, per_unit = gated ? 2 : 1;
     const size_t size = elem_size(dtype);
-    float partial[MC * NR] __attribute__((aligned(64)));
+    float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
     for (int m0 = 0; m0 < m; m0 += MC) {
         const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
+        /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
-        for (int p = 0; p < panels; p++) {
-            const char *panel = (const char *)packed + (int64_t)p * depth * NR * size;
-            for (int k0 = 0; k0 < k; k0 += kc_max) {
-                const int kc = k - k0 < kc_max ? k - k0 : kc_max;
-                const Chunk c = {k0 == 0, k0 + kc >= k, n - p * NR < NR ? n - p * NR : NR,
-                                 bias ? (const char *)bias + (int64_t)p * NR * size : NULL};
-                /* the thread's next chunk: this panel's next k-chunk, else the next panel's first */
-                const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * size : NULL)
-                                          : panel + (int64_t)(k0 + kc) * NR * size;
-                for (int g = 0, r0 = 0; g < groups; g++) {
-                    const int mr = mb / groups + (g < mb % groups);
-                    tile(dtype, panel + (int64_t)k0 * NR * size, g == 0 ? next : NULL,
-                         (const char *)x + ((m0 + r0) * ldx + k0) * size, ldx, kc, mr, partial + r0 * NR, &c,
-                         (char *)y + ((int64_t)(m0 + r0) * n + p * NR) * size, n);
-                    r0 += mr;
+        for (int u = 0; u < panels / per_unit; u++)
+            for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
+                const char *panel = (const char *)packed + (int64_t)p * depth * NR * size;
+                const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
+                const int64_t bias_at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
+                for (int k0 = 0; k0 < k; k0 += kc_max) {
+                    const int kc = k - k0 < kc_max ? k - k0 : kc_max;
+                    const Chunk c = {k0 == 0, k0 + kc >= k, n - u * NR < NR ? n - u * NR : NR,
+                                     bias ? (const char *)bias + bias_at * size : NULL, out, gate};
+                    /* the thread's next chunk: this panel's next k-chunk, else the next panel's first */
+                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * size : NULL)
+                                              : panel + (int64_t)(k0 + kc) * NR * size;
+                    for (int g = 0, r0 = 0; g < groups; g++) {
+                        const int mr = mb / groups + (g < mb % groups);
+                        Chunk rows = c;
+                        rows.gate = gate + r0 * NR;
+                        tile(dtype, panel + (int64_t)k0 * NR * size, g == 0 ? next : NULL,
+                             (const char *)x + ((m0 + r0) * ldx + k0) * size, ldx, kc, mr, partial + r0 * NR, &rows,
+                             (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size, n);
+                        r0 += mr;
+                    }
                 }
             }
-        }
     }
 }
 
-/* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack. */
+/* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack (gated: W
+ * [2n, k] and y = silu(gate) * up, gate and up each with their half of the bias). */
 void gemm(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n, void *y,
-          int threads) {
+          int gated, int threads) {
     #pragma omp parallel num_threads(threads)
-    gemm_team(packed, bias, dtype, x, ldx, m, k, n, y);
+    gemm_team(packed, bias, dtype, x, ldx, m, k, n, y, gated);
 }
 #else
 int gemm_dtypes(void) { return 0; }

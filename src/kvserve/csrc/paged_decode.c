@@ -236,23 +236,6 @@ static void scores_bf16(const uint16_t *qb, int rows, const uint16_t *k, int n, 
 #define DOT_BF16 0
 #endif
 
-#ifdef __AVX512F__
-/* exp_nonpositive of sixteen numbers. */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147181f));
-    __m512 p = _mm512_fmadd_ps(y, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.2f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.25f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.0f / 3)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.5f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(y, p, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-#endif
 
 /* One block of the online softmax for each of `rows` query rows: the first valid[r] of the block's
  * scores of row r (at e + r * stride; the causal mask hides the rest) become their exponentials less
