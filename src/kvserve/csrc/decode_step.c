@@ -1,5 +1,5 @@
 /* A whole decode step of a Llama-family decoder on the CPU in one call: embedding, every layer
- * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, O, RMSNorm, gate/up, SiLU, down)
+ * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, O, RMSNorm, gate/up and SiLU, down)
  * and the logits, for sequences of one new token each.
  *
  * Decoding a few tokens reads every weight once per step: the step is bound by memory reads, and
@@ -11,9 +11,10 @@
  * multiply the dtype, matrix-vector products split by rows read the weights as torch keeps them.
  *
  * Weights are float32 or bfloat16 (`dtype`, the kinds of common.h), and the cache holds the same
- * dtype. Activations are float32 here; in a
- * bfloat16 model they are rounded to bfloat16 wherever the eager model holds them in bfloat16, so
- * that both compute the same numbers up to the order of the sums.
+ * dtype. The ops between the products compute in float32; in a bfloat16 model every number is rounded
+ * to bfloat16 wherever the eager model holds it in bfloat16, so that both compute the same numbers up
+ * to the order of the sums. The rows that go into and come out of the GEMMs stay bfloat16 (see
+ * widen): converting them in passes of their own took 0.6 ms of an 8.9 ms 64-sequence step.
  */
 #include "common.h"
 
@@ -119,40 +120,36 @@ static void linear(const void *w, const void *b, int dtype, const float *x, int 
     }
 }
 
-#if AVX512_BW_VL
-/* yd[t] = p . x[t] + b in the model's dtype, by csrc/gemm.c, for the n rows of x (float32, `in` numbers
- * apart; bfloat16: converted into xd first, exactly, since they hold bfloat16 numbers); gated (the MLP's
- * gate_up): silu(gate) * up, `out` numbers each. Called from every thread of the team; yd is whole when
- * it returns. */
-static void gemm_rows(const Proj *p, int gated, int dtype, const float *x, int n, int in, int out, void *yd,
-                      void *xd) {
-    if (dtype == BF16) {
-        #pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) store_row((uint16_t *)xd + (size_t)t * in, x + (size_t)t * in, BF16, in);
-    }
-    gemm_team(p->packed, p->b, dtype, dtype == BF16 ? xd : x, in, n, in, out, yd, gated);
-    #pragma omp barrier
-}
-#endif
+/* Rows between the step's linear layers are of the dtype the products take (`gdt`): the model's where
+ * csrc/gemm.c multiplies it (bfloat16 rows go straight into and out of the GEMM), else float32 (the
+ * matrix-vector products). The ops between widen a row to float32 as they start and round it back as
+ * they end, rather than each product having passes (and barriers) of its own to convert its rows. */
 
-/* y[t] = p . x[t] + b for the n rows of x (float32, `in` numbers apart) into y (float32, rows `out`
- * apart): by the packed GEMM where p is packed (gated: as gemm_rows), else by the matrix-vector products.
- * xd, yd: room for the GEMM's bfloat16 rows. Called from every thread. */
-static void project(const Proj *p, int gated, int dtype, const float *x, int n, int in, int out, float *y, void *xd,
-                    void *yd) {
+/* Row t of `rows` (width numbers each, of dtype) as floats: where it is for float32, else widened into buf. */
+static inline float *widen(void *rows, int dtype, int t, int width, float *buf) {
+    if (dtype == F32) return (float *)rows + (size_t)t * width;
+    load_row(buf, (const uint16_t *)rows + (size_t)t * width, dtype, width);
+    return buf;
+}
+
+/* f (width floats) as row t of `rows` of dtype, unless it is that row already. */
+static inline void narrow(void *rows, int dtype, int t, int width, const float *f) {
+    void *row = (char *)rows + (size_t)t * width * elem_size(dtype);
+    if (row != (const void *)f) store_row(row, f, dtype, width);
+}
+
+/* y = p . x + b for the n rows of x (`in` numbers each) into y (`out` numbers each), rows of gdt: by the
+ * packed GEMM where p is packed (gated: silu(gate) * up, `out` numbers of each), else by the matrix-vector
+ * products (never gated). Called from every thread; y is whole when it returns. */
+static void project(const Proj *p, int gated, int dtype, const void *x, int n, int in, int out, void *y) {
 #if AVX512_BW_VL
     if (p->packed) {
-        gemm_rows(p, gated, dtype, x, n, in, out, dtype == BF16 ? yd : (void *)y, xd);
-        if (dtype == BF16) {
-            #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) load_row(y + (size_t)t * out, (uint16_t *)yd + (size_t)t * out, BF16, out);
-        }
+        gemm_team(p->packed, p->b, dtype, x, in, n, in, out, y, gated);
+        #pragma omp barrier
         return;
     }
-#else
-    (void)xd, (void)yd;
 #endif
-    (void)gated;        /* only packed weights are gated */
+    (void)gated;
     linear(p->w, p->b, dtype, x, n, in, out, y, out);
 }
 
@@ -186,6 +183,25 @@ static void position_and_store(const Model *m, const Layer *l, float *qkv, int64
 
 static inline int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
+/* Row t of x (the residual stream) RMSNormed by `weight` into row t of rows (gdt); buf: a float row. */
+static void norm_row(const Model *m, const float *x, int t, const void *weight, void *rows, int gdt, float *buf) {
+    const int hdim = m->hidden;
+    float *h = gdt == F32 ? (float *)rows + (size_t)t * hdim : buf;
+    rms_norm(x + (size_t)t * hdim, weight, m->dtype, hdim, m->eps, h);
+    narrow(rows, gdt, t, hdim, h);
+}
+
+/* Sequence t's attention of every query head, over its pages, into its row of out (gdt). */
+static void attend_row(const Model *m, const Cache *cache, int t, int kh, const float *q, const int64_t *table,
+                       int64_t ctx, void *out, int gdt) {
+    const int d = m->head_dim, groups = m->num_heads / m->num_kv_heads;
+    const size_t at = (size_t)t * m->num_heads * d + (size_t)kh * groups * d;
+    float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
+    attend_head(cache, kh, table, ctx, q + (size_t)kh * groups * d, groups, m->scale, o);
+    for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], m->dtype);
+    if (o == local) store_row((uint16_t *)out + at, o, gdt, groups * d);
+}
+
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
  * token each at `positions`, writing their K/V at `slots` and attending over their pages. */
 void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
@@ -198,68 +214,69 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
 #else
     const int gemm = 0;
 #endif
-    const int widest_in = max3(hdim, q_size, inter), widest_out = max3(qkv_size, hdim, 2 * inter);
-    float *x = malloc(sizeof(float) * n * hdim), *h = malloc(sizeof(float) * n * hdim);
-    float *qkv = malloc(sizeof(float) * n * qkv_size), *attn = malloc(sizeof(float) * n * q_size);
-    float *gate_up = gemm ? NULL : malloc(sizeof(float) * n * 2 * inter), *act = malloc(sizeof(float) * n * inter);
-    float *y = malloc(sizeof(float) * n * (gemm || hdim > m->vocab ? hdim : m->vocab));
-    void *xd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_in) : NULL;
-    void *yd = gemm && dt == BF16 ? malloc(2 * (size_t)n * widest_out) : NULL;
+    const int gdt = gemm ? dt : F32, widest = max3(hdim, qkv_size, inter);
+    const size_t es = elem_size(gdt);
+    float *x = malloc(sizeof(float) * n * hdim);
+    /* a: the products' inputs (and down's output), b: their outputs (and down's input), of gdt */
+    void *a = malloc(es * n * (hdim > q_size ? hdim : q_size)), *b = malloc(es * n * widest);
+    float *qkv = gdt == F32 ? b : malloc(sizeof(float) * n * qkv_size);     /* q, k, v as floats */
+    float *gate_up = gemm ? NULL : malloc(sizeof(float) * n * 2 * inter);
+    float *y = gemm ? NULL : malloc(sizeof(float) * n * m->vocab);
     for (int t = 0; t < n; t++)
         for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
     #pragma omp parallel num_threads(threads)
     {
+        float *row = malloc(sizeof(float) * widest);
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
             const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
             #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) rms_norm(x + t * hdim, l->input_norm, dt, hdim, m->eps, h + t * hdim);
-            project(&l->qkv, 0, dt, h, n, hdim, qkv_size, qkv, xd, yd);
-            #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++)
-                position_and_store(m, l, qkv + (size_t)t * qkv_size, positions[t], slots[t], cos_table, sin_table);
-            #pragma omp for collapse(2) schedule(dynamic)
-            for (int t = 0; t < n; t++)
-                for (int kh = 0; kh < nkv; kh++) {
-                    const int groups = nh / nkv;
-                    float *o = attn + (size_t)t * q_size + (size_t)kh * groups * d;
-                    attend_head(&cache, kh, block_tables + (int64_t)t * table_width, context_lens[t],
-                                qkv + (size_t)t * qkv_size + (size_t)kh * groups * d, groups, m->scale, o);
-                    for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], dt);
-                }
-            project(&l->o, 0, dt, attn, n, q_size, hdim, y, xd, yd);
+            for (int t = 0; t < n; t++) norm_row(m, x, t, l->input_norm, a, gdt, row);
+            project(&l->qkv, 0, dt, a, n, hdim, qkv_size, b);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) {
-                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
-                rms_norm(x + t * hdim, l->post_norm, dt, hdim, m->eps, h + t * hdim);
+                float *q = widen(b, gdt, t, qkv_size, qkv + (size_t)t * qkv_size);
+                position_and_store(m, l, q, positions[t], slots[t], cos_table, sin_table);
+            }
+            #pragma omp for collapse(2) schedule(dynamic)
+            for (int t = 0; t < n; t++)
+                for (int kh = 0; kh < nkv; kh++)
+                    attend_row(m, &cache, t, kh, qkv + (size_t)t * qkv_size, block_tables + (int64_t)t * table_width,
+                               context_lens[t], a, gdt);
+            project(&l->o, 0, dt, a, n, q_size, hdim, b);
+            #pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                const float *o = widen(b, gdt, t, hdim, row);
+                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + o[i], dt);
+                norm_row(m, x, t, l->post_norm, a, gdt, row);
             }
             if (gemm) {
-                project(&l->gate_up, 1, dt, h, n, hdim, inter, act, xd, yd);
+                project(&l->gate_up, 1, dt, a, n, hdim, inter, b);
             } else {
-                project(&l->gate_up, 0, dt, h, n, hdim, 2 * inter, gate_up, xd, yd);
+                project(&l->gate_up, 0, dt, a, n, hdim, 2 * inter, gate_up);
                 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++)
                     for (int i = 0; i < inter; i++) {
                         const float *g = gate_up + (size_t)t * 2 * inter;
-                        act[(size_t)t * inter + i] = swiglu(g[i], g[inter + i], dt);
+                        ((float *)b)[(size_t)t * inter + i] = swiglu(g[i], g[inter + i], dt);
                     }
             }
-            project(&l->down, 0, dt, act, n, inter, hdim, y, xd, yd);
+            project(&l->down, 0, dt, b, n, inter, hdim, a);
             #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++)
-                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + y[t * hdim + i], dt);
+            for (int t = 0; t < n; t++) {
+                const float *o = widen(a, gdt, t, hdim, row);
+                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + o[i], dt);
+            }
         }
         #pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) rms_norm(x + t * hdim, m->norm, dt, hdim, m->eps, h + t * hdim);
-#if AVX512_BW_VL
-        if (gemm) gemm_rows(&m->lm_head, 0, dt, h, n, hdim, m->vocab, logits, xd);
-        else
-#endif
-        linear(m->lm_head.w, NULL, dt, h, n, hdim, m->vocab, y, m->vocab);
+        for (int t = 0; t < n; t++) norm_row(m, x, t, m->norm, a, gdt, row);
+        project(&m->lm_head, 0, dt, a, n, hdim, m->vocab, gemm ? logits : (void *)y);
+        free(row);
     }
     if (!gemm)
         for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
-    free(x), free(h), free(qkv), free(attn), free(gate_up), free(act), free(y), free(xd), free(yd);
+    free(x), free(a), free(b), free(gate_up), free(y);
+    if (qkv != b) free(qkv);
 }
 
 /* y[t] = w . x[t] for n inputs by the step's own matrix-vector product (y and x float32): to test it
