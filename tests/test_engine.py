@@ -158,6 +158,34 @@ def test_stats_keys(ckpt):
         assert key in stats
 
 
+def test_final_only_text_is_the_streamed_text(ckpt):
+    """A final-only request's text waits for its end (a DecodeStream takes the tokens at once): the same
+    text as streamed token by token, without the stop token that ended it."""
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=256)
+    engine, prompts = llm.engine, mixed_prompts(6)
+
+    def streamed(params):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"s{i}", p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+        return [done[f"s{i}"] for i in range(len(prompts))]
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, n=2, seed=0)
+    first = streamed(params)
+    decodable = [t for o in first for t in o.outputs[0].token_ids
+                 if (text := llm.get_tokenizer().decode([t])).strip() and text.isascii()]
+    stop = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=decodable[:1],
+                          skip_special_tokens=False)
+    for params, ref in ((params, first), (stop, streamed(stop))):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [[c.text for c in o.outputs] for o in outs] == [[c.text for c in o.outputs] for o in ref]
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in ref]
+    assert any(c.text for o in first for c in o.outputs)
+    assert any(o.outputs[0].finish_reason == "stop" and o.outputs[0].token_ids[-1] == decodable[0] for o in ref)
+
+
 def test_final_only_requests_are_reported_once_finished(ckpt):
     """As vLLM's FINAL_ONLY output kind: LLM.generate's requests; the others at every step they gain a token."""
     engine = LLM(str(ckpt), block_size=4, num_kv_blocks=64).engine

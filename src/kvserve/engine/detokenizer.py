@@ -26,9 +26,13 @@ class Detokenizer:
         self.stream_of = None if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) \
             else backend
         self.decode = tokenizer.decode
+        # a DecodeStream takes any number of new tokens with the same result: text that is not needed until
+        # a request ends can wait for it (the windows wait while a character is incomplete, so not those)
+        self.deferrable = self.stream_of is not None
 
-    def __call__(self, seq: Sequence) -> str:
-        """The text of seq's newest token (maybe empty, until a character is whole), appended to output_text."""
+    def __call__(self, seq: Sequence, end: int | None = None) -> str:
+        """The text of seq's tokens since the last call (maybe empty, until a character is whole), appended to
+        output_text; `end`: the tokens before it only (DecodeStream)."""
         if self.stream_of is None:
             return detokenize_step(self.decode, seq)
         stream = seq.detokenize_stream
@@ -37,8 +41,9 @@ class Detokenizer:
             for token in seq.token_ids[seq.prefix_offset:seq.read_offset]:     # the prompt's last tokens: context
                 stream.step(self.stream_of, token)
         # read_offset: the tokens the stream has taken
-        delta = "".join(filter(None, (stream.step(self.stream_of, t) for t in seq.token_ids[seq.read_offset:])))
-        seq.read_offset = len(seq.token_ids)
+        end = len(seq.token_ids) if end is None else end
+        delta = "".join(filter(None, (stream.step(self.stream_of, t) for t in seq.token_ids[seq.read_offset:end])))
+        seq.read_offset = end
         seq.output_text += delta
         return delta
 

@@ -348,9 +348,11 @@ class LLMEngine:
             return self._finish(seq, "stop", token)
         if token in p.stop_token_ids:
             return self._finish(seq, "stop", token)
-        delta = self.detokenize(seq)
-        if p.stop and delta and self._stop_string(seq, len(delta)):
-            return None
+        # a request reported only when finished, with no stop strings, needs no text before (_output)
+        if p.stop or not self.detokenize.deferrable or seq.request_id not in self._final_only:
+            delta = self.detokenize(seq)
+            if p.stop and delta and self._stop_string(seq, len(delta)):
+                return None
         # a sink cache holds a bounded window: only max_tokens ends such a sequence
         bounded = isinstance(seq.eviction, Sink)
         if seq.num_output_tokens >= seq.max_tokens or (seq.num_tokens >= self.max_model_len and not bounded):
@@ -380,6 +382,11 @@ class LLMEngine:
         """The request's state; a finished request is forgotten once reported."""
         group = self.requests[request_id]
         seq = group[0]
+        if self.detokenize.deferrable and request_id in self._final_only:
+            for s in group:     # text deferred (_append): every token but one that stopped the sequence
+                end = len(s.token_ids) - isinstance(s.stop_reason, int)
+                if s.read_offset < end:
+                    self.detokenize(s, end)
         completions = [CompletionOutput(i, s.output_text, s.output_token_ids, s.finish_reason, s.logprobs,
                                         s.stop_reason) for i, s in enumerate(group)]
         finished = self._finished(group)

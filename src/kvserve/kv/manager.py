@@ -32,6 +32,9 @@ class KVCacheManager:
     def num_new_blocks(self, seq_id: int, num_computed: int, num_new: int) -> int:
         """Blocks `allocate` would take from the pool for this write, copies included."""
         table = self.block_tables.get(seq_id, [])
+        if num_new == 1:        # a decode (the common case, in short): its block copied if shared, else new
+            i = num_computed // self.block_size
+            return int(self.pool.ref_counts[table[i]] > 1) if i < len(table) else i + 1 - len(table)
         grow = max(0, self.blocks_for(num_computed + num_new) - len(table))
         shared = sum(1 for b in table[self._written(table, num_computed, num_new)] if self.pool.ref_counts[b] > 1)
         return grow + shared
