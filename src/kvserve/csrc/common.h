@@ -119,14 +119,19 @@ typedef struct {
     int kind, residual_kind, kvh, nb, bs, d, slots;
 } Cache;
 
-/* e^x for x <= 0 (scores less their maximum), as 2^k * 2^f with f in [-1/2, 1/2] and 2^f from its
- * series to the 6th power (relative error about 1e-7): unlike libm's expf, loops of it vectorize. */
+/* 2^f = e^(f ln 2) for f in [-1/2, 1/2] by its series to the 6th power (relative error about 1e-7):
+ * (ln 2)^i / i!, the highest power first, for Horner's rule. */
+static const float EXP2_SERIES[7] = {1.54035304e-4f, 1.33335581e-3f, 9.61812911e-3f, 5.55041087e-2f,
+                                     2.40226507e-1f, 6.93147181e-1f, 1.0f};
+
+/* e^x for x <= 0 (scores less their maximum), as 2^k * 2^f with k an integer: unlike libm's expf, loops
+ * of it vectorize. */
 static inline float exp_nonpositive(float x) {
     const float t = (x < -87.0f ? -87.0f : x) * 1.44269504f;       /* log2(e): 2^t, t >= -125.5 */
     const float k = (t + 12582912.0f) - 12582912.0f;               /* round to nearest (1.5 * 2^23) */
-    const float y = (t - k) * 0.693147181f;
-    const float p = 1.0f + y * (1.0f + y * 0.5f * (1.0f + y * (1.0f / 3) * (1.0f + y * 0.25f *
-                    (1.0f + y * 0.2f * (1.0f + y * (1.0f / 6))))));
+    const float f = t - k;
+    float p = EXP2_SERIES[0];
+    for (int i = 1; i < 7; i++) p = p * f + EXP2_SERIES[i];
     return p * bits_to_float((uint32_t)((int32_t)k + 127) << 23);
 }
 
@@ -148,16 +153,10 @@ static inline __mmask16 lanes16(int m) { return m >= 16 ? 0xffff : m <= 0 ? 0 : 
 /* exp_nonpositive of sixteen numbers. */
 static inline __m512 exp16_nonpositive(__m512 x) {
     const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.693147181f));
-    __m512 p = _mm512_fmadd_ps(y, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.2f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.25f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.0f / 3)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(y, _mm512_set1_ps(0.5f)), p, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(y, p, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, k);
+    __m512 p = _mm512_set1_ps(EXP2_SERIES[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_SERIES[i]));
+    return _mm512_scalef_ps(p, k);      /* p * 2^k */
 }
 
 /* silu of sixteen numbers, as silu() computes it (the reciprocal to float32 precision, not the division). */
