@@ -162,23 +162,24 @@ static void rope(float *x, const float *cos, const float *sin, int d, int dtype)
     memcpy(x, rotated, sizeof(rotated));
 }
 
-/* Q/K norms and RoPE of token t's q and k heads, then its K and V written at its cache slot. */
-static void position_and_store(const Model *m, const Layer *l, float *qkv, int64_t position, int64_t slot,
+/* Q/K norms and RoPE of a token's query heads of KV head kh and of its k head, in place in its qkv row
+ * (float32), then its K and V of that head written at its cache slot. */
+static void position_and_store(const Model *m, const Layer *l, float *qkv, int kh, int64_t position, int64_t slot,
                                const float *cos_table, const float *sin_table) {
-    const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype;
+    const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype, groups = nh / nkv;
     const float *cos = cos_table + position * d, *sin = sin_table + position * d;
-    for (int h = 0; h < nh + nkv; h++) {
+    for (int i = 0; i <= groups; i++) {
+        const int h = i < groups ? kh * groups + i : nh + kh;
         float *head = qkv + (size_t)h * d;
         if (l->q_norm) rms_norm(head, h < nh ? l->q_norm : l->k_norm, dt, d, m->eps, head);
         rope(head, cos, sin, d, dt);
     }
     const int64_t block = slot / m->block_size, offset = slot % m->block_size;
-    for (int which = 0; which < 2; which++)
-        for (int h = 0; h < nkv; h++) {
-            const float *src = qkv + ((size_t)(nh + which * nkv + h)) * d;
-            const int64_t row = ((((int64_t)which * nkv + h) * m->num_blocks + block) * m->block_size + offset) * d;
-            for (int i = 0; i < d; i++) store(l->kv, dt, row + i, src[i]);
-        }
+    for (int which = 0; which < 2; which++) {
+        const float *src = qkv + ((size_t)(nh + which * nkv + kh)) * d;
+        const int64_t row = ((((int64_t)which * nkv + kh) * m->num_blocks + block) * m->block_size + offset) * d;
+        for (int i = 0; i < d; i++) store(l->kv, dt, row + i, src[i]);
+    }
 }
 
 static inline int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -191,13 +192,25 @@ static void norm_row(const Model *m, const float *x, int t, const void *weight, 
     narrow(rows, gdt, t, hdim, h);
 }
 
-/* Sequence t's attention of every query head, over its pages, into its row of out (gdt). */
-static void attend_row(const Model *m, const Cache *cache, int t, int kh, const float *q, const int64_t *table,
-                       int64_t ctx, void *out, int gdt) {
-    const int d = m->head_dim, groups = m->num_heads / m->num_kv_heads;
-    const size_t at = (size_t)t * m->num_heads * d + (size_t)kh * groups * d;
+/* The heads of KV head kh of sequence t: its q, k and v heads (row t of the qkv rows, of gdt) into qkv (float32
+ * rows), their RoPE and its K/V into the cache, and the attention of its query heads over its pages into its
+ * row of out (gdt). One task of the step's attention: its heads are no other task's. */
+static void attend_task(const Model *m, const Layer *l, const Cache *cache, int t, int kh, const void *rows, int gdt,
+                        float *qkv, int64_t position, int64_t slot, const int64_t *table, int64_t ctx,
+                        const float *cos_table, const float *sin_table, void *out) {
+    const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, groups = nh / nkv;
+    const size_t qkv_size = (size_t)(nh + 2 * nkv) * d, q = (size_t)kh * groups * d;
+    float *own = qkv + t * qkv_size;
+    if (gdt != F32) {
+        const uint16_t *row = (const uint16_t *)rows + t * qkv_size;
+        load_row(own + q, row + q, gdt, groups * d);
+        for (int which = 0; which < 2; which++)
+            load_row(own + (size_t)(nh + which * nkv + kh) * d, row + (size_t)(nh + which * nkv + kh) * d, gdt, d);
+    }
+    position_and_store(m, l, own, kh, position, slot, cos_table, sin_table);
+    const size_t at = (size_t)t * nh * d + q;
     float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
-    attend_head(cache, kh, table, ctx, q + (size_t)kh * groups * d, groups, m->scale, o);
+    attend_head(cache, kh, table, ctx, own + q, groups, m->scale, o);
     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], m->dtype);
     if (o == local) store_row((uint16_t *)out + at, o, gdt, groups * d);
 }
@@ -227,22 +240,17 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
     #pragma omp parallel num_threads(threads)
     {
         float *row = malloc(sizeof(float) * widest);
+        #pragma omp for schedule(static)
+        for (int t = 0; t < n; t++) norm_row(m, x, t, m->layers[0].input_norm, a, gdt, row);
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
             const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
-            #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) norm_row(m, x, t, l->input_norm, a, gdt, row);
             project(&l->qkv, 0, dt, a, n, hdim, qkv_size, b);
-            #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) {
-                float *q = widen(b, gdt, t, qkv_size, qkv + (size_t)t * qkv_size);
-                position_and_store(m, l, q, positions[t], slots[t], cos_table, sin_table);
-            }
             #pragma omp for collapse(2) schedule(dynamic)
             for (int t = 0; t < n; t++)
                 for (int kh = 0; kh < nkv; kh++)
-                    attend_row(m, &cache, t, kh, qkv + (size_t)t * qkv_size, block_tables + (int64_t)t * table_width,
-                               context_lens[t], a, gdt);
+                    attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slots[t],
+                                block_tables + (int64_t)t * table_width, context_lens[t], cos_table, sin_table, a);
             project(&l->o, 0, dt, a, n, q_size, hdim, b);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) {
@@ -262,14 +270,15 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
                     }
             }
             project(&l->down, 0, dt, b, n, inter, hdim, a);
+            /* the residual, and the next layer's input norm (or the final norm) */
+            const void *norm = li + 1 < m->num_layers ? m->layers[li + 1].input_norm : m->norm;
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) {
                 const float *o = widen(a, gdt, t, hdim, row);
                 for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + o[i], dt);
+                norm_row(m, x, t, norm, a, gdt, row);
             }
         }
-        #pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) norm_row(m, x, t, m->norm, a, gdt, row);
         project(&m->lm_head, 0, dt, a, n, hdim, m->vocab, gemm ? logits : (void *)y);
         free(row);
     }
