@@ -18,6 +18,14 @@ def _own_gemm(dtype: torch.dtype) -> bool:
     return gemm_pack(torch.zeros(1, 1, dtype=dtype)) is not None
 
 
+def _use_own_gemm(own: bool, dtype: torch.dtype, monkeypatch) -> None:
+    """Linear.pack takes csrc/gemm.c (skip where it does not multiply dtype), or (own False) oneDNN's."""
+    if own and not _own_gemm(dtype):
+        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
+    if not own:
+        monkeypatch.setattr(layers, "gemm_pack", lambda w, gated=False: None)
+
+
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     """Within the error of torch's own F.linear (float32), or one rounding of the exact sum (bfloat16)."""
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -60,10 +68,7 @@ def test_gemm_takes_strided_rows_and_leading_dimensions(dtype):
 @pytest.mark.parametrize("own", [True, False])
 def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own, monkeypatch):
     """Linear.pack takes csrc/gemm.c where built, else oneDNN's prepacked GEMM: both compute F.linear."""
-    if own and not _own_gemm(dtype):
-        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
-    if not own:
-        monkeypatch.setattr(layers, "gemm_pack", lambda w, gated=False: None)
+    _use_own_gemm(own, dtype, monkeypatch)
     w, b, x = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype), torch.randn(3, 24).to(dtype)
     lin = Linear(24, 40, bias=True, dtype=dtype)
     lin.weight.data.copy_(w)
@@ -100,10 +105,7 @@ def test_gated_gemm_writes_silu_of_gate_times_up(dtype, m, n, k):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("own", [True, False])
 def test_gate_up_linear_is_swiglu_packed_or_not(dtype, own, monkeypatch):
-    if own and not _own_gemm(dtype):
-        pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
-    if not own:
-        monkeypatch.setattr(layers, "gemm_pack", lambda w, gated=False: None)
+    _use_own_gemm(own, dtype, monkeypatch)
     w, x = torch.randn(80, 24).to(dtype), torch.randn(5, 24).to(dtype)
     lin = GateUpLinear(24, 80, bias=False, dtype=dtype)
     lin.weight.data.copy_(w)
