@@ -142,7 +142,9 @@ static inline float silu(float x) {
 }
 
 /* silu(gate) * up, rounded as the eager model rounds: the SiLU's output, then the product. */
-static inline float swiglu(float gate, float up, int dtype) { return as_dtype(as_dtype(silu(gate), dtype) * up, dtype); }
+static inline float swiglu(float gate, float up, int dtype) {
+    return as_dtype(as_dtype(silu(gate), dtype) * up, dtype);
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

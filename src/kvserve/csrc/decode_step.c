@@ -192,6 +192,16 @@ static void norm_row(const Model *m, const float *x, int t, const void *weight, 
     narrow(rows, gdt, t, hdim, h);
 }
 
+/* Row t of `added` (gdt, the stream's width) added to row t of x (the residual stream), as the eager model
+ * rounds; then that row RMSNormed by `weight` into row t of `normed` (gdt). buf: a float row. */
+static void add_and_norm(const Model *m, float *x, int t, void *added, const void *weight, void *normed, int gdt,
+                         float *buf) {
+    const int hdim = m->hidden;
+    const float *o = widen(added, gdt, t, hdim, buf);
+    for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + o[i], m->dtype);
+    norm_row(m, x, t, weight, normed, gdt, buf);
+}
+
 /* The heads of KV head kh of sequence t: its q, k and v heads (row t of the qkv rows, of gdt) into qkv (float32
  * rows), their RoPE and its K/V into the cache, and the attention of its query heads over its pages into its
  * row of out (gdt). One task of the step's attention: its heads are no other task's. */
@@ -253,11 +263,7 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
                                 block_tables + (int64_t)t * table_width, context_lens[t], cos_table, sin_table, a);
             project(&l->o, 0, dt, a, n, q_size, hdim, b);
             #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) {
-                const float *o = widen(b, gdt, t, hdim, row);
-                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + o[i], dt);
-                norm_row(m, x, t, l->post_norm, a, gdt, row);
-            }
+            for (int t = 0; t < n; t++) add_and_norm(m, x, t, b, l->post_norm, a, gdt, row);
             if (gemm) {
                 project(&l->gate_up, 1, dt, a, n, hdim, inter, b);
             } else {
@@ -273,11 +279,7 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
             /* the residual, and the next layer's input norm (or the final norm) */
             const void *norm = li + 1 < m->num_layers ? m->layers[li + 1].input_norm : m->norm;
             #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) {
-                const float *o = widen(a, gdt, t, hdim, row);
-                for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + o[i], dt);
-                norm_row(m, x, t, norm, a, gdt, row);
-            }
+            for (int t = 0; t < n; t++) add_and_norm(m, x, t, a, norm, a, gdt, row);
         }
         project(&m->lm_head, 0, dt, a, n, hdim, m->vocab, gemm ? logits : (void *)y);
         free(row);

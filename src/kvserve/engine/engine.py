@@ -348,8 +348,7 @@ class LLMEngine:
             return self._finish(seq, "stop", token)
         if token in p.stop_token_ids:
             return self._finish(seq, "stop", token)
-        # a request reported only when finished, with no stop strings, needs no text before (_output)
-        if p.stop or not self.detokenize.deferrable or seq.request_id not in self._final_only:
+        if not self._text_deferred(seq):
             delta = self.detokenize(seq)
             if p.stop and delta and self._stop_string(seq, len(delta)):
                 return None
@@ -374,6 +373,11 @@ class LLMEngine:
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq, reason)
 
+    def _text_deferred(self, seq: Sequence) -> bool:
+        """A request reported only when finished, with no stop strings to look for, needs its text only then
+        (_output), where a DecodeStream catches it up at once."""
+        return self.detokenize.deferrable and not seq.params.stop and seq.request_id in self._final_only
+
     @staticmethod
     def _finished(group: list[Sequence]) -> bool:
         return all(s.is_finished for s in group) and group[0].params.n == len(group)
@@ -382,11 +386,11 @@ class LLMEngine:
         """The request's state; a finished request is forgotten once reported."""
         group = self.requests[request_id]
         seq = group[0]
-        if self.detokenize.deferrable and request_id in self._final_only:
-            for s in group:     # text deferred (_append): every token but one that stopped the sequence
-                end = len(s.token_ids) - isinstance(s.stop_reason, int)
-                if s.read_offset < end:
-                    self.detokenize(s, end)
+        for s in group:
+            # text deferred: every token but one that stopped the sequence
+            end = len(s.token_ids) - isinstance(s.stop_reason, int)
+            if self._text_deferred(s) and s.read_offset < end:
+                self.detokenize(s, end)
         completions = [CompletionOutput(i, s.output_text, s.output_token_ids, s.finish_reason, s.logprobs,
                                         s.stop_reason) for i, s in enumerate(group)]
         finished = self._finished(group)

@@ -30,6 +30,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # 0.80-0.90x in bfloat16, two runs here).
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
+
 class _Proj(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "packed")]
 
