@@ -121,6 +121,7 @@ def test_invalid_sampling_params(kwargs, field):
     (dict(cache_mode="virtual"), "cache_mode"), (dict(attention_backend="magic"), "attention_backend"),
     (dict(dtype="int3"), "dtype"), (dict(block_size=0), "block_size"),
     (dict(kv_cache_memory="lots"), "memory size"), (dict(max_model_len=100000), "max_model_len"),
+    (dict(num_scheduler_steps=0), "num_scheduler_steps"),
 ])
 def test_invalid_engine_options(ckpt, kwargs, text):
     with pytest.raises(ValueError, match=text):

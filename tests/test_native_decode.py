@@ -24,7 +24,8 @@ VARIANTS = {
 
 def compare_with_eager(llm: LLM) -> list[float]:
     """After each native step, the eager forward of the same inputs (which rewrites the same K/V, so
-    that every step starts from the eager model's cache): the largest logit difference of each."""
+    that every step starts from the eager model's cache): the largest logit difference of each. The
+    engine runs a step at a time (num_scheduler_steps=1), so that each step's logits come back."""
     runner, diffs = llm.engine.runner, []
     run = runner.run
 
@@ -60,7 +61,7 @@ def test_native_steps_give_the_eager_logits(tmp_path, monkeypatch, variant, dtyp
         monkeypatch.setattr(layers, "_gemm_function", lambda *args: None)
     # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4, their
     # layers multiplied by the packed GEMM or by the step's matrix-vector products
-    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=dtype, max_num_seqs=4)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=dtype, max_num_seqs=4, num_scheduler_steps=1)
     native = llm.engine.runner.native
     assert native.packed == (gemm and layers.gemm_packs(getattr(torch, dtype)))
     native.max_batch = None
@@ -75,7 +76,7 @@ def test_bfloat16_rounds_where_the_eager_model_does(tmp_path):
     differences of whole bfloat16 steps at every step (0.09-0.13 here); what is left is the order of the
     sums, which now and then tips a rounding."""
     path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512)
-    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16")
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16", num_scheduler_steps=1)
     diffs = compare_with_eager(llm)
     llm.generate(prompts([7]), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(diffs) == 5 and sorted(diffs)[2] <= 0.02 and max(diffs) <= 0.1
@@ -105,6 +106,49 @@ def test_without_its_gemm_it_runs_small_decode_steps_only(tiny_llama, monkeypatc
     assert native.steps == 0
     llm.generate(prompts([5] * MAX_BATCH[torch.float32]), params, use_tqdm=False)
     assert native.steps == 3
+
+
+def test_steps_at_once_give_the_tokens_of_steps_one_at_a_time(tiny_llama):
+    """An offline greedy batch decodes several steps in one native call (vLLM's multi-step scheduling): the
+    tokens, texts and finish reasons of steps one at a time, for requests of different max_tokens and ones
+    that a stop token or a stop string ends inside a call; every block back in the pool, and the blocks the
+    steps filled indexed for the prefix cache as single steps index them."""
+    batch = prompts([2, 9, 4, 13, 5, 7])
+    runs = {}
+    for steps in (1, 8):
+        llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32", num_scheduler_steps=steps)
+        calls = []
+        run_steps = llm.engine.runner.run_steps
+        llm.engine.runner.run_steps = lambda sched, k: calls.append(k) or run_steps(sched, k)
+        greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (20, 7, 13, 20, 1, 20)]
+        first = llm.generate(batch, greedy, use_tqdm=False)
+        if steps == 1:
+            stop_token = first[0].outputs[0].token_ids[10]
+            stop_text = first[3].outputs[0].text[5:8]
+        ends = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_token]),
+                SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop_text])]
+        ended = llm.generate([batch[0], batch[3]], ends, use_tqdm=False)
+        # prompts that extend the ones above by their outputs: prefix cache hits on the blocks decodes filled
+        follow = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids} for p, o in zip(batch, first)]
+        llm.generate(follow, SamplingParams(max_tokens=1), use_tqdm=False)
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert (max(calls, default=1) > 1) == (steps > 1)
+        runs[steps] = ([(c.token_ids, c.text, c.finish_reason) for o in first + ended for c in o.outputs],
+                       stats["prefix_cache_hits"])
+    assert runs[8] == runs[1]
+    outputs = runs[8][0]
+    assert outputs[6][2] == outputs[7][2] == "stop" and len(outputs[6][0]) == 11 and len(outputs[7][0]) < 20
+
+
+def test_streamed_requests_decode_a_step_at_a_time(tiny_llama):
+    """Outside LLM.generate, each step reports one more token of a request, as it comes."""
+    engine = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32").engine
+    engine.add_request("r", prompts([5])[0], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    counts = []
+    while engine.has_unfinished_requests():
+        counts += [len(o.outputs[0].token_ids) for o in engine.step()]
+    assert counts == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("kwargs", [dict(enforce_eager=True), dict(attention_backend="sdpa"),
@@ -164,7 +208,7 @@ def test_without_a_c_compiler_the_engine_decodes_op_by_op(tiny_llama, monkeypatc
 def test_steps_of_more_sequences_than_a_gemm_row_block(tmp_path, dtype):
     """260 sequences: past the GEMM's 252-row blocks; the eager forward checks every step's logits."""
     path = make_checkpoint(tmp_path, "llama", dtype=getattr(torch, dtype))
-    llm = LLM(str(path), block_size=4, num_kv_blocks=600, dtype=dtype, max_num_seqs=260)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=600, dtype=dtype, max_num_seqs=260, num_scheduler_steps=1)
     llm.engine.runner.native.max_batch = None      # the matrix-vector products too, on CPUs without gemm.c
     diffs = compare_with_eager(llm)
     llm.generate(prompts([3, 5] * 130), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)

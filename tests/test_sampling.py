@@ -149,6 +149,26 @@ def test_incremental_detokenization_equals_full_decode(llm, stream, skip, kind):
     assert seq.output_text.startswith(" ") == text.startswith(" ")
 
 
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_text_caught_up_at_once_is_the_streamed_text(llm, kind):
+    """A deferred text, all its tokens in one call, is the text streamed token by token: also where the tokens
+    end inside a character (the text before that character stays)."""
+    tok = llm.get_tokenizer() if kind == "byte-level" else metaspace_tokenizer()
+    detokenize = Detokenizer(tok)
+    prompt = tok.encode("x =", add_special_tokens=False)
+    ids = tok.encode(" 'Ünïcödé ✓ 日本語' done" if kind == "byte-level" else " return x more", add_special_tokens=False)
+    inside_a_character = 0
+    for cut in range(1, len(ids) + 1):
+        streamed, at_once = (Sequence(i, "r", None, prompt, SamplingParams(), 100, 0.0) for i in range(2))
+        for t in ids[:cut]:
+            streamed.token_ids.append(t)
+            detokenize(streamed)
+        at_once.token_ids += ids[:cut]
+        assert detokenize(at_once, len(at_once.token_ids)) == at_once.output_text == streamed.output_text
+        inside_a_character += tok.decode(ids[:cut]).endswith("\ufffd") and bool(streamed.output_text)
+    assert inside_a_character or kind == "metaspace"
+
 def test_chat_applies_the_template(llm):
     out = llm.chat([{"role": "user", "content": "hi there"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert out.prompt == "<s>user: hi there\nassistant:"

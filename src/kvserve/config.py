@@ -198,6 +198,8 @@ class EngineConfig:
     allow_long_max_model_len: bool = False  # max_model_len past the model's trained positions
     gpu_memory_utilization: float = 0.9     # share of the GPU for weights, activations and the KV pool
     enforce_eager: bool = False             # decode op by op: no CUDA graphs, no native CPU decode step
+    # decode steps one native CPU call may run where nobody sees the steps between (offline greedy batches)
+    num_scheduler_steps: int = 8
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -218,6 +220,8 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)

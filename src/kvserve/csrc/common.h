@@ -196,6 +196,9 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, size
 void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
                  float scale, float *out);
 
+/* csrc/sampling.c's argmax of each row of x [rows][n] (rows `stride` numbers apart). */
+void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int64_t *out, int threads);
+
 #if AVX512_BW_VL
 /* csrc/gemm.c's share of one thread of a team (see there). */
 void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,

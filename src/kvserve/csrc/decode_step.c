@@ -290,6 +290,28 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
     if (qkv != b) free(qkv);
 }
 
+/* `steps` greedy decode steps of n sequences in one call: each step's argmax is the next step's input, and
+ * its K/V go at the next slot of the sequence's table, which holds blocks for all the steps. input_ids,
+ * positions and context_lens are the first step's, and advance in place; tokens [steps][n]; logits: room
+ * for one step's. */
+void decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions,
+                  const int64_t *block_tables, int table_width, int64_t *context_lens, const float *cos_table,
+                  const float *sin_table, void *logits, int64_t *tokens, int threads) {
+    const int bs = m->block_size;
+    int64_t *slots = malloc(sizeof(int64_t) * n);
+    for (int s = 0; s < steps; s++) {
+        for (int t = 0; t < n; t++) {
+            const int64_t at = context_lens[t] - 1;     /* the new token's place in the cache */
+            slots[t] = block_tables[(int64_t)t * table_width + at / bs] * bs + at % bs;
+        }
+        decode_step(m, n, input_ids, positions, slots, block_tables, table_width, context_lens, cos_table, sin_table,
+                    logits, threads);
+        argmax_rows(logits, n, m->vocab, m->vocab, m->dtype, tokens + (int64_t)s * n, threads);
+        for (int t = 0; t < n; t++) input_ids[t] = tokens[(int64_t)s * n + t], positions[t]++, context_lens[t]++;
+    }
+    free(slots);
+}
+
 /* y[t] = w . x[t] for n inputs by the step's own matrix-vector product (y and x float32): to test it
  * alone, and for the benchmarks to measure the read bandwidth with it. */
 void linear_rows(const void *w, int dtype, const float *x, int n, int in, int out, float *y, int threads) {

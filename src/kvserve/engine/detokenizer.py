@@ -35,18 +35,29 @@ class Detokenizer:
         output_text; `end`: the tokens before it only (DecodeStream)."""
         if self.stream_of is None:
             return detokenize_step(self.decode, seq)
-        stream = seq.detokenize_stream
-        if stream is None:
-            stream = seq.detokenize_stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
-            for token in seq.token_ids[seq.prefix_offset:seq.read_offset]:     # the prompt's last tokens: context
-                stream.step(self.stream_of, token)
         # read_offset: the tokens the stream has taken
         end = len(seq.token_ids) if end is None else end
-        delta = "".join(filter(None, (stream.step(self.stream_of, t) for t in seq.token_ids[seq.read_offset:end])))
+        ids = seq.token_ids[seq.read_offset:end]
+        delta = None
+        if seq.detokenize_stream is None and len(ids) > 1:
+            # a deferred text: all its tokens in one Rust call (64 x 128 tokens of text: 10.5 -> 1.6 ms here)
+            delta = self._stream(seq).step(self.stream_of, ids)
+            if delta is None:
+                # it ends inside a character: token by token keeps the text before that character
+                seq.detokenize_stream = None
+        if delta is None:
+            stream = seq.detokenize_stream or self._stream(seq)
+            delta = "".join(filter(None, (stream.step(self.stream_of, t) for t in ids)))
         seq.read_offset = end
         seq.output_text += delta
         return delta
 
+    def _stream(self, seq: Sequence) -> DecodeStream:
+        """A new DecodeStream for seq, fed the prompt's last tokens as context."""
+        stream = seq.detokenize_stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+        for token in seq.token_ids[seq.prefix_offset:seq.read_offset]:
+            stream.step(self.stream_of, token)
+        return stream
 
 def detokenize_step(decode: Decode, seq: Sequence) -> str:
     """Append the text of the newest tokens to seq.output_text; returns the new text (maybe empty).

@@ -19,7 +19,7 @@ from kvserve.engine.evictor import Evictor
 from kvserve.engine.gpu_memory import profile_kv_memory
 from kvserve.engine.native_decode import NativeDecode, native_decode_wanted, prepare_weights
 from kvserve.engine.runner import ModelRunner
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
@@ -265,6 +265,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        if (steps := self._steps_at_once(sched)) > 1:
+            return self._run_steps(sched, steps)
         try:
             out = self.runner.run(sched)
         except BaseException:
@@ -291,9 +293,48 @@ class LLMEngine:
             raise
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             self._append(seq, token, lp)
+        return self._reports(seqs)
+
+    def _reports(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests that gained tokens: final-only ones once finished."""
         touched = dict.fromkeys(s.request_id for s in seqs)
         return [self._output(rid) for rid in touched
                 if rid not in self._final_only or self._finished(self.requests[rid])]
+
+    def _steps_at_once(self, sched: SchedulerOutput) -> int:
+        """Decode steps to run in one native call (vLLM's multi-step scheduling): up to num_scheduler_steps
+        where nobody sees the steps between (greedy decodes of final-only requests, no logprobs, no
+        eviction), no request waits for a place, none would pass its max_tokens or max_model_len, and the
+        pool has the blocks; else 1."""
+        native, steps = self.runner.native, self.config.num_scheduler_steps
+        if (steps == 1 or native is None or sched.num_decodes < len(sched.seqs) or self.scheduler.waiting
+                or (native.max_batch is not None and len(sched.seqs) > native.max_batch)):
+            return 1
+        for seq in sched.seqs:
+            p = seq.params
+            # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet)
+            if (not p.greedy or p.logprobs is not None or seq.eviction is not None
+                    or seq.request_id not in self._final_only or seq.num_computed_tokens + 1 < seq.num_tokens):
+                return 1
+            steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return steps if steps > 1 and self.scheduler.reserve_ahead(sched, steps) else 1
+
+    def _run_steps(self, sched: SchedulerOutput, steps: int) -> list[RequestOutput]:
+        """`steps` greedy decode steps in one native call: each sequence takes their tokens as one step at a
+        time would, up to the one that ends it (a stop token or string); the rest are dropped with its blocks."""
+        try:
+            tokens = self.runner.run_steps(sched, steps)
+        except BaseException:
+            self.scheduler.forget_uncomputed(sched)
+            raise
+        self.scheduler.commit(sched)
+        for i, row in enumerate(tokens):
+            for seq, token in zip(sched.seqs, row):
+                if not seq.is_finished:
+                    if i:
+                        self.scheduler.advance(seq)
+                    self._append(seq, token, None)
+        return self._reports(sched.seqs)
 
     def _fork_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Fork requests with n > 1 whose prompt is now computed: the n samples share its blocks.

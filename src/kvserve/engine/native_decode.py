@@ -131,6 +131,7 @@ class NativeDecode:
                              "pack them with keep_weights=True")
         p, i = ctypes.c_void_p, ctypes.c_int
         self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i))
+        self.steps_fn = function("decode_steps", (ctypes.POINTER(_Model), i, i, p, p, p, i, p, p, p, p, p, i))
         layers = []
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -164,3 +165,19 @@ class NativeDecode:
                 rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         self.steps += 1
         return logits
+
+    def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                  steps: int) -> torch.Tensor:
+        """Tokens [steps, n] of `steps` greedy decode steps of n sequences, each step's argmax the next one's
+        input (their block tables hold blocks for all the steps); input_ids, positions and the batch's
+        context_lens advance in place."""
+        n = len(input_ids)
+        rope = self.model.rope
+        logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
+        tokens = torch.empty(steps, n, dtype=torch.int64)
+        self.steps_fn(ctypes.byref(self.spec), n, steps, input_ids.data_ptr(), positions.data_ptr(),
+                      batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
+                      rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), tokens.data_ptr(),
+                      torch.get_num_threads())
+        self.steps += steps
+        return tokens

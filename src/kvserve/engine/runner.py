@@ -158,3 +158,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
         mass = {row: torch.cat(layers) for row, layers in batch.mass.items()}
         return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans, mass)
+
+    @torch.inference_mode()
+    def run_steps(self, sched: SchedulerOutput, steps: int) -> list[list[int]]:
+        """Tokens [steps][sequences] of `steps` greedy decode steps of the scheduled decodes, in one native call."""
+        self.storage.copy_blocks(sched.block_copies)
+        inputs = self.prepare(sched)
+        self.model.ensure_rope(int(inputs.positions.max()) + steps)
+        return self.native.run_steps(inputs.input_ids, inputs.positions, inputs.batch, steps).tolist()

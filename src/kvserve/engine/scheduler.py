@@ -181,6 +181,22 @@ class Scheduler:
             for seq, n in zip(out.seqs, out.num_new_tokens):
                 seq.num_computed_tokens += n
 
+    def reserve_ahead(self, out: SchedulerOutput, steps: int) -> bool:
+        """Blocks for `steps` tokens of each of a step's decodes (the first already reserved), if the pool has
+        them all free; else nothing changes."""
+        kv = self.kv
+        if sum(kv.num_new_blocks(s.seq_id, s.num_cache_tokens, steps) for s in out.seqs) > kv.num_free_blocks:
+            return False
+        for seq in out.seqs:
+            out.block_copies += kv.allocate(seq.seq_id, seq.num_cache_tokens, steps)
+        return True
+
+    def advance(self, seq: Sequence) -> None:
+        """A decode of several steps at once computed one more token (the last step's): as commit, and the
+        blocks it filled indexed, as schedule indexes a step's."""
+        seq.num_computed_tokens += 1
+        self._cache_full_blocks(seq, seq.num_computed_tokens)
+
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front, to be recomputed."""
         self.running.remove(seq)
