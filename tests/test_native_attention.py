@@ -84,12 +84,15 @@ def test_float32_queries_over_bfloat16_pages_are_not_rounded():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_rows_that_see_no_key_are_zero_not_nan():
+@pytest.mark.parametrize("tokens", [6, 20], ids=["tile-of-12-rows", "tile-of-32-rows"])
+def test_prefill_rows_that_see_no_key_are_zero_not_nan(tokens):
     """Tokens whose causal window holds no cached key (a context shorter than the step's tokens: not
-    something the engine schedules) come out 0, and the rest are not poisoned."""
-    q, k, v, kv_cache, batch = make_case([6], [6], 0, 4, 2, 24, block_size=4)
-    batch.context_lens = torch.tensor([4])          # tokens 0 and 1 see nothing; token r sees r - 1
-    out = native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, torch.tensor([0, 6]), 24 ** -0.5)
+    something the engine schedules) come out 0, and the rest are not poisoned; in tiles of a few rows,
+    and of 16 or more (rows in lanes)."""
+    q, k, v, kv_cache, batch = make_case([tokens], [tokens], 0, 4, 2, 24, block_size=4)
+    batch.context_lens = torch.tensor([tokens - 2])      # tokens 0 and 1 see nothing; token r sees r - 1
+    out = native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, torch.tensor([0, tokens]),
+                               24 ** -0.5)
     assert not out.isnan().any() and not out[:2].any() and out[2:].abs().sum(-1).all()
 
 
