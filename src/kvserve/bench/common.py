@@ -43,8 +43,11 @@ def describe_shape(shape: dict[str, int]) -> str:
             "intermediate {intermediate_size}, vocab {vocab_size}".format(**shape))
 
 
-def make_tokenizer(corpus: list[str] | None = None, vocab_size: int = 300):
-    """A byte-level BPE trained on a few lines: enough for random-weight models fed token ids."""
+def make_tokenizer(corpus: list[str] | None = None, vocab_size: int = 300, total: int | None = None):
+    """A byte-level BPE trained on a few lines: enough for random-weight models fed token ids. `total`: the
+    ids past the trained ones, up to it, are placeholder words (" w301"), so that every id a model of that
+    vocabulary emits decodes to text, as with a real checkpoint's tokenizer (else its random outputs are
+    mostly ids the tokenizer does not know, whose text never completes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +58,10 @@ def make_tokenizer(corpus: list[str] | None = None, vocab_size: int = 300):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
                                   show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if total is not None:
+        fast.add_tokens([f" w{i}" for i in range(len(fast), total)])
+    return fast
 
 
 def save_random_model(path: Path, config, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -85,7 +91,7 @@ def make_checkpoint(path: Path, shape: dict[str, int], max_positions: int,
 
     cfg = LlamaConfig(**{SHAPE_FIELDS[k]: v for k, v in shape.items()}, max_position_embeddings=max_positions,
                       bos_token_id=_BOS, eos_token_id=_EOS, pad_token_id=_PAD, tie_word_embeddings=False)
-    return save_random_model(path, cfg, dtype, seed)
+    return save_random_model(path, cfg, dtype, seed, make_tokenizer(total=shape["vocab_size"]))
 
 
 def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
