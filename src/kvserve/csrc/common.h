@@ -57,19 +57,6 @@ static inline float param(const void *p, int dtype, int64_t i) {
     return dtype == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* y = RMSNorm(x) * weight over `dim` numbers, rounded as the eager model rounds. */
-static inline void rms_norm(const float *x, const void *weight, int dtype, int dim, float eps, float *y) {
-    float ss = 0.0f;
-    #pragma omp simd reduction(+:ss)
-    for (int i = 0; i < dim; i++) ss += x[i] * x[i];
-    const float inv = 1.0f / sqrtf(ss / dim + eps);
-    for (int i = 0; i < dim; i++) {
-        const float w = param(weight, dtype, i);
-        /* bfloat16: the normalised number is rounded before the weight scales it (as in transformers) */
-        y[i] = dtype == BF16 ? round_bf16(w * round_bf16(x[i] * inv)) : x[i] * inv * w;
-    }
-}
-
 /* y = v rotated by RoPE (rotate-half layout; s carries the sign of the first half) over d numbers,
  * rounded as the eager model's x.mul_(cos).addcmul_(rolled, sin) rounds: after the product, then
  * after the sum. Rolled by half, the halves swap. */
@@ -189,7 +176,66 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, size
     }
     return _mm512_maskz_loadu_ps(m, (const float *)row + i);
 }
+
+/* round_bf16 of sixteen numbers. */
+static inline __m512 round16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), top = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    const __m512i rounded = _mm512_and_si512(up, top), exponent = _mm512_set1_epi32(0x7f800000);
+    const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, exponent), exponent);
+    if (__builtin_expect(special == 0, 1)) return _mm512_castsi512_ps(rounded);
+    /* infinities and NaNs: cut to their top half, a NaN kept one by a set mantissa bit */
+    const __m512i cut = _mm512_and_si512(u, top);
+    const __m512i kept = _mm512_mask_or_epi32(cut, _mm512_test_epi32_mask(u, _mm512_set1_epi32(0xffff)), cut,
+                                              _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(special, rounded, kept));
+}
+
+/* Sixteen floats that the row's dtype holds exactly (bfloat16: rounded already, round16) into a row of F32 or
+ * BF16 from number i on (lanes outside m: not written). */
+static inline __attribute__((always_inline)) void store16(void *row, size_t i, __mmask16 m, __m512 v, int dtype) {
+    if (dtype == BF16) {
+        const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+        if (m == 0xffff) _mm256_storeu_si256((__m256i *)((uint16_t *)row + i), h);
+        else _mm256_mask_storeu_epi16((uint16_t *)row + i, m, h);
+    } else {
+        _mm512_mask_storeu_ps((float *)row + i, m, v);
+    }
+}
 #endif
+
+/* y = RMSNorm(x) * weight over `dim` numbers, rounded as the eager model rounds. */
+static inline void rms_norm(const float *x, const void *weight, int dtype, int dim, float eps, float *y) {
+#if AVX512_BW_VL
+    __m512 squares = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(lanes16(dim - i), x + i);
+        squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / dim + eps);
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int i = 0; i < dim; i += 16) {
+        const __mmask16 m = lanes16(dim - i);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + i), w = load16(weight, i, m, dtype);
+        /* bfloat16: the normalised number is rounded before the weight scales it (as in transformers) */
+        const __m512 out = dtype == BF16 ? round16(_mm512_mul_ps(w, round16(_mm512_mul_ps(v, scale))))
+                                         : _mm512_mul_ps(_mm512_mul_ps(v, scale), w);
+        _mm512_mask_storeu_ps(y + i, m, out);
+    }
+#else
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / dim + eps);
+    for (int i = 0; i < dim; i++) {
+        const float w = param(weight, dtype, i);
+        /* bfloat16: the normalised number is rounded before the weight scales it (as in transformers) */
+        y[i] = dtype == BF16 ? round_bf16(w * round_bf16(x[i] * inv)) : x[i] * inv * w;
+    }
+#endif
+}
+
 
 /* out[g][:] = softmax(q[g] . K^T * scale) V for the `groups` query heads (fp32) that share KV head
  * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table`. */

@@ -20,15 +20,33 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
         float *sum = aligned_alloc(64, sizeof(float) * 3 * stride), *add = sum + stride, *y = add + stride;
         #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) {
-            load_row(sum, (const char *)residual + t * row_bytes, dtype, dim);
+            char *r = (char *)residual + t * row_bytes;
+#if AVX512_BW_VL
+            (void)add;
+            for (int i = 0; i < dim; i += 16) {
+                const __mmask16 m = lanes16(dim - i);
+                __m512 v = load16(r, i, m, dtype);
+                if (x) {
+                    v = _mm512_add_ps(v, load16((const char *)x + t * row_bytes, i, m, dtype));
+                    if (dtype == BF16) v = round16(v);
+                    store16(r, i, m, v, dtype);
+                }
+                _mm512_storeu_ps(sum + i, v);
+            }
+            rms_norm(sum, weight, dtype, dim, eps, y);
+            for (int i = 0; i < dim; i += 16)      /* y is rounded as the dtype holds it */
+                store16((char *)out + t * row_bytes, i, lanes16(dim - i), _mm512_loadu_ps(y + i), dtype);
+#else
+            load_row(sum, r, dtype, dim);
             if (x) {
                 load_row(add, (const char *)x + t * row_bytes, dtype, dim);
                 #pragma omp simd
                 for (int i = 0; i < dim; i++) sum[i] = as_dtype(sum[i] + add[i], dtype);
-                store_row((char *)residual + t * row_bytes, sum, dtype, dim);
+                store_row(r, sum, dtype, dim);
             }
             rms_norm(sum, weight, dtype, dim, eps, y);
             store_row((char *)out + t * row_bytes, y, dtype, dim);
+#endif
         }
         free(sum);
     }
