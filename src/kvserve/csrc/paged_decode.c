@@ -294,16 +294,20 @@ static void softmax_block(float *e, int stride, int n, int rows, const int *vali
 #ifdef __AVX512F__
 /* acc[g][i] += sum over t < n of p[g * p_g + t * p_t] * rows[t][i] for G (a constant, at most 6) query
  * heads g, 64 numbers i at a time: each row is loaded once for all G heads, and the G x 4 sums stay in
- * registers across the rows. */
+ * registers across the rows. shrink (or NULL): factors of the sums so far, acc[g] *= shrink[g] first. */
 static inline __attribute__((always_inline)) void add_weighted_rows_of(float *acc, const float *p, int64_t p_g,
                                                                       int64_t p_t, const void *rows, int n, int d,
-                                                                      const int G, const int bf16) {
+                                                                      const int G, const int bf16,
+                                                                      const float *shrink) {
     for (int i = 0; i < d; i += 64) {
         __mmask16 mask[4];
         __m512 v[6][4];
         for (int j = 0; j < 4; j++) {
             mask[j] = lanes16(d - i - 16 * j);
-            for (int g = 0; g < G; g++) v[g][j] = _mm512_maskz_loadu_ps(mask[j], acc + (size_t)g * d + i + 16 * j);
+            for (int g = 0; g < G; g++) {
+                v[g][j] = _mm512_maskz_loadu_ps(mask[j], acc + (size_t)g * d + i + 16 * j);
+                if (shrink) v[g][j] = _mm512_mul_ps(v[g][j], _mm512_set1_ps(shrink[g]));
+            }
         }
         for (int t = 0; t < n; t++) {
             __m512 r[4];
@@ -332,13 +336,13 @@ static void add_weighted_rows(float *acc, const float *p, int p_stride, Rows row
         float *a = acc + (size_t)g * d;
         const float *pg = p + (size_t)g * p_stride;
         if (rows.bf16) {
-            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 1);
-            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 1);
-            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 1);
+            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 1, NULL);
+            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 1, NULL);
+            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 1, NULL);
         } else {
-            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 0);
-            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 0);
-            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 0);
+            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 0, NULL);
+            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 0, NULL);
+            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 0, NULL);
         }
         g += G;
     }
@@ -588,17 +592,20 @@ static void pair_rows(const uint16_t *v, const int64_t *table, int bs, int n, in
     }
 }
 
-/* acc[g][i] += sum over pairs k < np of pp[k * p_t + g] . vp[k][i] (each a pair of keys) for G (at most 6)
- * rows g, 64 numbers i at a time, by AVX-512 BF16: add_weighted_rows_of with two keys a product. */
+/* acc[g][i] = acc[g][i] * shrink[g] + sum over pairs k < np of pp[k * p_t + g] . vp[k][i] (each a pair of keys)
+ * for G (at most 6) rows g, 64 numbers i at a time, by AVX-512 BF16: add_weighted_rows_of with two keys a
+ * product. */
 static inline __attribute__((always_inline)) void add_weighted_pairs_of(float *acc, const uint32_t *pp, int64_t p_t,
                                                                        const uint32_t *vp, int np, int d, int dv,
-                                                                       const int G) {
+                                                                       const int G, const float *shrink) {
     for (int i = 0; i < d; i += 64) {
         __mmask16 mask[4];
         __m512 v[6][4];
         for (int j = 0; j < 4; j++) {
             mask[j] = lanes16(d - i - 16 * j);
-            for (int g = 0; g < G; g++) v[g][j] = _mm512_maskz_loadu_ps(mask[j], acc + (size_t)g * d + i + 16 * j);
+            for (int g = 0; g < G; g++)
+                v[g][j] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask[j], acc + (size_t)g * d + i + 16 * j),
+                                        _mm512_set1_ps(shrink[g]));
         }
         for (int k = 0; k < np; k++) {
             __m512bh r[4];
@@ -654,10 +661,8 @@ static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx
         __m512i now[4];
         for (int v = 0; v < rv; v++) now[v] = _mm512_sub_epi32(sees[v], _mm512_set1_epi32((int)(first * bs)));
         softmax_t(st, n, rv, now, m, l, corr);
-        float shrink[TILE_LANES];
+        float shrink[TILE_LANES];      /* applied as the products with V load the sums */
         for (int v = 0; v < rv; v++) _mm512_storeu_ps(shrink + 16 * v, corr[v]);
-        for (int r = 0; r < rows; r++)
-            for (int i = 0; i < d; i++) acc[(size_t)r * d + i] *= shrink[r];
 #if defined(__AVX512BF16__)
         if (pairs) {
             /* by pairs of keys: the probabilities rounded to bfloat16, as the eager model rounds them */
@@ -669,12 +674,12 @@ static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx
             for (int r = 0; r < rows; r += 6) {
                 float *a = acc + (size_t)r * d;
                 switch (rows - r >= 6 ? 6 : rows - r) {
-                    case 6: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 6); break;
-                    case 5: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 5); break;
-                    case 4: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 4); break;
-                    case 3: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 3); break;
-                    case 2: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 2); break;
-                    default: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 1);
+                    case 6: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 6, shrink + r); break;
+                    case 5: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 5, shrink + r); break;
+                    case 4: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 4, shrink + r); break;
+                    case 3: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 3, shrink + r); break;
+                    case 2: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 2, shrink + r); break;
+                    default: add_weighted_pairs_of(a, pp + r, lanes, vp, np, d, dv, 1, shrink + r);
                 }
             }
             continue;
@@ -691,22 +696,25 @@ static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx
             float *a = acc + (size_t)r * d;
             const float *p = st + r;
             switch (rows - r >= 6 ? 6 : rows - r) {
-                case 6: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 6, 0); break;
-                case 5: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 5, 0); break;
-                case 4: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 4, 0); break;
-                case 3: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 3, 0); break;
-                case 2: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 2, 0); break;
-                default: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 1, 0);
+                case 6: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 6, 0, shrink + r); break;
+                case 5: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 5, 0, shrink + r); break;
+                case 4: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 4, 0, shrink + r); break;
+                case 3: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 3, 0, shrink + r); break;
+                case 2: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 2, 0, shrink + r); break;
+                default: add_weighted_rows_of(a, p, 1, lanes, v_rows, n, d, 1, 0, shrink + r);
             }
         }
     }
     float sums[TILE_LANES];
     for (int v = 0; v < rv; v++) _mm512_storeu_ps(sums + 16 * v, l[v]);
     for (int r = 0; r < rows; r++) {
-        float *a = acc + (size_t)r * d;
-        const float inv = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
-        for (int i = 0; i < d; i++) a[i] *= inv;
-        store_row((char *)out + ((r / groups) * out_stride + (r % groups) * d) * elem_size(kind), a, kind, d);
+        const __m512 inv = _mm512_set1_ps(sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f);
+        char *o = (char *)out + ((r / groups) * out_stride + (r % groups) * d) * elem_size(kind);
+        for (int i = 0; i < d; i += 16) {
+            const __mmask16 m = lanes16(d - i);
+            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + (size_t)r * d + i), inv);
+            store16(o, i, m, kind == BF16 ? round16(v) : v, kind);
+        }
     }
     free(qt), free(st), free(acc), free(v_rows);
 }
