@@ -328,31 +328,35 @@ static inline __attribute__((always_inline)) void add_weighted_rows_of(float *ac
 #endif
 
 /* acc[g][i] += sum over t < n of p[g][t] * rows[t][i], for the d numbers i of each of `groups` query
- * heads (acc [groups][d], p [groups][p_stride]). */
-static void add_weighted_rows(float *acc, const float *p, int p_stride, Rows rows, int n, int d, int groups) {
+ * heads (acc [groups][d], p [groups][p_stride]); shrink (or NULL): acc[g] *= shrink[g] first. */
+static void add_weighted_rows(float *acc, const float *p, int p_stride, Rows rows, int n, int d, int groups,
+                              const float *shrink) {
 #ifdef __AVX512F__
     for (int g = 0; g < groups;) {
         const int G = groups - g >= 4 ? 4 : groups - g >= 2 ? 2 : 1;
         float *a = acc + (size_t)g * d;
-        const float *pg = p + (size_t)g * p_stride;
+        const float *pg = p + (size_t)g * p_stride, *sg = shrink ? shrink + g : NULL;
         if (rows.bf16) {
-            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 1, NULL);
-            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 1, NULL);
-            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 1, NULL);
+            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 1, sg);
+            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 1, sg);
+            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 1, sg);
         } else {
-            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 0, NULL);
-            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 0, NULL);
-            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 0, NULL);
+            if (G == 4) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 4, 0, sg);
+            else if (G == 2) add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 2, 0, sg);
+            else add_weighted_rows_of(a, pg, p_stride, 1, rows.p, n, d, 1, 0, sg);
         }
         g += G;
     }
 #else
     const float *r = rows.p;
-    for (int g = 0; g < groups; g++)
+    for (int g = 0; g < groups; g++) {
+        if (shrink)
+            for (int i = 0; i < d; i++) acc[(size_t)g * d + i] *= shrink[g];
         for (int t = 0; t < n; t++) {
             #pragma omp simd
             for (int i = 0; i < d; i++) acc[(size_t)g * d + i] += p[(size_t)g * p_stride + t] * r[(size_t)t * d + i];
         }
+    }
 #endif
 }
 
@@ -763,17 +767,26 @@ static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx
         }
         for (int r = 0; r < rows; r++) valid[r] = upto(ctx - tokens + 1 + r / groups - first * bs, n);
         softmax_block(scores, step, n, rows, valid, m, l, correction);
-        for (int r = 0; r < rows; r++)
-            for (int i = 0; i < d; i++) acc[(size_t)r * d + i] *= correction[r];
-        for (int b = 0; b * bs < n; b++) {
+        for (int b = 0; b * bs < n; b++) {      /* the first block's pass shrinks the sums so far */
             const int nb = upto(n - b * bs, bs);
-            add_weighted_rows(acc, scores + b * bs, step, load_block(c, 1, h, table[first + b], nb, tile), nb, d, rows);
+            add_weighted_rows(acc, scores + b * bs, step, load_block(c, 1, h, table[first + b], nb, tile), nb, d, rows,
+                              b == 0 ? correction : NULL);
         }
     }
     /* no context (a padding row) leaves l = 0: the output is 0, not 0/0 */
     for (int r = 0; r < rows; r++) {
         const int64_t o = (r / groups) * out_stride + (r % groups) * d;
+#if AVX512_BW_VL
+        const __m512 sum = _mm512_set1_ps(l[r]);
+        for (int i = 0; i < d; i += 16) {
+            const __mmask16 m = lanes16(d - i);
+            const __m512 v = l[r] > 0.0f ? _mm512_div_ps(_mm512_maskz_loadu_ps(m, acc + (size_t)r * d + i), sum)
+                                         : _mm512_setzero_ps();
+            store16((char *)out + o * elem_size(kind), i, m, kind == BF16 ? round16(v) : v, kind);
+        }
+#else
         for (int i = 0; i < d; i++) store(out, kind, o + i, l[r] > 0.0f ? acc[(size_t)r * d + i] / l[r] : 0.0f);
+#endif
     }
     free(tile), free(scores), free(acc), free(qs.scaled), free(qs.bf16);
 }
