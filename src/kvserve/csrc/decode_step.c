@@ -153,32 +153,26 @@ static void project(const Proj *p, int gated, int dtype, const void *x, int n, i
     linear(p->w, p->b, dtype, x, n, in, out, y, out);
 }
 
-/* x[:] rotated by RoPE in place, by the float32 cos/sin of its position rounded to the model's dtype
- * (as the eager model casts them). */
-static void rope(float *x, const float *cos, const float *sin, int d, int dtype) {
-    float c[d], s[d], rotated[d];
-    for (int i = 0; i < d; i++) c[i] = as_dtype(cos[i], dtype), s[i] = as_dtype(sin[i], dtype);
-    rope_row(x, c, s, d, dtype, rotated);
-    memcpy(x, rotated, sizeof(rotated));
-}
-
 /* Q/K norms and RoPE of a token's query heads of KV head kh and of its k head, in place in its qkv row
  * (float32), then its K and V of that head written at its cache slot. */
 static void position_and_store(const Model *m, const Layer *l, float *qkv, int kh, int64_t position, int64_t slot,
                                const float *cos_table, const float *sin_table) {
     const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype, groups = nh / nkv;
+    /* the position's float32 cos/sin rounded to the model's dtype, as the eager model casts them */
+    float c[d], s[d], rotated[d];
     const float *cos = cos_table + position * d, *sin = sin_table + position * d;
+    for (int i = 0; i < d; i++) c[i] = as_dtype(cos[i], dt), s[i] = as_dtype(sin[i], dt);
     for (int i = 0; i <= groups; i++) {
         const int h = i < groups ? kh * groups + i : nh + kh;
         float *head = qkv + (size_t)h * d;
         if (l->q_norm) rms_norm(head, h < nh ? l->q_norm : l->k_norm, dt, d, m->eps, head);
-        rope(head, cos, sin, d, dt);
+        rope_row(head, c, s, d, dt, rotated);
+        memcpy(head, rotated, sizeof(rotated));
     }
     const int64_t block = slot / m->block_size, offset = slot % m->block_size;
     for (int which = 0; which < 2; which++) {
-        const float *src = qkv + ((size_t)(nh + which * nkv + kh)) * d;
         const int64_t row = ((((int64_t)which * nkv + kh) * m->num_blocks + block) * m->block_size + offset) * d;
-        for (int i = 0; i < d; i++) store(l->kv, dt, row + i, src[i]);
+        store_row((char *)l->kv + row * elem_size(dt), qkv + ((size_t)(nh + which * nkv + kh)) * d, dt, d);
     }
 }
 
