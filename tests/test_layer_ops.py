@@ -15,6 +15,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 
 def test_the_kernels_build():
     assert library() is not None        # else every comparison below would be torch against torch
+
+
 DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 0.0)]
 
 

@@ -149,7 +149,6 @@ def test_incremental_detokenization_equals_full_decode(llm, stream, skip, kind):
     assert seq.output_text.startswith(" ") == text.startswith(" ")
 
 
-
 @pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
 def test_text_caught_up_at_once_is_the_streamed_text(llm, kind):
     """A deferred text, all its tokens in one call, is the text streamed token by token: also where the tokens
@@ -168,6 +167,7 @@ def test_text_caught_up_at_once_is_the_streamed_text(llm, kind):
         assert detokenize(at_once, len(at_once.token_ids)) == at_once.output_text == streamed.output_text
         inside_a_character += tok.decode(ids[:cut]).endswith("\ufffd") and bool(streamed.output_text)
     assert inside_a_character or kind == "metaspace"
+
 
 def test_chat_applies_the_template(llm):
     out = llm.chat([{"role": "user", "content": "hi there"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]

@@ -32,6 +32,7 @@ class Step:
     def __init__(self, seqs: list[tuple[int, int]], num_decodes: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, page_size: int, seed: int = 0, cache: bool = True):
         gen = torch.Generator().manual_seed(seed)
+
         def rand(*shape):
             return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
         self.seqs, self.heads, self.kv_heads, self.head_dim = seqs, heads, kv_heads, head_dim

@@ -236,7 +236,6 @@ static inline void rms_norm(const float *x, const void *weight, int dtype, int d
 #endif
 }
 
-
 /* out[g][:] = softmax(q[g] . K^T * scale) V for the `groups` query heads (fp32) that share KV head
  * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table`. */
 void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,

@@ -59,6 +59,7 @@ class Detokenizer:
             stream.step(self.stream_of, token)
         return stream
 
+
 def detokenize_step(decode: Decode, seq: Sequence) -> str:
     """Append the text of the newest tokens to seq.output_text; returns the new text (maybe empty).
 
