@@ -515,12 +515,6 @@ static void softmax_t(float *st, int n, int rv, const __m512i sees[4], __m512 m[
     }
 }
 
-/* count numbers of `kind` (F32 or BF16) as floats. */
-static inline void load_rows(float *dst, const void *src, int kind, int count) {
-    if (kind == F32) memcpy(dst, src, sizeof(float) * (size_t)count);
-    else load_row(dst, src, BF16, count);
-}
-
 /* The 16 x 16 32-bit numbers of r[0..15] transposed in place (lane j of r[i] becomes lane i of r[j]). */
 static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     __m512i a[16], b[16];
@@ -633,7 +627,8 @@ static inline __attribute__((always_inline)) void add_weighted_pairs_of(float *a
 #endif
 
 /* attend_rows for a tile of `rows` >= 16 rows over float32 pages, or bfloat16 pages with the rows as
- * bfloat16 (qs->bf16): rows in lanes (scores_t, softmax_t), the products with V by add_weighted_rows_of. */
+ * bfloat16 (qs->bf16): rows in lanes (scores_t, softmax_t), the products with V by add_weighted_rows_of
+ * (float32) or add_weighted_pairs_of (bfloat16). */
 static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx, const Queries *qs, int tokens,
                         int groups, float scale, void *out, int kind, int64_t out_stride) {
     const int d = c->d, bs = c->bs, rows = tokens * groups, rv = (rows + 15) / 16, lanes = 16 * rv;
@@ -695,7 +690,7 @@ static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx
             const int64_t block = table[first + b];
             const char *v = (const char *)c->pages
                             + (((int64_t)c->kvh + h) * c->nb + block) * bs * d * elem_size(c->kind);
-            load_rows(v_rows + (size_t)b * bs * d, v, c->kind, upto(n - b * bs, bs) * d);
+            load_row(v_rows + (size_t)b * bs * d, v, c->kind, upto(n - b * bs, bs) * d);
         }
         for (int r = 0; r < rows; r += 6) {
             float *a = acc + (size_t)r * d;
@@ -732,15 +727,12 @@ static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx
 static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx, const void *q, int kind,
                         int64_t q_stride, int tokens, int groups, float scale, void *out, int64_t out_stride) {
     const int d = c->d, bs = c->bs, rows = tokens * groups;
+    const Queries qs = queries(c, q, kind, q_stride, rows, groups, scale);
 #if AVX512_BW_VL
-    if (rows >= 16 && rows <= TILE_LANES && d % 2 == 0 && (c->kind == F32 || c->kind == BF16)) {
-        const Queries qs = queries(c, q, kind, q_stride, rows, groups, scale);
-        if (c->kind == F32 || qs.bf16) {
-            attend_tile(c, h, table, ctx, &qs, tokens, groups, scale, out, kind, out_stride);
-            free(qs.scaled), free(qs.bf16);
-            return;
-        }
+    if (rows >= 16 && rows <= TILE_LANES && d % 2 == 0 && (c->kind == F32 || (c->kind == BF16 && qs.bf16))) {
+        attend_tile(c, h, table, ctx, &qs, tokens, groups, scale, out, kind, out_stride);
         free(qs.scaled), free(qs.bf16);
+        return;
     }
 #endif
     const int per_step = bs >= SEGMENT ? 1 : SEGMENT / bs, span = ctx < bs ? (int)ctx : bs, step = per_step * span;
@@ -748,7 +740,6 @@ static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx
      * none for float32 pages, which are read in place */
     float *tile = c->kind == F32 ? NULL : malloc(sizeof(float) * (size_t)span * d);
     float *scores = malloc(sizeof(float) * (size_t)rows * step), *acc = calloc((size_t)rows * d, sizeof(float));
-    const Queries qs = queries(c, q, kind, q_stride, rows, groups, scale);
     float m[rows], l[rows], correction[rows];
     int valid[rows];
     int64_t seen[rows];
