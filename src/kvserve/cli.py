@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from kvserve.bench import MissingDependency
 from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES
 
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingDependency) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -206,10 +206,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(args, memory: int, kw: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from kvserve.bench import pyplot
 
+    plt = pyplot("kvserve plan --plot")
     contexts = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
     plans = [plan(args.model, memory, c, **kw) for c in contexts]
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvserve.bench import pyplot
 from kvserve.bench.common import write_json
 
 NAME = "all"
@@ -35,6 +36,7 @@ def machine() -> str:
 def run(args: argparse.Namespace) -> int:
     from kvserve.cli import main
 
+    pyplot("bench all")     # a missing bench extra fails here, not after the suites have run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d")
@@ -77,11 +79,7 @@ def write_report(path: Path, sections, stamp: str, quick: bool) -> None:
 
 
 def _figure(ncols: int = 1):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, ncols, figsize=(5.5 * ncols, 4))
+    return pyplot("bench all").subplots(1, ncols, figsize=(5.5 * ncols, 4))
 
 
 def _save(fig, path: Path, title: str) -> None:

@@ -18,13 +18,15 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvserve.bench import optional_import
 from kvserve.bench.common import print_table, random_prompts, write_json
 
-if TYPE_CHECKING:   # imported where used: every kvserve command builds this module's parser
+if TYPE_CHECKING:   # imported where used (the bench extra): every kvserve command builds this module's parser
     import aiohttp
 
 NAME = "serve"
@@ -57,11 +59,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="served and offline runs at concurrency 64, in turns (default 3; quick: 1)")
 
 
+def _aiohttp() -> ModuleType:
+    """The clients' HTTP library, from the bench extra (vLLM's bench uses it too: little CPU per stream)."""
+    return optional_import("aiohttp", "kvserve bench serve")
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> RequestResult:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    import aiohttp
-
+    aiohttp = _aiohttp()
     start = time.perf_counter()
     res, last, pending = RequestResult(ok=False), None, b""
     try:
@@ -101,8 +107,7 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
         async with limit:
             return await one_request(session, url, prompt, output_len)
 
-    import aiohttp
-
+    aiohttp = _aiohttp()
     delays = np.cumsum(rng.exponential(1 / rate, len(prompts))) if rate else np.zeros(len(prompts))
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -183,6 +188,7 @@ def vocab_size(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    _aiohttp()      # a missing bench extra fails before the server starts
     concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else \
         ([1, 4, 16] if args.quick else list(CONCURRENCIES))
     if args.quick:
