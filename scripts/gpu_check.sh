@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check of issue 10, in one call of at most ten minutes on the device machine:
+# The GPU check: the GPU path (Triton kernels, CUDA graphs) tested and timed on a real GPU, in one call of
+# at most ten minutes:
 #   1. the Triton kernel tests (and the engine's backend-equality and CUDA graph tests) on CUDA, against the
 #      textbook and eager decoding;
-#   2. kvserve bench attention --device cuda (Triton kernels vs torch SDPA: TFLOP/s, GB/s);
+#   2. kvserve bench attention --device cuda (Triton kernels vs torch SDPA: TFLOP/s, GB/s; its --plot needs
+#      matplotlib, from the bench extra);
 #   3. decode throughput of a random Llama-3.2-1B-shaped model in bf16, 1 and 256 concurrent requests
 #      of 512 prompt + 256 output tokens, kvserve vs transformers generate, in the same run.
-# Everything lands in $OUT (default ./gpu-check). The device machine reaches no registry, so the
-# project runs from the source tree; pytest and hypothesis come from $GPU_CHECK_DEPS when given
+# Everything lands in $OUT (default ./gpu-check). The project runs from the source tree, so a GPU machine
+# without a package index needs no install; pytest and hypothesis come from $GPU_CHECK_DEPS when given
 # (a `pip install --target DIR pytest hypothesis` carried along).
 #
 # Dry run on a CPU (tiny shapes, Triton under its interpreter): GPU_CHECK_DRY=1 scripts/gpu_check.sh
