@@ -42,7 +42,7 @@ def test_bench_decode_json(tmp_path):
 def test_bench_throughput_json(tmp_path):
     path = tmp_path / "throughput.json"
     args = ["--requests", "4", "--prompt-len", "16", "--tokens", "8", "--batch1-prompt-len", "8",
-            "--batch1-tokens", "8", "--repeats", "1", "--device", "cpu"]
+            "--batch1-tokens", "24", "--repeats", "1", "--device", "cpu"]
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
     res = json.loads(path.read_text())
     assert _positive(res["read_bandwidth_bytes_s"])
@@ -69,7 +69,7 @@ def test_bench_throughput_json(tmp_path):
 def test_bench_throughput_one_dtype(tmp_path):
     path = tmp_path / "throughput.json"
     args = ["--dtype", "float32", "--requests", "2", "--prompt-len", "4", "--tokens", "2", "--batch1-prompt-len", "4",
-            "--batch1-tokens", "2", "--repeats", "1"]
+            "--batch1-tokens", "24", "--repeats", "1"]
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
     res = json.loads(path.read_text())
     assert "float32" in res and "bfloat16" not in res

@@ -138,11 +138,17 @@ def decode_seconds(llm, prompts: list[list[int]], tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def decode_rate(llm, prompts: list[list[int]], tokens: int) -> float:
+def decode_rate(llm, prompts: list[list[int]], tokens: int, repeats: int = 3) -> float:
     """Decode tokens/s of the batch: a long and a short generation differ by `tokens` decode steps
     per sequence, and by nothing else (the prompts are computed alike in both: `llm` must not cache
-    prefixes)."""
-    return len(prompts) * tokens / (decode_seconds(llm, prompts, tokens + 2) - decode_seconds(llm, prompts, 2))
+    prefixes). Each is timed `repeats` times and the fastest taken: on a busy machine one slow short
+    run would otherwise swallow the difference of a few steps."""
+    long = min(decode_seconds(llm, prompts, tokens + 2) for _ in range(repeats))
+    short = min(decode_seconds(llm, prompts, 2) for _ in range(repeats))
+    if long <= short:
+        raise RuntimeError(f"{tokens} decode steps took no measurable time ({long:.6f} s against {short:.6f} s "
+                           f"without them): time more tokens")
+    return len(prompts) * tokens / (long - short)
 
 
 def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
