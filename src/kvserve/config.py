@@ -200,6 +200,9 @@ class EngineConfig:
     enforce_eager: bool = False             # decode op by op: no CUDA graphs, no native CPU decode step
     # decode steps one native CPU call may run where nobody sees the steps between (offline greedy batches)
     num_scheduler_steps: int = 8
+    # on the CPU, have glibc's malloc keep freed memory for reuse instead of returning it (process-wide,
+    # so a library leaves it off unless asked; the `kvserve` command turns it on)
+    cpu_allocator_tuning: bool = False
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module

@@ -39,7 +39,8 @@ class LLMEngine:
         self.model_config = mcfg = ModelConfig.from_path(self.model_path)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu":
-            reuse_freed_memory()
+            if config.cpu_allocator_tuning:
+                reuse_freed_memory()
             library()       # the C kernels: built (or found cached) as the engine starts, not in its first step
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
         self.max_model_len = self._max_model_len(config, mcfg)
