@@ -190,8 +190,8 @@ def test_bench_eviction_json(tmp_path):
 
 
 def test_the_gpu_check_script_runs_dry_on_the_cpu(tmp_path):
-    # issue 10's one-call device check, with tiny shapes and Triton's interpreter: its plumbing must
-    # work before a GPU session spends device time on it
+    # the one-call GPU check, with tiny shapes and Triton's interpreter: its plumbing must work before
+    # a run on a GPU spends device time on it
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
     run = subprocess.run(["bash", str(script)], env={**os.environ, "OUT": str(tmp_path), "GPU_CHECK_DRY": "1"},
                          capture_output=True, text=True, timeout=300)
