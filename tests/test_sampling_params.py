@@ -29,6 +29,10 @@ NAN, INF = float("nan"), float("inf")
     (dict(stop_token_ids="12"), "stop_token_ids"),
     (dict(ignore_eos=1), "ignore_eos"), (dict(ignore_eos="yes"), "ignore_eos"), (dict(ignore_eos=None), "ignore_eos"),
     (dict(skip_special_tokens=0), "skip_special_tokens"),
+    (dict(logit_bias=[1]), "logit_bias"), (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias={True: 1.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: 100.5}), "logit_bias"), (dict(logit_bias={5: NAN}), "logit_bias"),
+    (dict(logit_bias={5: "1"}), "logit_bias"), (dict(logit_bias={5: False}), "logit_bias"),
     (dict(eviction=["sink"]), "eviction"),
 ])
 def test_bad_values_raise_value_errors_naming_the_field(kwargs, field):
@@ -38,10 +42,11 @@ def test_bad_values_raise_value_errors_naming_the_field(kwargs, field):
 
 def test_good_values_are_kept_in_their_plain_types():
     p = SamplingParams(temperature=np.float32(0.5), top_p=1, max_tokens=np.int64(3), seed=np.int32(7), stop="x",
-                       stop_token_ids=(5, np.int64(6)), logprobs=0)
+                       stop_token_ids=(5, np.int64(6)), logprobs=0, logit_bias={np.int64(3): 2, 4: -100.0})
     assert (p.temperature, p.top_p, p.max_tokens, p.seed, p.stop, p.stop_token_ids) == (0.5, 1.0, 3, 7, ["x"], [5, 6])
-    assert all(type(v) is float for v in (p.temperature, p.top_p))
-    assert all(type(v) is int for v in (p.max_tokens, p.seed, *p.stop_token_ids))
+    assert p.logit_bias == {3: 2.0, 4: -100.0}
+    assert all(type(v) is float for v in (p.temperature, p.top_p, *p.logit_bias.values()))
+    assert all(type(v) is int for v in (p.max_tokens, p.seed, *p.stop_token_ids, *p.logit_bias))
     # vLLM's -1 for "no top-k" is stored as 0
     assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k and SamplingParams(top_k=1).top_k == 1
 
@@ -66,6 +71,12 @@ BAD = {
     "stop": st.one_of(st.integers(), st.floats(), st.lists(st.one_of(st.integers(), st.just("")), min_size=1)),
     "stop_token_ids": st.one_of(st.integers(), st.text(), st.lists(NON_INTEGERS.filter(lambda v: not isinstance(v, list))
                                                                    | st.integers(max_value=-1), min_size=1)),
+    "logit_bias": st.one_of(
+        st.lists(st.integers(), min_size=1), st.integers(),
+        st.dictionaries(NON_INTEGERS.filter(lambda v: not isinstance(v, list)) | st.integers(max_value=-1),
+                        st.floats(-100, 100), min_size=1),
+        st.dictionaries(st.integers(0, 1000), NOT_NUMBERS | st.floats(min_value=100.0, exclude_min=True)
+                        | st.floats(max_value=-100.0, exclude_max=True), min_size=1)),
 }
 
 

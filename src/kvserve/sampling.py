@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,7 @@ from kvserve.kv.eviction import parse_eviction
 
 _EPS = 1e-5
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -35,6 +37,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's and vLLM's logit_bias);
+    # the engine checks the ids against the vocabulary
+    logit_bias: dict[int, float] | None = None
     # the KV eviction policy of this request ("sink:sinks=4,window=1020", ..., "none"): overrides
     # the engine's default (kvserve.kv.eviction)
     eviction: str | dict | None = None
@@ -59,6 +64,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _integer(name, getattr(self, name), 0))
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if self.eviction is not None:
             parse_eviction(self.eviction)
 
@@ -109,6 +116,14 @@ def _stop_token_ids(ids) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__} {ids!r}")
     return [_integer(f"stop_token_ids[{i}]", t, 0) for i, t in enumerate(ids)]
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """{token id: bias in [-100, 100]} with int ids and float biases."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__} {bias!r}")
+    return {_integer("logit_bias token id", t, 0): _real(f"logit_bias[{t!r}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            for t, b in bias.items()}
 
 
 @dataclass
@@ -167,15 +182,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
+        """One token per row, drawn from the row's logits plus its logit_bias; the logprobs (of rows that ask)
+        are the model's own, before the bias and the temperature (vLLM's default, raw_logprobs)."""
+        raw = logits
+        if any(p.logit_bias for p in params):
+            logits = _add_logit_bias(logits, params)
         tokens = argmax(logits)
         sampled = not all(p.greedy for p in params)
-        if sampled or any(p.logprobs is not None for p in params):
-            logits = logits.float()     # keeps every bf16/fp16 value and its order
         if sampled:
+            logits = logits.float()     # keeps every bf16/fp16 value and its order
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
         token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(logits, token_list, params))
+        return SampleResult(token_list, self._logprobs(raw, token_list, params))
 
     def _sample(self, logits, params, generators) -> torch.Tensor:
         dev = logits.device
@@ -204,6 +223,20 @@ class Sampler:
             for i, entry in zip(rows, entries):
                 out[i] = entry
         return out
+
+
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """A float32 copy of logits with each row's logit_bias added (the rows without one as they were)."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    dev = logits.device
+    biased = logits.to(torch.float32, copy=True)
+    biased[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(values, device=dev)
+    return biased
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, tuple[float, int]]]:

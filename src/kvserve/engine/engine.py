@@ -178,6 +178,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
+        self._check_params(params)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
@@ -198,6 +199,12 @@ class LLMEngine:
         if params.seed is None:
             return None
         return torch.Generator(self.device).manual_seed(params.seed + index)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids in the vocabulary."""
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and (bad := sorted(t for t in params.logit_bias if t >= vocab)):
+            raise ValueError(f"logit_bias token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -304,8 +311,8 @@ class LLMEngine:
     def _steps_at_once(self, sched: SchedulerOutput) -> int:
         """Decode steps to run in one native call (vLLM's multi-step scheduling): up to num_scheduler_steps
         where nobody sees the steps between (greedy decodes of final-only requests, no logprobs, no
-        eviction), no request waits for a place, none would pass its max_tokens or max_model_len, and the
-        pool has the blocks; else 1."""
+        eviction, no logit_bias: the C step takes the plain argmax), no request waits for a place, none
+        would pass its max_tokens or max_model_len, and the pool has the blocks; else 1."""
         native, steps = self.runner.native, self.config.num_scheduler_steps
         if (steps == 1 or native is None or sched.num_decodes < len(sched.seqs) or self.scheduler.waiting
                 or (native.max_batch is not None and len(sched.seqs) > native.max_batch)):
@@ -313,7 +320,7 @@ class LLMEngine:
         for seq in sched.seqs:
             p = seq.params
             # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet)
-            if (not p.greedy or p.logprobs is not None or seq.eviction is not None
+            if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.logit_bias
                     or seq.request_id not in self._final_only or seq.num_computed_tokens + 1 < seq.num_tokens):
                 return 1
             steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
