@@ -200,6 +200,8 @@ class EngineConfig:
     enforce_eager: bool = False             # decode op by op: no CUDA graphs, no native CPU decode step
     # decode steps one native CPU call may run where nobody sees the steps between (offline greedy batches)
     num_scheduler_steps: int = 8
+    # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module

@@ -43,7 +43,8 @@ class LLMEngine:
             library()       # the C kernels: built (or found cached) as the engine starts, not in its first step
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
         self.max_model_len = self._max_model_len(config, mcfg)
-        self.tokenizer = load_tokenizer(self.model_path)
+        # skip_tokenizer_init: token ids in and out, no text (vLLM's)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
         self.detokenize = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
@@ -159,7 +160,7 @@ class LLMEngine:
         if gen.exists():
             eos = json.loads(gen.read_text()).get("eos_token_id")
             ids |= set([eos] if isinstance(eos, int) else eos or [])
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
@@ -201,10 +202,12 @@ class LLMEngine:
         return torch.Generator(self.device).manual_seed(params.seed + index)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: logit_bias ids in the vocabulary."""
+        """What SamplingParams cannot check alone: logit_bias ids in the vocabulary, text options with a tokenizer."""
         vocab = self.model_config.vocab_size
         if params.logit_bias and (bad := sorted(t for t in params.logit_bias if t >= vocab)):
             raise ValueError(f"logit_bias token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this engine has skip_tokenizer_init): use stop_token_ids")
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -222,6 +225,9 @@ class LLMEngine:
         else:
             raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
         if ids is None:
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (this engine has skip_tokenizer_init): pass "
+                                 "prompt_token_ids")
             ids = self.tokenizer.encode(text)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -383,7 +389,9 @@ class LLMEngine:
             seqs[row].prompt_logprobs += [self._logprob_dict(next(entries)) for _ in range(num)]
 
     def _logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
+        """Logprobs by token id, with each token's text (None without a tokenizer)."""
+        tok = self.tokenizer
+        return {t: Logprob(lp, rank, None if tok is None else tok.decode([t])) for t, (lp, rank) in entry.items()}
 
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
         seq.token_ids.append(token)
