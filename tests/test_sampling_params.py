@@ -54,6 +54,7 @@ def test_good_values_are_kept_in_their_plain_types():
 NOT_NUMBERS = st.one_of(st.booleans(), st.none(), st.text(max_size=3), st.lists(st.integers(), max_size=2),
                         st.just(INF), st.just(-INF), st.just(NAN))
 NON_INTEGERS = st.one_of(NOT_NUMBERS, st.floats(allow_nan=False, allow_infinity=False))
+SCALAR_NON_INTEGERS = NON_INTEGERS.filter(lambda v: not isinstance(v, list))     # hashable: dict keys, list items
 # (field, bad values): wrong types, NaN/inf, out of range
 BAD = {
     "n": st.one_of(NON_INTEGERS, st.integers(max_value=0)),
@@ -69,12 +70,11 @@ BAD = {
     "ignore_eos": st.one_of(st.integers(), st.none(), st.text(max_size=2), st.floats()),
     "skip_special_tokens": st.one_of(st.integers(), st.none(), st.text(max_size=2), st.floats()),
     "stop": st.one_of(st.integers(), st.floats(), st.lists(st.one_of(st.integers(), st.just("")), min_size=1)),
-    "stop_token_ids": st.one_of(st.integers(), st.text(), st.lists(NON_INTEGERS.filter(lambda v: not isinstance(v, list))
-                                                                   | st.integers(max_value=-1), min_size=1)),
+    "stop_token_ids": st.one_of(st.integers(), st.text(),
+                                st.lists(SCALAR_NON_INTEGERS | st.integers(max_value=-1), min_size=1)),
     "logit_bias": st.one_of(
         st.lists(st.integers(), min_size=1), st.integers(),
-        st.dictionaries(NON_INTEGERS.filter(lambda v: not isinstance(v, list)) | st.integers(max_value=-1),
-                        st.floats(-100, 100), min_size=1),
+        st.dictionaries(SCALAR_NON_INTEGERS | st.integers(max_value=-1), st.floats(-100, 100), min_size=1),
         st.dictionaries(st.integers(0, 1000), NOT_NUMBERS | st.floats(min_value=100.0, exclude_min=True)
                         | st.floats(max_value=-100.0, exclude_max=True), min_size=1)),
 }
