@@ -14,6 +14,7 @@ NAN, INF = float("nan"), float("inf")
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=NAN), "temperature"), (dict(temperature=INF), "temperature"),
     (dict(temperature=True), "temperature"), (dict(temperature="0.5"), "temperature"),
+    (dict(temperature=10**400), "temperature"), (dict(logit_bias={1: -10**400}), "logit_bias"),
     (dict(top_p=NAN), "top_p"), (dict(top_p=0), "top_p"), (dict(top_p=True), "top_p"),
     (dict(min_p=-INF), "min_p"), (dict(min_p=NAN), "min_p"),
     (dict(top_k=1.5), "top_k"), (dict(top_k=2.0), "top_k"), (dict(top_k=True), "top_k"), (dict(top_k=-2), "top_k"),
@@ -53,6 +54,7 @@ def test_good_values_are_kept_in_their_plain_types():
 
 NOT_NUMBERS = st.one_of(st.booleans(), st.none(), st.text(max_size=3), st.lists(st.integers(), max_size=2),
                         st.just(INF), st.just(-INF), st.just(NAN))
+NOT_FLOATS = NOT_NUMBERS | st.just(10**400)     # an int, but past the floats
 NON_INTEGERS = st.one_of(NOT_NUMBERS, st.floats(allow_nan=False, allow_infinity=False))
 SCALAR_NON_INTEGERS = NON_INTEGERS.filter(lambda v: not isinstance(v, list))     # hashable: dict keys, list items
 # (field, bad values): wrong types, NaN/inf, out of range
@@ -64,9 +66,9 @@ BAD = {
                       st.integers(min_value=2**63 - 1)),
     "logprobs": st.one_of(NON_INTEGERS.filter(lambda v: v is not None), st.integers(max_value=-1)),
     "prompt_logprobs": st.one_of(NON_INTEGERS.filter(lambda v: v is not None), st.integers(max_value=-1)),
-    "temperature": st.one_of(NOT_NUMBERS, st.floats(max_value=-1e-300)),
-    "top_p": st.one_of(NOT_NUMBERS, st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True)),
-    "min_p": st.one_of(NOT_NUMBERS, st.floats(max_value=-1e-300), st.floats(min_value=1.0, exclude_min=True)),
+    "temperature": st.one_of(NOT_FLOATS, st.floats(max_value=-1e-300)),
+    "top_p": st.one_of(NOT_FLOATS, st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True)),
+    "min_p": st.one_of(NOT_FLOATS, st.floats(max_value=-1e-300), st.floats(min_value=1.0, exclude_min=True)),
     "ignore_eos": st.one_of(st.integers(), st.none(), st.text(max_size=2), st.floats()),
     "skip_special_tokens": st.one_of(st.integers(), st.none(), st.text(max_size=2), st.floats()),
     "stop": st.one_of(st.integers(), st.floats(), st.lists(st.one_of(st.integers(), st.just("")), min_size=1)),
@@ -75,7 +77,7 @@ BAD = {
     "logit_bias": st.one_of(
         st.lists(st.integers(), min_size=1), st.integers(),
         st.dictionaries(SCALAR_NON_INTEGERS | st.integers(max_value=-1), st.floats(-100, 100), min_size=1),
-        st.dictionaries(st.integers(0, 1000), NOT_NUMBERS | st.floats(min_value=100.0, exclude_min=True)
+        st.dictionaries(st.integers(0, 1000), NOT_FLOATS | st.floats(min_value=100.0, exclude_min=True)
                         | st.floats(max_value=-100.0, exclude_max=True), min_size=1)),
 }
 

@@ -89,7 +89,10 @@ def _real(name: str, value, low: float, high: float | None = None, low_open: boo
     """value as a finite float in [low, high] (or (low, high]), else ValueError naming the field."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:       # an int past the floats
+        value = math.inf if value > 0 else -math.inf
     if (not math.isfinite(value) or value < low or (low_open and value == low)
             or (high is not None and value > high)):
         bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
