@@ -180,7 +180,7 @@ def parse_eviction(spec: str | dict | EvictionPolicy | None) -> EvictionPolicy |
 
 def _option_value(policy: str, key: str, value, kind: type, spec) -> int | str:
     """An option's value as its field's type: an int from an int or a string of digits, at most MAX_OPTION;
-    a str as given."""
+    a str, stripped."""
     if kind is int:
         if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
             value = int(value)
