@@ -110,7 +110,7 @@ def test_impossible_requests_are_rejected_and_others_still_served(ckpt):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"), (dict(min_p=2), "min_p"), (dict(logprobs=-1), "logprobs"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"), (dict(logprobs=-1), "logprobs"),
 ])
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

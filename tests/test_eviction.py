@@ -52,6 +52,33 @@ def test_specs_parse_and_bad_ones_show_the_form():
         SamplingParams(eviction="lru")
 
 
+@pytest.mark.parametrize("bad, message", [
+    ({"policy": []}, "policy must be a name"), ({"policy": {}}, "policy must be a name"),
+    ({"budget": 100}, "policy must be a name"), ({"policy": "sink", 3: 4}, "options are named by strings"),
+    ({"policy": "sink", "sinks": 1e400}, "sinks must be a whole number"),
+    ({"policy": "sink", "sinks": float("nan")}, "sinks must be a whole number"),
+    ({"policy": "sink", "window": 4.0}, "window must be a whole number"),
+    ({"policy": "sink", "window": True}, "window must be a whole number"),
+    ({"policy": "h2o", "budget": 10**40}, "budget must be a whole number"),
+    ({"policy": "h2o", "budget": [512]}, "budget must be a whole number"),
+    ({"policy": "h2o", "score": 3}, "score must be a string"),
+    ("sink:window=4.0", "window must be a whole number"), ("snapkv:budget=1e400", "budget must be a whole number"),
+    ("h2o:budget=99999999999999999999", "budget must be a whole number"),
+])
+def test_bad_option_values_are_value_errors_naming_them(bad, message):
+    with pytest.raises(ValueError, match=message) as err:
+        parse_eviction(bad)
+    assert "h2o:budget=512,recent=64" in str(err.value)
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(eviction=bad)
+
+
+def test_option_values_may_be_ints_or_strings_of_digits():
+    assert parse_eviction({"policy": "sink", "sinks": "8", "window": 64}) == Sink(8, 64)
+    assert parse_eviction("h2o: budget = 100 , score = sum ") == H2O(100, 64, "sum")
+    assert parse_eviction({"policy": "none"}) is None
+
+
 @pytest.mark.parametrize("policy", ["sink:sinks=4,window=200", "h2o:budget=200,recent=8", "snapkv:budget=200,window=8"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_a_budget_past_the_length_changes_nothing(ckpt, policy, kv_cache_dtype):

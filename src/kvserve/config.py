@@ -203,6 +203,8 @@ class EngineConfig:
     # on the CPU, have glibc's malloc keep freed memory for reuse instead of returning it (process-wide,
     # so a library leaves it off unless asked; the `kvserve` command turns it on)
     cpu_allocator_tuning: bool = False
+    # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module

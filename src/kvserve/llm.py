@@ -22,6 +22,9 @@ class LLM:
         self._request_ids = count()
 
     def get_tokenizer(self):
+        """The engine's tokenizer; ValueError if it has none (skip_tokenizer_init), as in vLLM."""
+        if self.engine.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer (skip_tokenizer_init=True)")
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Seq[PromptType],
@@ -41,7 +44,7 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        tok = self.get_tokenizer()
         if chat_template is None and not tok.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
         prompts = []

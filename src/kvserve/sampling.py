@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import ctypes
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -11,17 +14,21 @@ from kvserve.kv.eviction import parse_eviction
 
 _EPS = 1e-5
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop (vLLM's names and defaults)."""
+    """How to pick each next token and when to stop (vLLM's names and defaults).
+
+    Every field is checked when the params are made: a wrong type (a bool is not a number), a NaN or
+    infinite float, or a value out of range raises ValueError naming the field."""
 
     max_tokens: int | None = 16
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0                      # 0 or -1: off (stored as 0)
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | str | None = None
@@ -30,41 +37,96 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's and vLLM's logit_bias);
+    # the engine checks the ids against the vocabulary
+    logit_bias: dict[int, float] | None = None
     # the KV eviction policy of this request ("sink:sinks=4,window=1020", ..., "none"): overrides
     # the engine's default (kvserve.kv.eviction)
     eviction: str | dict | None = None
 
     def __post_init__(self):
+        self.n = _integer("n", self.n, 1)
+        if self.max_tokens is not None:
+            self.max_tokens = _integer("max_tokens", self.max_tokens, 1)
+        self.temperature = _real("temperature", self.temperature, 0.0)
+        self.top_p = _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        # -1 is vLLM's other spelling of "off"
+        self.top_k = max(0, _integer("top_k", self.top_k, -1, what="0 or -1 (off), or a positive integer"))
+        self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, 0, MAX_SEED - self.n,
+                                 what=f"in [0, {MAX_SEED - self.n}] (sample i draws from seed + i)")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _integer(name, getattr(self, name), 0))
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if self.eviction is not None:
             parse_eviction(self.eviction)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED - self.n:
-            raise ValueError(f"seed must be in [0, {MAX_SEED - self.n}] (sample i draws from seed + i), "
-                             f"got {self.seed}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or (self.top_k and self.top_k < 1):
-            raise ValueError(f"top_k must be 0 (off) or a positive integer, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _EPS
+
+
+def _integer(name: str, value, low: int, high: int | None = None, what: str = "") -> int:
+    """value as an int in [low, high], else ValueError naming the field (bools and floats are not ints)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        what = what or (f"at least {low}" if high is None else f"in [{low}, {high}]")
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return value
+
+
+def _real(name: str, value, low: float, high: float | None = None, low_open: bool = False) -> float:
+    """value as a finite float in [low, high] (or (low, high]), else ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:       # an int past the floats
+        value = math.inf if value > 0 else -math.inf
+    if (not math.isfinite(value) or value < low or (low_open and value == low)
+            or (high is not None and value > high)):
+        bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
+        raise ValueError(f"{name} must be a finite number in {bounds}, got {value}")
+    return value
+
+
+def _stop_strings(stop) -> list[str]:
+    """A string or a list of non-empty strings, as a list."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return []
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if not all(stops):
+        raise ValueError("stop strings must be non-empty")
+    return list(stops)
+
+
+def _stop_token_ids(ids) -> list[int]:
+    """None or a list of non-negative int token ids, as a list."""
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__} {ids!r}")
+    return [_integer(f"stop_token_ids[{i}]", t, 0) for i, t in enumerate(ids)]
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """{token id: bias in [-100, 100]} with int ids and float biases."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__} {bias!r}")
+    return {_integer("logit_bias token id", t, 0): _real(f"logit_bias[{t!r}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            for t, b in bias.items()}
 
 
 @dataclass
@@ -123,15 +185,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
+        """One token per row, drawn from the row's logits plus its logit_bias; the logprobs (of rows that ask)
+        are the model's own, before the bias and the temperature (vLLM's default, raw_logprobs)."""
+        raw = logits
+        if any(p.logit_bias for p in params):
+            logits = _add_logit_bias(logits, params)
         tokens = argmax(logits)
         sampled = not all(p.greedy for p in params)
-        if sampled or any(p.logprobs is not None for p in params):
-            logits = logits.float()     # keeps every bf16/fp16 value and its order
         if sampled:
+            logits = logits.float()     # keeps every bf16/fp16 value and its order
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             tokens = torch.where(greedy, tokens, self._sample(logits, params, generators))
         token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(logits, token_list, params))
+        return SampleResult(token_list, self._logprobs(raw, token_list, params))
 
     def _sample(self, logits, params, generators) -> torch.Tensor:
         dev = logits.device
@@ -160,6 +226,20 @@ class Sampler:
             for i, entry in zip(rows, entries):
                 out[i] = entry
         return out
+
+
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """A float32 copy of logits with each row's logit_bias added (the rows without one as they were)."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    dev = logits.device
+    biased = logits.to(torch.float32, copy=True)
+    biased[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(values, device=dev)
+    return biased
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, tuple[float, int]]]:

@@ -18,21 +18,24 @@ class Detokenizer:
     step here, against 0.27 for decoding two windows per sequence, which the others do.
     Either way a token is decoded in the context of the ones before it, starting inside the prompt so
     that tokenizers that strip a leading space keep the first output token's space, and text ending in
-    U+FFFD waits for the rest of a multi-byte character.
+    U+FFFD waits for the rest of a multi-byte character. With no tokenizer (skip_tokenizer_init) there is
+    no text: output_text stays "".
     """
 
     def __init__(self, tokenizer):
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.stream_of = None if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) \
             else backend
-        self.decode = tokenizer.decode
+        self.decode = None if tokenizer is None else tokenizer.decode
         # a DecodeStream takes any number of new tokens with the same result: text that is not needed until
         # a request ends can wait for it (the windows wait while a character is incomplete, so not those)
-        self.deferrable = self.stream_of is not None
+        self.deferrable = self.stream_of is not None or tokenizer is None
 
     def __call__(self, seq: Sequence, end: int | None = None) -> str:
         """The text of seq's tokens since the last call (maybe empty, until a character is whole), appended to
         output_text; `end`: the tokens before it only (DecodeStream)."""
+        if self.decode is None:
+            return ""
         if self.stream_of is None:
             return detokenize_step(self.decode, seq)
         # read_offset: the tokens the stream has taken

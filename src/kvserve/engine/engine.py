@@ -44,7 +44,8 @@ class LLMEngine:
             library()       # the C kernels: built (or found cached) as the engine starts, not in its first step
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
         self.max_model_len = self._max_model_len(config, mcfg)
-        self.tokenizer = load_tokenizer(self.model_path)
+        # skip_tokenizer_init: token ids in and out, no text (vLLM's)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
         self.detokenize = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
@@ -160,7 +161,7 @@ class LLMEngine:
         if gen.exists():
             eos = json.loads(gen.read_text()).get("eos_token_id")
             ids |= set([eos] if isinstance(eos, int) else eos or [])
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
@@ -179,6 +180,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
+        self._check_params(params)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
@@ -200,6 +202,14 @@ class LLMEngine:
             return None
         return torch.Generator(self.device).manual_seed(params.seed + index)
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias ids in the vocabulary, text options with a tokenizer."""
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and (bad := sorted(t for t in params.logit_bias if t >= vocab)):
+            raise ValueError(f"logit_bias token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this engine has skip_tokenizer_init): use stop_token_ids")
+
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -216,6 +226,9 @@ class LLMEngine:
         else:
             raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
         if ids is None:
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (this engine has skip_tokenizer_init): pass "
+                                 "prompt_token_ids")
             ids = self.tokenizer.encode(text)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -305,8 +318,8 @@ class LLMEngine:
     def _steps_at_once(self, sched: SchedulerOutput) -> int:
         """Decode steps to run in one native call (vLLM's multi-step scheduling): up to num_scheduler_steps
         where nobody sees the steps between (greedy decodes of final-only requests, no logprobs, no
-        eviction), no request waits for a place, none would pass its max_tokens or max_model_len, and the
-        pool has the blocks; else 1."""
+        eviction, no logit_bias: the C step takes the plain argmax), no request waits for a place, none
+        would pass its max_tokens or max_model_len, and the pool has the blocks; else 1."""
         native, steps = self.runner.native, self.config.num_scheduler_steps
         if (steps == 1 or native is None or sched.num_decodes < len(sched.seqs) or self.scheduler.waiting
                 or (native.max_batch is not None and len(sched.seqs) > native.max_batch)):
@@ -314,7 +327,7 @@ class LLMEngine:
         for seq in sched.seqs:
             p = seq.params
             # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet)
-            if (not p.greedy or p.logprobs is not None or seq.eviction is not None
+            if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.logit_bias
                     or seq.request_id not in self._final_only or seq.num_computed_tokens + 1 < seq.num_tokens):
                 return 1
             steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
@@ -377,7 +390,9 @@ class LLMEngine:
             seqs[row].prompt_logprobs += [self._logprob_dict(next(entries)) for _ in range(num)]
 
     def _logprob_dict(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
+        """Logprobs by token id, with each token's text (None without a tokenizer)."""
+        tok = self.tokenizer
+        return {t: Logprob(lp, rank, None if tok is None else tok.decode([t])) for t, (lp, rank) in entry.items()}
 
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
         seq.token_ids.append(token)

@@ -13,7 +13,11 @@ from kvserve.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
-_CHECKPOINT_FILES = ["config.json", "*.safetensors", "*.json", "tokenizer.model", "*.txt"]
+# the files a tokenizer's vocabulary is read from (tokenizer_config.json alone names a class, not a vocabulary):
+# tokenizers' JSON, sentencepiece models, BPE vocab + merges, WordPiece vocab, tiktoken ranks
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "*.model",
+                   "*.tiktoken")
+_CHECKPOINT_FILES = ["config.json", "*.safetensors", "*.json", "*.txt", *TOKENIZER_FILES]
 
 
 def resolve_model(model: str | None) -> Path:
@@ -127,8 +131,17 @@ def _part(param: str, shard: int | None) -> str:
 
 def load_tokenizer(path: Path):
     """The checkpoint's tokenizer. A plain PreTrainedTokenizerFast (the demo model's) is built
-    directly: AutoTokenizer would first import the model's config classes, a second of startup."""
+    directly: AutoTokenizer would first import the model's config classes, a second of startup.
+    A directory with none of the files a vocabulary is read from raises FileNotFoundError naming them
+    (transformers would fail speaking of missing libraries, or build an empty tokenizer from a
+    tokenizer_config.json alone)."""
     config = path / "tokenizer_config.json"
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        has = "tokenizer_config.json but" if config.exists() else "no tokenizer_config.json and"
+        raise FileNotFoundError(
+            f"{path} has no tokenizer: it has {has} none of {', '.join(TOKENIZER_FILES)}. Add the model's "
+            f"tokenizer files, or pass skip_tokenizer_init=True (--skip-tokenizer-init) to give and get token ids "
+            f"only")
     if config.exists() and json.loads(config.read_text()).get("tokenizer_class") == "PreTrainedTokenizerFast":
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(str(path))
