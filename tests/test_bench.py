@@ -141,7 +141,7 @@ def test_bench_quant_json(tmp_path):
                            initializer_range=0.02, max_position_embeddings=256)
     path = tmp_path / "quant.json"
     args = ["--model", str(ckpt), "--tokens", "120", "--context", "60", "--block-size", "16",
-            "--passkey-lengths", "200", "--decode-batch", "2", "--decode-prompt", "8", "--decode-tokens", "4",
+            "--passkey-lengths", "200", "--decode-batch", "2", "--decode-prompt", "8", "--decode-tokens", "16",
             "--repeats", "1", "--max-num-seqs", "4"]
     assert main(["bench", "quant", "--quick", "--json", str(path), *args]) == 0
     res = json.loads(path.read_text())
@@ -167,7 +167,7 @@ def test_bench_eviction_json(tmp_path):
     ckpt = tiny_checkpoint(tmp_path / "m", initializer_range=0.02, max_position_embeddings=192)
     path = tmp_path / "eviction.json"
     args = ["--model", str(ckpt), "--block-size", "8", "--budgets", "0.5", "--decode-batch", "1",
-            "--decode-tokens", "4", "--repeats", "1"]
+            "--decode-tokens", "16", "--repeats", "1"]
     assert main(["bench", "eviction", "--quick", "--json", str(path), *args]) == 0
     res = json.loads(path.read_text())
     rows = {(r["policy"], r["budget"]): r for r in res["rows"]}
