@@ -245,7 +245,7 @@ class _Handlers:
 
     async def detokenize(self, req: DetokenizeRequest):
         self._check_model(req.model)
-        if any(t >= self.vocab_size for t in req.tokens):
+        if req.tokens and max(req.tokens) >= self.vocab_size:
             raise APIError(400, f"tokens: token ids must be in [0, {self.vocab_size})", "tokens")
         return {"prompt": await self.tokenizer.decode(req.tokens)}
 
