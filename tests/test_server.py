@@ -69,7 +69,8 @@ ENGINE_ARGS = dict(block_size=4, num_kv_blocks=256, max_model_len=128)
 def url(ckpt):
     # as `kvserve serve` runs: the engine in a process of its own
     config = EngineConfig(model=str(ckpt), **ENGINE_ARGS)
-    with ServerThread(build_app(config, MODEL, ServerConfig(api_key=KEY, max_queue=300, max_body_bytes=100_000))) as base:
+    server = ServerConfig(api_key=KEY, max_queue=300, max_body_bytes=100_000)
+    with ServerThread(build_app(config, MODEL, server)) as base:
         yield base
 
 

@@ -25,7 +25,8 @@ def load_chat_template(template: str | None) -> str | None:
         return Path(template).read_text()
     except OSError as e:
         if not any(c in template for c in "{}\n"):
-            raise ValueError(f"--chat-template {template!r} looks like a file path, but it cannot be read: {e}") from None
+            raise ValueError(f"--chat-template {template!r} looks like a file path, but it cannot be read: "
+                             f"{e}") from None
     return codecs.decode(template, "unicode_escape")
 
 
