@@ -9,19 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    ValidationInfo,
-    WrapValidator,
-    field_validator,
-    model_validator,
-)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      ValidationInfo, WrapValidator, field_validator, model_validator)
 
 from kvserve.sampling import SamplingParams
 from kvserve.server.errors import APIError
@@ -32,7 +21,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
 
-def _valid_unicode(text: str) -> str:
+def valid_unicode(text: str) -> str:
+    """text, if it can be encoded: no lone surrogate (which a JSON escape such as "\\ud800" makes)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -40,7 +30,7 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
-Text = Annotated[str, AfterValidator(_valid_unicode)]
+Text = Annotated[str, AfterValidator(valid_unicode)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -68,9 +58,9 @@ def _non_empty_prompts(prompt):
             if not p:
                 raise ValueError(f"prompt {i} of the list is empty")
             if isinstance(p, str):
-                _valid_unicode(p)
+                valid_unicode(p)
     elif isinstance(prompt, str):
-        _valid_unicode(prompt)
+        valid_unicode(prompt)
     return prompt
 
 

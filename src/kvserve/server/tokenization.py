@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvserve.server.errors import APIError
+from kvserve.server.protocol import valid_unicode
 
 # a few threads: the tokenizer's Rust code runs without the GIL, so a long text takes one thread
 # for its duration while the others, and the event loop, go on
@@ -28,15 +29,6 @@ def load_chat_template(template: str | None) -> str | None:
             raise ValueError(f"--chat-template {template!r} looks like a file path, but it cannot be read: "
                              f"{e}") from None
     return codecs.decode(template, "unicode_escape")
-
-
-def check_unicode(text: str, param: str) -> str:
-    """text, if it can be encoded (no lone surrogate such as the JSON escape "\\ud800" makes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"{param}: not valid Unicode (a lone surrogate at character {e.start})", param) from None
-    return text
 
 
 class ServerTokenizer:
@@ -75,7 +67,6 @@ class ServerTokenizer:
     async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Any text's token ids (/tokenize), in a worker thread."""
         tok = self.require("text", param)
-        check_unicode(text, param)
         return await self._run(tok.encode, text, add_special_tokens=add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
@@ -94,7 +85,10 @@ class ServerTokenizer:
         except Exception as e:  # noqa: BLE001
             # a template error (jinja's raise_exception, say) is the request's fault
             raise APIError(400, f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
-        return check_unicode(text, "messages")
+        try:        # the messages' own text is checked; what else the template wrote is checked here
+            return valid_unicode(text)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", "messages") from None
 
     async def _run(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
