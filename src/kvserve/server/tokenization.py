@@ -33,7 +33,7 @@ def load_chat_template(template: str | None) -> str | None:
 
 class ServerTokenizer:
     """Encodes, decodes and renders chat templates in a few worker threads, never on the event loop
-    (a megabyte of text takes the tokenizer seconds). Text that cannot fit the model is refused
+    (a long text can hold a thread for seconds). Text that cannot fit the model is refused
     before it is encoded: no token covers more than `max_token_chars` characters (the longest entry
     of the vocabulary), so a text longer than max_model_len times that is over max_model_len tokens."""
 
