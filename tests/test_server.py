@@ -1,12 +1,15 @@
 """The OpenAI-compatible server, driven by the real openai client on a loopback port."""
 from __future__ import annotations
 
-import json
-
 import asyncio
+import dataclasses
+import json
+import os
+import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -16,8 +19,9 @@ import uvicorn
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.server.app import build_app
+from kvserve.server.app import ServerConfig, build_app
 from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.http import uvicorn_config
 from tiny_models import make_checkpoint
 
 MODEL = "tiny-llama"
@@ -31,9 +35,13 @@ def free_port() -> int:
 
 
 class ServerThread:
-    def __init__(self, app):
+    """The app served as `kvserve serve` serves it, on a free loopback port, in a thread."""
+
+    def __init__(self, app, config: ServerConfig | None = None):
+        config = config or ServerConfig()
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, config.request_read_timeout,
+                                                    config.max_connections, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -61,7 +69,8 @@ ENGINE_ARGS = dict(block_size=4, num_kv_blocks=256, max_model_len=128)
 def url(ckpt):
     # as `kvserve serve` runs: the engine in a process of its own
     config = EngineConfig(model=str(ckpt), **ENGINE_ARGS)
-    with ServerThread(build_app(config, MODEL, api_key=KEY, max_queue=300, max_body_bytes=100_000)) as base:
+    server = ServerConfig(api_key=KEY, max_queue=300, max_body_bytes=100_000)
+    with ServerThread(build_app(config, MODEL, server)) as base:
         yield base
 
 
@@ -200,7 +209,8 @@ def test_api_key_is_required(url):
 
 def metric(url: str, name: str) -> float:
     """A metric's value, summed over its label sets."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith((f"kvserve:{name}{{", f"kvserve:{name} "))]
     assert values, f"no metric {name}"
     return sum(values)
@@ -233,7 +243,7 @@ def test_cancelled_streams_free_every_block(url):
 
 def test_full_queue_is_429(ckpt):
     engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
-    with ServerThread(build_app(engine, MODEL, max_queue=0)) as base:
+    with ServerThread(build_app(engine, MODEL, ServerConfig(max_queue=0))) as base:
         r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert r.status_code == 429 and "max-queue" in r.json()["error"]["message"]
 
@@ -349,18 +359,51 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(ckpt, where)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
-def test_when_the_engine_process_dies_requests_fail_at_once(ckpt):
+def wait_for(condition, what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
+def test_a_killed_engine_process_fails_its_requests_and_is_started_again(ckpt):
     app = build_app(EngineConfig(model=str(ckpt), **ENGINE_ARGS), MODEL)
     server = app.state.async_engine
     with ServerThread(app) as base:
-        server._core.kill()
-        deadline = time.monotonic() + 30
-        while server.dead is None:
-            assert time.monotonic() < deadline, "the server did not notice the engine's end"
-            time.sleep(0.05)
-        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
-        assert r.status_code == 500 and "engine has stopped" in r.json()["error"]["message"]
-        assert httpx.get(f"{base}/health").status_code == 503
+        killed = server._core
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 120, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60)
+            wait_for(lambda: server.num_in_flight == 1, "the request is in the engine")
+            os.kill(killed.pid, signal.SIGKILL)
+            r = in_flight.result()
+        assert r.status_code == 500 and "engine" in r.json()["error"]["message"]
+        # until a new engine is ready: not healthy, no engine gauges, new requests refused
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == 503
+        assert "kvserve:kv_cache_usage_perc" not in httpx.get(f"{base}/metrics").text
+        refused = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 503 and "not running" in refused.json()["error"]["message"]
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, "the engine is started again")
+        assert killed.exitcode == -signal.SIGKILL and server._core.is_alive()     # reaped, replaced
+        r = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert "kvserve:kv_cache_usage_perc" in httpx.get(f"{base}/metrics").text
+
+
+def test_an_engine_that_cannot_start_again_is_tried_a_bounded_number_of_times(ckpt, tmp_path, caplog):
+    config = EngineConfig(model=str(ckpt), **ENGINE_ARGS)
+    app = build_app(config, MODEL, ServerConfig(engine_start_attempts=2))
+    server = app.state.async_engine
+    with ServerThread(app) as base:
+        server._config = dataclasses.replace(config, model=str(tmp_path / "gone"))   # the next starts fail
+        os.kill(server._core.pid, signal.SIGKILL)
+        wait_for(lambda: server.dead is not None and "2 tries" in server.dead, "the engine is given up on")
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and "could not be started again" in health.json()["error"]["message"]
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=60)
+        assert r.status_code == 503
+    assert [record.msg for record in caplog.records].count("engine start %d of %d failed: %s") == 2
 
 
 def test_the_engine_process_reports_a_bad_model_and_stops_with_the_server(ckpt, tmp_path):

@@ -94,12 +94,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.config import EngineConfig
-    from kvserve.server.app import build_app
+    from kvserve.server.app import ServerConfig, build_app
+    from kvserve.server.http import uvicorn_config
+    from kvserve.server.tokenization import load_chat_template
 
     name = args.served_model_name or args.model or "kvserve-demo"
-    app = build_app(EngineConfig(model=args.model, **engine_kwargs(args)), name, args.api_key, args.max_queue,
-                    args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          request_read_timeout=args.request_read_timeout, max_connections=args.max_connections,
+                          max_n_sequences=args.max_n_sequences, max_completion_prompts=args.max_completion_prompts,
+                          chat_template=load_chat_template(args.chat_template), enable_docs=args.enable_docs)
+    app = build_app(EngineConfig(model=args.model, **engine_kwargs(args)), name, config)
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, config.request_read_timeout, config.max_connections,
+                                  args.log_level)).run()
     return 0
 
 
@@ -125,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model name clients send")
     s.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    s.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's head, and then its body, before a 408")
+    s.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections; a new one past this gets a 503 and is closed")
+    s.add_argument("--max-n-sequences", type=int, default=128, help="the largest n (samples) of one request")
+    s.add_argument("--max-completion-prompts", type=int, default=128,
+                   help="the most prompts of one /v1/completions request")
+    s.add_argument("--chat-template", default=None,
+                   help="a chat template (jinja) for /v1/chat/completions and /tokenize: a file, or the template "
+                        "itself; default: the model's own")
+    s.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: completions, chat, streaming, metrics."""
+"""The OpenAI-compatible HTTP server: completions, chat, tokenize, streaming, metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -7,209 +7,258 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.server.async_engine import AsyncEngine, QueueFullError
+from kvserve.sampling import SamplingParams
+from kvserve.server.async_engine import AsyncEngine, EngineError, EngineUnavailableError, QueueFullError
+from kvserve.server.errors import APIError, error_response
+from kvserve.server.http import APIKeyCheck, RequestBody, UnexpectedErrors
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest)
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.tokenization import ServerTokenizer
 
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's and vLLM's default for /v1/completions
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None) -> JSONResponse:
-    """OpenAI's error shape."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+@dataclass
+class ServerConfig:
+    """The HTTP side's options: `kvserve serve`'s flags beside the engine's."""
+
+    api_key: str | None = None              # every path but /health needs 'Authorization: Bearer KEY'
+    max_queue: int | None = None            # requests in flight before 429
+    max_body_bytes: int = 8 * 2**20
+    request_read_timeout: float = 30.0      # seconds for a request's head, and then for its body
+    max_connections: int = 2048             # open connections; a new one past it gets a 503
+    max_n_sequences: int = 128              # the largest n of a request (vLLM's VLLM_MAX_N_SEQUENCES)
+    max_completion_prompts: int = 128       # prompts of one /v1/completions request (VLLM_MAX_COMPLETION_PROMPTS)
+    chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
+    enable_docs: bool = False               # /docs, /redoc and /openapi.json
+    engine_start_attempts: int = 3          # tries to start a new engine process after one dies
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for request bodies over `max_bytes`, declared or streamed."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
-            if int(declared) > self.max_bytes:
-                return await self._too_large(scope, receive, send)
-            return await self.app(scope, receive, send)
-        # No declared length (chunked): read the body here, up to the limit, then replay it.
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await self._too_large(scope, receive, send)
-            if message["type"] != "http.request" or not message.get("more_body"):
-                break
-        replay = iter(messages)
-
-        async def replayed():
-            return next(replay, None) or await receive()
-
-        return await self.app(scope, replayed, send)
-
-    async def _too_large(self, scope, receive, send):
-        return await error_response(413, f"request body over {self.max_bytes} bytes")(scope, receive, send)
-
-
-def build_app(engine: LLMEngine | EngineConfig, model_name: str, api_key: str | None = None,
-              max_queue: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerConfig | None = None) -> FastAPI:
     """The app over an engine: built here in a process of its own from an EngineConfig (what
     `kvserve serve` does), or an LLMEngine object stepped in a thread."""
-    server = AsyncEngine(engine, max_queue)
+    config = config or ServerConfig()
+    server = AsyncEngine(engine, config.max_queue, start_attempts=config.engine_start_attempts)
     metrics = server.metrics = ServerMetrics(server.stats, model_name)
+    tokenizer = ServerTokenizer(server.engine.tokenizer, server.engine.max_model_len, config.chat_template)
 
     @asynccontextmanager
     async def lifespan(_app):
         server.start()
         yield
         await asyncio.to_thread(server.shutdown)
+        tokenizer.close()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="kvserve", lifespan=lifespan, **docs)
+    # the last added runs first: unexpected errors caught around everything, the key checked before the body is read
+    app.add_middleware(RequestBody, max_bytes=config.max_body_bytes, timeout=config.request_read_timeout)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=config.api_key)
+    app.add_middleware(UnexpectedErrors)
     app.state.async_engine = server
     _add_error_handlers(app)
-    auth = Depends(_auth_check(api_key))
-    handlers = _Handlers(server, model_name)
+    handlers = _Handlers(server, tokenizer, model_name, config)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if server.dead else 200)
+        if server.dead is not None:
+            return error_response(APIError(503, f"the engine is not running: {server.dead}"))
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
                                             "max_model_len": server.engine.max_model_len}]}
 
-    app.post("/v1/completions", dependencies=[auth])(handlers.completions)
-    app.post("/v1/chat/completions", dependencies=[auth])(handlers.chat)
-    app.post("/tokenize", dependencies=[auth])(handlers.tokenize)
-    app.post("/detokenize", dependencies=[auth])(handlers.detokenize)
+    app.post("/v1/completions")(handlers.completions)
+    app.post("/v1/chat/completions")(handlers.chat)
+    app.post("/tokenize")(handlers.tokenize)
+    app.post("/detokenize")(handlers.detokenize)
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    """Every error the app answers in OpenAI's shape; anything else is UnexpectedErrors' 500."""
     @app.exception_handler(APIError)
     async def api_error(_req, e: APIError):
-        return error_response(e.status, e.message, e.kind, e.param)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_req, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return error_response(400, message, param=where)
+        if first.get("type") == "json_invalid":     # its loc is a byte offset, not a field
+            return error_response(APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error')}"))
+        param = _param(first.get("loc", ()))
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return error_response(APIError(400, f"{param}: {message}" if param else message, param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_req, e: HTTPException):
+        # FastAPI's and Starlette's own: 404, 405, a body it cannot parse (invalid UTF-8, say)
+        return error_response(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(QueueFullError)
     async def full(_req, e: QueueFullError):
-        return error_response(429, str(e), "rate_limit_error")
+        return error_response(APIError(429, str(e)))
 
-    @app.exception_handler(ValueError)
-    async def bad_value(_req, e: ValueError):
-        return error_response(400, str(e))
+    @app.exception_handler(EngineUnavailableError)
+    async def unavailable(_req, e: EngineUnavailableError):
+        return error_response(APIError(503, str(e)))
 
-    @app.exception_handler(RuntimeError)
-    async def engine_failure(_req, e: RuntimeError):
-        # the engine failed while running the request (it serves on), or the server is shutting down
-        return error_response(500, str(e), "internal_error")
+    @app.exception_handler(EngineError)
+    async def engine_failure(_req, e: EngineError):
+        # the engine failed while running the request (it serves on, or is restarted)
+        return error_response(APIError(500, str(e)))
 
 
-def _auth_check(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise APIError(401, "invalid or missing API key", "authentication_error")
-    return check
+# the names pydantic gives the members of a union in an error's location
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str | None:
+    """The request field an error's location names ("messages.0.content"), up to the union member
+    pydantic adds to it ("str", "list[ContentPart]", ...)."""
+    parts = []
+    for part in loc[1:]:                # loc[0] is "body"
+        if isinstance(part, str) and (not part.isidentifier() or part in _UNION_MEMBERS):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
 
 
 class _Handlers:
     """The endpoints that run requests through the engine."""
 
-    def __init__(self, server: AsyncEngine, model_name: str):
+    def __init__(self, server: AsyncEngine, tokenizer: ServerTokenizer, model_name: str, config: ServerConfig):
         self.server = server
+        self.tokenizer = tokenizer
         self.engine = server.engine
         self.model_name = model_name
+        self.config = config
+        self.vocab_size = server.engine.model_config.vocab_size
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                           "not_found_error", "model")
+                           "model")
+
+    def _check_fan_out(self, num_prompts: int, n: int) -> None:
+        limits = self.config
+        if num_prompts > limits.max_completion_prompts:
+            raise APIError(400, f"prompt: {num_prompts} prompts in one request, more than the server's limit of "
+                                f"{limits.max_completion_prompts} (--max-completion-prompts)", "prompt")
+        if n > limits.max_n_sequences:
+            raise APIError(400, f"n: {n} samples, more than the server's limit of {limits.max_n_sequences} "
+                                f"(--max-n-sequences)", "n")
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req.model)
-        params = req.sampling_params(16, req.logprobs)
+        texts = req.prompts()
+        self._check_fan_out(len(texts), req.n)
+        params = req.sampling_params(req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, self.vocab_size, req.logprobs,
+                                     prompt_logprobs=req.logprobs if req.echo else None)
+        prompts = await asyncio.gather(*(self._prompt(p, True, "prompt") for p in texts))
+        self._check_kv(prompts, params)
+        echo = [p["prompt"] if p["prompt"] is not None else await self.tokenizer.decode(p["prompt_token_ids"])
+                for p in prompts] if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, req.prompts(), params, req.cache_salt)
-        fmt = _CompletionFormat(rid, self.model_name, self.engine.tokenizer, req.logprobs or 0)
+        streams = await self._submit(rid, prompts, params, req.cache_salt)
+        fmt = _CompletionFormat(rid, self.model_name, self._token_ids_too(req), self.tokenizer.tokenizer,
+                                req.logprobs or 0, echo)
         return await self._respond(req, raw, streams, fmt, params)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
-        tok = self.engine.tokenizer
-        text = self._render_chat(req.messages, req.add_generation_prompt)
-        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        self._check_fan_out(1, req.n)
         top = req.top_logprobs or 0
-        params = req.sampling_params(None, top if req.logprobs else None)
+        params = req.sampling_params(req.max_completion_tokens or req.max_tokens, self.vocab_size,
+                                     top if req.logprobs else None)
+        text = await self.tokenizer.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
+        # the template writes the special tokens it wants (a BOS, say): none added
+        prompt = await self._prompt(text, False, "messages")
+        self._check_kv([prompt], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [prompt], params, req.cache_salt)
-        fmt = _ChatFormat(rid, self.model_name, tok, top)
+        fmt = _ChatFormat(rid, self.model_name, self._token_ids_too(req), top)
         return await self._respond(req, raw, streams, fmt, params)
 
-    def _render_chat(self, messages, add_generation_prompt: bool) -> str:
-        tok = self.engine.tokenizer
-        if not tok.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        try:
-            return tok.apply_chat_template([m.model_dump(exclude_none=True) for m in messages], tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # noqa: BLE001
-            # a template error (jinja's raise_exception, say) is the request's fault
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    def _token_ids_too(self, req) -> bool:
+        """Token ids in the response: asked for, or the only output there is (no tokenizer, no text)."""
+        return req.return_token_ids or self.tokenizer.tokenizer is None
+
+    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool, param: str) -> dict:
+        """The engine's prompt (text and token ids), tokenized here, off the event loop: the engine's
+        process only ever sees token ids."""
+        if isinstance(prompt, str):
+            ids, text = await self.tokenizer.encode_prompt(prompt, add_special_tokens, param), prompt
+        else:
+            ids, text = prompt, None
+        max_model_len = self.engine.max_model_len
+        if not ids:
+            raise APIError(400, f"{param}: the prompt is empty (as token ids)", param)
+        if len(ids) >= max_model_len:
+            raise APIError(400, f"{param}: the prompt is {len(ids)} tokens; with one to generate it exceeds "
+                                f"max_model_len ({max_model_len})", param)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _check_kv(self, prompts: list[dict], params: SamplingParams) -> None:
+        """n samples of a prompt run together: a 400 if, at their longest, they cannot all be in the
+        KV cache at once. (One sample is the engine's to check: its eviction policy counts.)"""
+        pool, n = self.server.kv_pool_tokens, params.n
+        if n == 1 or not pool:
+            return
+        max_model_len = self.engine.max_model_len
+        for p in prompts:
+            prompt_len = len(p["prompt_token_ids"])
+            # a sample holds at most max_model_len tokens, whatever its max_tokens and eviction
+            sample = min(prompt_len + (params.max_tokens or max_model_len), max_model_len) - prompt_len
+            need = prompt_len + n * sample
+            if need > pool:
+                raise APIError(400, f"n ({n}) samples of up to {sample} tokens each, beside the prompt's "
+                                    f"{prompt_len}, need {need} tokens of KV cache; the whole cache holds {pool}: "
+                                    f"ask for fewer samples or fewer max_tokens", "n")
 
     async def tokenize(self, req: TokenizeRequest):
         self._check_model(req.model)
-        tok = self.engine.tokenizer
         if req.messages is not None:
-            tokens = tok.encode(self._render_chat(req.messages, True), add_special_tokens=False)
+            text = await self.tokenizer.render_chat([m.for_template() for m in req.messages],
+                                                    req.add_generation_prompt)
+            tokens = await self.tokenizer.encode(text, False, "messages")
         else:
-            tokens = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            tokens = await self.tokenizer.encode(req.prompt, req.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
 
     async def detokenize(self, req: DetokenizeRequest):
         self._check_model(req.model)
-        vocab = self.engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": self.engine.tokenizer.decode(req.tokens)}
+        if req.tokens and max(req.tokens) >= self.vocab_size:
+            raise APIError(400, f"tokens: token ids must be in [0, {self.vocab_size})", "tokens")
+        return {"prompt": await self.tokenizer.decode(req.tokens)}
 
     async def _submit(self, rid: str, prompts: list, params, cache_salt) -> list[AsyncIterator[RequestOutput]]:
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.server.submit(f"{rid}-{i}", prompt, params, cache_salt))
-        except BaseException:
+        except BaseException as e:
             for i in range(len(streams)):
                 self.server.abort(f"{rid}-{i}")
+            if isinstance(e, ValueError):     # the engine refused the request
+                raise APIError(400, str(e)) from None
             raise
         return streams
 
@@ -294,7 +343,7 @@ async def _sse(fmt, merged: AsyncIterator[tuple[int, RequestOutput]], include_us
         yield "data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001
         # the status is sent: report the failure in the stream
-        yield _event({"error": {"message": str(e), "type": "internal_error", "code": 500}})
+        yield _event({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
     finally:
         await merged.aclose()      # a disconnect aborts the requests now, not at garbage collection
 
@@ -308,8 +357,9 @@ class _Format:
 
     object_name = chunk_object = ""
 
-    def __init__(self, rid: str, model_name: str, tokenizer):
-        self.rid, self.model, self.tokenizer, self.created = rid, model_name, tokenizer, int(time.time())
+    def __init__(self, rid: str, model_name: str, token_ids: bool):
+        self.rid, self.model, self.created = rid, model_name, int(time.time())
+        self.token_ids = token_ids          # the token ids beside the text (return_token_ids)
 
     def _envelope(self, object_name: str, choices: list, usage=None) -> dict:
         body = {"id": self.rid, "object": object_name, "created": self.created, "model": self.model,
@@ -336,59 +386,100 @@ class _Format:
     def _top(entry) -> list:
         return sorted(entry.items(), key=lambda kv: kv[1].rank)
 
+    @staticmethod
+    def token_text(token: int, lp) -> str:
+        """A token's text in logprobs; vLLM's "token_id:N" where there is none (no tokenizer)."""
+        return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token}"
+
 
 class _CompletionFormat(_Format):
     object_name = chunk_object = "text_completion"
 
-    def __init__(self, rid, model_name, tokenizer, top_logprobs: int):
-        super().__init__(rid, model_name, tokenizer)
-        self.top_logprobs = top_logprobs
+    def __init__(self, rid, model_name, token_ids: bool, tokenizer, top_logprobs: int, echo: list[str] | None):
+        super().__init__(rid, model_name, token_ids)
+        self.tokenizer, self.top_logprobs = tokenizer, top_logprobs
+        self.echo = echo                    # per prompt, its text, put before each of its completions
 
     def response(self, finals: list[RequestOutput]) -> dict:
-        choices = [{"index": self.choice_index(i, c, f), "text": c.text, "logprobs": self._logprobs(c, 0, 0),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for i, f in enumerate(finals) for c in f.outputs]
+        choices = []
+        for i, f in enumerate(finals):
+            for c in f.outputs:
+                choice = self._choice(i, f, c, 0, 0, len(c.text), first=True)
+                choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
         return self._envelope(self.object_name, choices, self.usage(finals))
 
     def chunk(self, i, out, c, chars, end, tokens, first) -> dict:
-        choice = {"index": self.choice_index(i, c, out), "text": c.text[chars:end],
-                  "logprobs": self._logprobs(c, tokens, chars), "finish_reason": c.finish_reason}
-        return self._envelope(self.object_name, [choice])
+        return self._envelope(self.object_name, [self._choice(i, out, c, chars, tokens, end, first)])
 
-    def _logprobs(self, c: CompletionOutput, start: int, offset: int) -> dict | None:
-        if c.logprobs is None:
-            return None
-        entries = [(t, e) for t, e in zip(c.token_ids[start:], c.logprobs[start:])]
-        tokens = [e[t].decoded_token for t, e in entries]
+    def _choice(self, i: int, out: RequestOutput, c: CompletionOutput, chars: int, tokens: int, end: int,
+                first: bool) -> dict:
+        """The choice of completion c from its `tokens`-th token and `chars`-th character on; its
+        first chunk starts with the echoed prompt."""
+        prefix = self.echo[i] if self.echo is not None else ""
+        logprobs = self._logprobs(c.token_ids[tokens:], c.logprobs[tokens:], len(prefix) + chars) \
+            if c.logprobs is not None else None
+        if first and self.echo is not None and logprobs is not None:
+            logprobs = self._join(self._prompt_logprobs(out), logprobs)
+        choice = {"index": self.choice_index(i, c, out), "text": (prefix if first else "") + c.text[chars:end],
+                  "logprobs": logprobs, "finish_reason": c.finish_reason}
+        if self.token_ids:
+            if first:
+                choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = c.token_ids[tokens:]
+        return choice
+
+    def _logprobs(self, token_ids: list[int], entries: list, offset: int) -> dict:
+        tokens = [self.token_text(t, e[t]) for t, e in zip(token_ids, entries)]
         offsets = []
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in entries], "text_offset": offsets,
-                "top_logprobs": [self._by_text(self._top(e)[:self.top_logprobs]) for _, e in entries]}
+        return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, entries)],
+                "text_offset": offsets,
+                "top_logprobs": [self._by_text(self._top(e)[:self.top_logprobs]) for e in entries]}
+
+    def _prompt_logprobs(self, out: RequestOutput) -> dict:
+        """The echoed prompt's logprobs: its first token has none (nothing before it to score it)."""
+        first, *rest = out.prompt_token_ids
+        text = self.tokenizer.decode([first]) if self.tokenizer is not None else f"token_id:{first}"
+        scored = self._logprobs(rest, out.prompt_logprobs[1:], len(text))
+        head = {"tokens": [text], "token_logprobs": [None], "text_offset": [0], "top_logprobs": [None]}
+        return self._join(head, scored)
 
     @staticmethod
-    def _by_text(ranked) -> dict[str, float]:
+    def _join(a: dict, b: dict) -> dict:
+        return {k: a[k] + b[k] for k in a}
+
+    def _by_text(self, ranked) -> dict[str, float]:
         """Legacy top_logprobs are keyed by text; tokens that decode alike keep the likeliest."""
         out: dict[str, float] = {}
-        for _, lp in ranked:
-            out.setdefault(lp.decoded_token, lp.logprob)
+        for t, lp in ranked:
+            out.setdefault(self.token_text(t, lp), lp.logprob)
         return out
 
 
 class _ChatFormat(_Format):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, rid, model_name, tokenizer, top_logprobs: int):
-        super().__init__(rid, model_name, tokenizer)
+    def __init__(self, rid, model_name, token_ids: bool, top_logprobs: int):
+        super().__init__(rid, model_name, token_ids)
         self.top_logprobs = top_logprobs
 
     def response(self, finals: list[RequestOutput]) -> dict:
         (f,) = finals
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for c in f.outputs]
-        return self._envelope(self.object_name, choices, self.usage(finals))
+        choices = []
+        for c in f.outputs:
+            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if self.token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        body = self._envelope(self.object_name, choices, self.usage(finals))
+        if self.token_ids:
+            body["prompt_token_ids"] = f.prompt_token_ids
+        return body
 
     def chunk(self, i, out, c, chars, end, tokens, first) -> dict:
         delta = {"content": c.text[chars:end]}
@@ -396,14 +487,20 @@ class _ChatFormat(_Format):
             delta = {"role": "assistant", **delta}
         choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c, tokens),
                   "finish_reason": c.finish_reason}
-        return self._envelope(self.chunk_object, [choice])
+        if self.token_ids:
+            choice["token_ids"] = c.token_ids[tokens:]
+        body = self._envelope(self.chunk_object, [choice])
+        if self.token_ids and first:
+            body["prompt_token_ids"] = out.prompt_token_ids
+        return body
 
     def _logprobs(self, c: CompletionOutput, start: int) -> dict | None:
         if c.logprobs is None:
             return None
 
-        def item(lp):
-            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+        def item(token, lp):
+            text = self.token_text(token, lp)
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
 
-        return {"content": [{**item(e[t]), "top_logprobs": [item(lp) for _, lp in self._top(e)[:self.top_logprobs]]}
+        return {"content": [{**item(t, e[t]), "top_logprobs": [item(*kv) for kv in self._top(e)[:self.top_logprobs]]}
                             for t, e in zip(c.token_ids[start:], c.logprobs[start:])]}

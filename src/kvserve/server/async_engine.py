@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from kvserve.config import EngineConfig, ModelConfig
@@ -26,11 +28,19 @@ class QueueFullError(RuntimeError):
     """More requests are in flight than the server accepts (--max-queue)."""
 
 
+class EngineError(RuntimeError):
+    """The engine failed while running a request (a step raised, or its process died)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is not running: restarting after it died, or stopped for good."""
+
+
 @dataclass
 class EngineInfo:
     """What the HTTP side needs of an engine that runs in another process."""
 
-    tokenizer: object
+    tokenizer: object | None          # None: the engine runs without one (skip_tokenizer_init)
     model_config: ModelConfig
     max_model_len: int
 
@@ -48,48 +58,66 @@ class AsyncEngine:
     requests' queues, one wake-up of the event loop per step.
 
     Given an EngineConfig, the core runs in a process of its own (what `kvserve serve` does): the
-    engine steps without ever waiting for the HTTP side's hold on the GIL. Given an LLMEngine, it
-    runs in a thread. Requests that arrive during a step all enter at the next step boundary, as do
-    aborts. A request whose consumer goes away (a client disconnect cancels its generator) is
-    aborted and its blocks return to the pool at once.
+    engine steps without ever waiting for the HTTP side's hold on the GIL. Should that process die,
+    the requests in flight fail (EngineError), the process is reaped and started again (up to
+    `start_attempts` tries, each logged), and until it is ready new requests are refused
+    (EngineUnavailableError). Given an LLMEngine, the core runs in a thread. Requests that arrive
+    during a step all enter at the next step boundary, as do aborts. A request whose consumer goes
+    away (a client disconnect cancels its generator) is aborted and its blocks return to the pool at
+    once.
     """
 
-    def __init__(self, engine: LLMEngine | EngineConfig, max_queue: int | None = None, metrics=None):
+    def __init__(self, engine: LLMEngine | EngineConfig, max_queue: int | None = None, metrics=None,
+                 start_attempts: int = 3):
         self.max_queue = max_queue
         self.metrics = metrics                # ServerMetrics: observe(delta, arrival), forget(request_id)
-        self._conn, core_conn = multiprocessing.Pipe()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()     # what the writer thread sends, in order
+        self.start_attempts = start_attempts
+        self._config = engine if isinstance(engine, EngineConfig) else None
+        # what the writer thread sends, in order: (generation, message); a message of an engine
+        # generation that has died is dropped, never sent to its successor
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._generation = 0
         self._streams: dict[str, _Stream] = {}
-        self.dead: str | None = None          # why the engine can take no more requests
-        self._core: threading.Thread | multiprocessing.Process
+        self._closing = False
+        self.dead: str | None = None          # why the engine takes no requests now; None: it does
+        self._conn, self._core, ready = self._start_core(engine)
+        self._stats: dict | None = ready.stats
+        self.kv_pool_tokens = ready.kv_pool_tokens
+        self.engine = engine if isinstance(engine, LLMEngine) else EngineInfo(
+            load_tokenizer(ready.model_path) if ready.has_tokenizer else None, ModelConfig.from_path(ready.model_path),
+            ready.max_model_len)
+        self._threads: list[threading.Thread] = []
+
+    @staticmethod
+    def _start_core(engine: LLMEngine | EngineConfig) -> tuple[Connection, threading.Thread | BaseProcess, _Ready]:
+        """Start an engine core and wait until it is ready; ValueError if it cannot start."""
+        conn, core_conn = multiprocessing.Pipe()
+        core: threading.Thread | BaseProcess
         if isinstance(engine, EngineConfig):
-            self._core = multiprocessing.get_context("spawn").Process(
+            core = multiprocessing.get_context("spawn").Process(
                 target=run_engine_process, args=(engine, core_conn), name="kvserve-engine", daemon=True)
-            self._core.start()
+            core.start()
             core_conn.close()                 # so that a child that dies reads as the pipe's end
         else:
-            self._core = threading.Thread(target=EngineCore(engine, core_conn).run, name="kvserve-engine",
-                                          daemon=True)
-            self._core.start()
+            core = threading.Thread(target=EngineCore(engine, core_conn).run, name="kvserve-engine", daemon=True)
+            core.start()
         try:
-            ready = self._conn.recv()
+            ready = conn.recv()
         except EOFError:
-            self._core.join()
-            raise ValueError(f"the engine process exited (code {self._core.exitcode}) before it was ready") from None
+            core.join()
+            raise ValueError(f"the engine process exited (code {core.exitcode}) before it was ready") from None
         if ready[0] == "error":
-            self._core.join()
+            core.join()
             raise ValueError(ready[1])
-        _, model_path, max_model_len, self._stats = ready
-        self.engine = engine if isinstance(engine, LLMEngine) else EngineInfo(
-            load_tokenizer(Path(model_path)), ModelConfig.from_path(Path(model_path)), max_model_len)
-        self._threads: list[threading.Thread] = []
+        return conn, core, _Ready(*ready[1:])
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def stats(self) -> dict:
-        """The engine's stats (LLMEngine.stats) as of its latest step or idle moment."""
+    def stats(self) -> dict | None:
+        """The engine's stats (LLMEngine.stats) as of its latest step or idle moment; None while no
+        engine runs."""
         return self._stats
 
     def start(self) -> None:
@@ -100,11 +128,12 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         """Abort every request in flight and stop the engine (blocks: call it off the event loop)."""
-        error = RuntimeError("the server is shutting down")
+        self._closing = True
+        error = EngineUnavailableError("the server is shutting down")
         for request_id, stream in list(self._streams.items()):
             self._streams.pop(request_id, None)
             stream.loop.call_soon_threadsafe(_fail, stream, error)
-        self._send(("shutdown",))
+        self._outbox.put((None, ("shutdown",)))
         self._outbox.put(None)
         self._core.join(timeout=10)
         for thread in self._threads:
@@ -121,10 +150,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
         self._streams[request_id] = stream
-        if self.dead is not None:       # checked once registered: a dying engine fails the streams it knows
+        # read in this order (the reader thread writes them in the other): a request either goes to
+        # the engine generation it was registered under, which fails it if it dies, or is refused
+        generation = self._generation
+        if self.dead is not None:
             self._streams.pop(request_id, None)
-            raise RuntimeError(f"the engine has stopped: {self.dead}")
-        self._send(("add", request_id, prompt, params, cache_salt))
+            raise EngineUnavailableError(f"the engine is not running: {self.dead}")
+        self._outbox.put((generation, ("add", request_id, prompt, params, cache_salt)))
         try:
             await stream.admitted
         except asyncio.CancelledError:
@@ -159,32 +191,32 @@ class AsyncEngine:
         """Abort at the next step boundary (queued for the writer: never blocks the caller)."""
         if self._streams.pop(request_id, None) is not None and self.metrics is not None:
             self.metrics.forget(request_id)
-        self._send(("abort", request_id))
-
-    def _send(self, message: tuple) -> None:
-        self._outbox.put(message)
+        self._outbox.put((self._generation, ("abort", request_id)))
 
     def _write(self) -> None:
         """The writer thread: the requests and aborts, in order (a send may wait while the engine steps)."""
-        while (message := self._outbox.get()) is not None:
+        while (item := self._outbox.get()) is not None:
+            generation, message = item
+            if generation is not None and generation != self._generation:
+                continue                # for an engine that has died
             try:
                 self._conn.send(message)
-            except OSError as e:
-                self._stop(f"{type(e).__name__}: {e}")
-                return
+            except OSError:
+                continue                # the engine is gone: the reader sees its pipe close
             except Exception as e:  # noqa: BLE001  (a request that cannot be pickled)
                 if message[0] == "add":
                     self._admitted(message[1], ValueError(f"the request cannot be sent to the engine: {e}"))
 
     def _read(self) -> None:
-        """The reader thread: every message of the core, until it stops."""
+        """The reader thread: every message of the core, until it stops (or dies for good)."""
         handlers: dict[str, Callable] = {"admitted": self._admitted, "outputs": self._route,
                                          "failed": self._failed, "stats": self._set_stats}
         while True:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError) as e:
-                self._stop(f"its pipe closed ({type(e).__name__})")
+                if self._engine_lost(f"its pipe closed ({type(e).__name__})"):
+                    continue
                 return
             if message[0] == "stopped":
                 return
@@ -193,12 +225,39 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 log.exception("could not handle the engine's %r message; serving on", message[0])
 
-    def _stop(self, reason: str) -> None:
-        """The engine is gone: fail what is in flight, refuse what comes."""
-        if self.dead is None:
-            self.dead = reason
+    def _engine_lost(self, reason: str) -> bool:
+        """The engine is gone: fail what is in flight, refuse what comes, and start a new engine
+        process if there is a config to build it from. True once a new one is ready."""
+        self.dead = reason
+        self._generation += 1
+        self._stats = None
+        self._failed(f"the engine stopped: {reason}", list(self._streams))
+        if self._closing or self._config is None:
             log.error("the engine has stopped: %s", reason)
-        self._failed(f"the engine has stopped: {reason}", list(self._streams), self._stats)
+            return False
+        self._conn.close()
+        self._core.join(timeout=10)    # reap the dead process (one whose pipe closed but hangs, by force)
+        if self._core.is_alive():
+            self._core.kill()
+            self._core.join()
+        log.error("the engine process exited (code %s): %s; failed the requests in flight, restarting it",
+                  self._core.exitcode, reason)
+        for attempt in range(1, self.start_attempts + 1):
+            try:
+                conn, core, ready = self._start_core(self._config)
+            except ValueError as e:
+                log.error("engine start %d of %d failed: %s", attempt, self.start_attempts, e)
+                continue
+            self._conn, self._core, self.kv_pool_tokens = conn, core, ready.kv_pool_tokens
+            self._stats, self.dead = ready.stats, None
+            log.warning("the engine process is running again (start %d of %d)", attempt, self.start_attempts)
+            if self._closing:          # the server began to shut down meanwhile: the writer is gone
+                conn.send(("shutdown",))
+            return True
+        self.dead = f"{reason}; it could not be started again ({self.start_attempts} tries)"
+        log.error("the engine could not be started again after %d tries; the server refuses requests",
+                  self.start_attempts)
+        return False
 
     def _set_stats(self, stats: dict) -> None:
         self._stats = stats
@@ -229,13 +288,34 @@ class AsyncEngine:
         for loop, deliveries in by_loop.items():     # one wake-up of each loop per step, not one per output
             loop.call_soon_threadsafe(_deliver, deliveries)
 
-    def _failed(self, message: str, request_ids: list[str], stats: dict) -> None:
-        self._stats = stats
-        error = RuntimeError(message)
+    def _failed(self, message: str, request_ids: list[str], stats: dict | None = None) -> None:
+        if stats is not None:
+            self._stats = stats
+        error = EngineError(message)
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
+                if self.metrics is not None:
+                    self.metrics.forget(request_id)
                 stream.loop.call_soon_threadsafe(_fail, stream, error)
+
+
+@dataclass
+class _Ready:
+    """An engine core's ready message."""
+
+    model_path: Path
+    max_model_len: int
+    stats: dict
+    has_tokenizer: bool
+
+    def __post_init__(self):
+        self.model_path = Path(self.model_path)
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        """Tokens the whole KV cache holds (0 without a cache)."""
+        return self.stats["kv_blocks_total"] * self.stats["kv_block_size"]
 
 
 def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:

@@ -6,7 +6,8 @@ engine object instead (tests, embedding), it runs in a thread of the caller's pr
 
 Messages in: ("add", request_id, prompt, params, cache_salt), ("abort", request_id), ("shutdown",).
 Messages out:
-- ("ready", model_path, max_model_len, stats) once, or ("error", message) if the engine cannot be built;
+- ("ready", model_path, max_model_len, stats, has_tokenizer) once, or ("error", message) if the engine
+  cannot be built;
 - ("admitted", request_id, error or None) per add;
 - ("outputs", [RequestOutput delta (output_deltas.py)], stats) per step;
 - ("failed", message, [request_id], stats) when a step raises (its requests are aborted, the
@@ -35,7 +36,8 @@ class EngineCore:
         """Take every message that has arrived, step once, report; block while there is nothing to do."""
         engine, conn = self.engine, self.conn
         try:
-            conn.send(("ready", str(engine.model_path), engine.max_model_len, engine.stats()))
+            conn.send(("ready", str(engine.model_path), engine.max_model_len, engine.stats(),
+                       engine.tokenizer is not None))
             while True:
                 if not engine.has_unfinished_requests():
                     conn.poll(None)

@@ -16,14 +16,17 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class EngineCollector:
-    """Reads the engine's gauges and counters (LLMEngine.stats) at scrape time."""
+    """Reads the engine's gauges and counters (LLMEngine.stats) at scrape time; none while no engine
+    runs (stats() is None), rather than a dead engine's last values."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict | None], model_name: str):
         self.stats = stats
         self.labels = {"model_name": model_name}
 
     def collect(self):
         stats = self.stats()
+        if stats is None:
+            return
         total = stats["kv_blocks_total"]
         in_use = total - stats["kv_blocks_free"]
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).",
@@ -46,7 +49,7 @@ class EngineCollector:
 class ServerMetrics:
     """Per-request counters and latency histograms, fed with every output the engine streams."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict | None], model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(stats, model_name))
         labels = ["model_name"]

@@ -2,9 +2,10 @@
 
 A RequestOutput is cumulative, so sending it whole every step costs O(length) per token, O(length²)
 per request. A delta is a RequestOutput whose completions hold only the new token ids, logprobs
-and text; the prompt rides on a request's first delta and its prompt logprobs on its last. Text
-grows at its end until a completion finishes, when a stop string may cut it: a finishing delta
-carries the whole text.
+and text; the prompt rides on a request's first delta, its prompt logprobs on the first delta that
+has them (the first with a token: the whole prompt is computed by then), so that a stream can echo
+them at its start. Text grows at its end until a completion finishes, when a stop string may cut
+it: a finishing delta carries the whole text.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class DeltaEncoder:
 
     def __init__(self):
         self._sent: dict[str, dict[int, tuple[int, int]]] = {}
+        self._prompt_logprobs_sent: set[str] = set()
 
     def encode(self, out: RequestOutput) -> RequestOutput:
         first = out.request_id not in self._sent
@@ -29,14 +31,19 @@ class DeltaEncoder:
                 c.index, c.text if c.finished else c.text[chars:], c.token_ids[tokens:], c.finish_reason,
                 None if c.logprobs is None else c.logprobs[tokens:], c.stop_reason))
             sent[c.index] = (len(c.token_ids), len(c.text))
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and out.request_id not in self._prompt_logprobs_sent:
+            prompt_logprobs = out.prompt_logprobs
+            self._prompt_logprobs_sent.add(out.request_id)
         if out.finished:
-            del self._sent[out.request_id]
+            self.forget(out.request_id)
         return replace(out, prompt=out.prompt if first else None,
                        prompt_token_ids=out.prompt_token_ids if first else [], outputs=completions,
-                       prompt_logprobs=out.prompt_logprobs if out.finished else None)
+                       prompt_logprobs=prompt_logprobs)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._prompt_logprobs_sent.discard(request_id)
 
 
 def apply_delta(state: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

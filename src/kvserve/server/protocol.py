@@ -1,89 +1,270 @@
-"""OpenAI request bodies (with kvserve's extras), validated at the edge."""
+"""OpenAI request bodies (with vLLM's extras), validated at the edge.
+
+Strict, as vLLM's models are: no bool, float or string where an integer belongs (`true`, `2.0` and
+`"5"` are not 1, 2 and 5), no NaN or infinity. Fields OpenAI or vLLM define are honoured or refused
+with a 400 naming them; fields nobody defines are ignored, and logged.
+"""
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      ValidationInfo, WrapValidator, field_validator, model_validator)
 
 from kvserve.sampling import SamplingParams
+from kvserve.server.errors import APIError
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
-class StreamOptions(BaseModel):
+def valid_unicode(text: str) -> str:
+    """text, if it can be encoded: no lone surrogate (which a JSON escape such as "\\ud800" makes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+def _str_or_list(item):
+    """A string or a list of `item`: a value's errors are those of the shape it has, not of both."""
+    return Annotated[Annotated[Text, Tag("str")] | Annotated[list[item], Tag("list")],
+                     Discriminator(lambda v: "str" if isinstance(v, str) else "list")]
+
+
+def _one_prompt_error(value, handler):
+    """The union's several errors (one per shape tried) as one message."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError("must be a string, a list of strings, a list of token ids (integers >= 0) or a list "
+                         "of lists of token ids") from None
+
+
+def _non_empty_prompts(prompt):
+    """vLLM's rule: a prompt may not be empty, as text ("") or as token ids ([]); nor one of a list."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if isinstance(prompt, list) and not isinstance(prompt[0], int):
+        for i, p in enumerate(prompt):
+            if not p:
+                raise ValueError(f"prompt {i} of the list is empty")
+            if isinstance(p, str):
+                valid_unicode(p)
+    elif isinstance(prompt, str):
+        valid_unicode(prompt)
+    return prompt
+
+
+Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], WrapValidator(_one_prompt_error),
+                   AfterValidator(_non_empty_prompts)]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data):
+        if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
+            ignored = data.keys() - cls.model_fields.keys()
+            if ignored:
+                log.warning("ignoring fields of the request kvserve does not know: %s", sorted(map(repr, ignored)))
+        return data
+
+
+class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _unsupported(name: str, why: str = "") -> ValueError:
+    return ValueError(f"{name} is not supported by kvserve{': ' + why if why else ''}")
 
-    model: str | None = None
+
+class _SamplingRequest(OpenAIBaseModel):
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    stop: _str_or_list(Text) | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # kvserve extras (vLLM's names)
-    top_k: int = Field(0, ge=0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    response_format: dict | None = None
+    # vLLM's extras
+    top_k: int = Field(0, ge=-1)           # 0 or -1: off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    cache_salt: str | None = None
-    eviction: str | dict | None = None      # this request's KV eviction policy (kvserve.kv.eviction)
+    stop_token_ids: list[TokenId] | None = None
+    cache_salt: Text | None = Field(None, min_length=1)
+    return_token_ids: bool = False          # the token ids beside the text (prompt's and completion's)
+    # kvserve's: this request's KV eviction policy (kvserve.kv.eviction)
+    eviction: str | dict | None = None
 
-    @model_validator(mode="after")
-    def _check_stop(self):
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop):
+        stops = [stop] if isinstance(stop, str) else (stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
-        return self
+        return stop
 
-    def sampling_params(self, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
-            n=self.n, max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, eviction=self.eviction)
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of, info: ValidationInfo):
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of > n:
+            raise _unsupported("best_of > n", "it returns every sample it draws; ask for n of them")
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be at least n ({n})")
+        return best_of
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_stream(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be given with stream=true")
+        return options
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value, info: ValidationInfo):
+        if value != 0:
+            raise _unsupported(f"{info.field_name} other than 0")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value):
+        if value != 1:
+            raise _unsupported("repetition_penalty other than 1")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, response_format):
+        kind = (response_format or {}).get("type", "text")
+        if kind != "text":
+            raise _unsupported(f"response_format {kind!r}", 'no structured output; only {"type": "text"}')
+        return response_format
+
+    def sampling_params(self, max_tokens: int | None, vocab_size: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's SamplingParams of this request; a 400 for values the engine refuses."""
+        kwargs = {"n": self.n, "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "top_k": max(self.top_k, 0), "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
+                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+                  "prompt_logprobs": prompt_logprobs, "eviction": self.eviction}
+        if self.logit_bias:
+            kwargs["logit_bias"] = self._token_bias(vocab_size)
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def _token_bias(self, vocab_size: int) -> dict[int, float]:
+        """logit_bias with its keys (token ids written as strings, as OpenAI's API has them) as ints."""
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
 
-    def prompts(self) -> list[str | dict]:
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix):
+        if suffix:
+            raise _unsupported("suffix", "no insertion; put the text in the prompt")
+        return suffix
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text or token ids."""
         p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise ValueError("prompt is empty")
-        if isinstance(p[0], int):
-            return [{"prompt_token_ids": p}]
-        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(OpenAIBaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
 
-    role: str
-    content: str | list[dict] | None = None
+    type: str
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text" or self.text is None:
+            raise _unsupported(f"a content part of type {self.type!r}", 'only {"type": "text", "text": ...}')
+        return self
+
+
+class ChatMessage(OpenAIBaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Text
+    content: _str_or_list(ContentPart) | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: content parts joined into one string (as vLLM does)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = Field(None, validate_default=True)
     add_generation_prompt: bool = True
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top, info: ValidationInfo):
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return top
 
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tools(cls, choice, info: ValidationInfo):
+        if choice not in (None, "none"):
+            raise _unsupported("tool calling", 'tool_choice may only be "none"')
+        if info.data.get("tools") and choice is None:
+            raise _unsupported("tool calling", 'send tool_choice "none" to have the tools ignored')
+        return choice
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -92,6 +273,6 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,217 @@
+"""Fields real clients send, each honoured or refused by name (never ignored silently), and chat out
+of the box: the demo model's template, --chat-template, and a server without a tokenizer."""
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import openai
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.cli import build_parser
+from kvserve.config import EngineConfig
+from kvserve.server.app import ServerConfig, build_app
+from kvserve.server.tokenization import load_chat_template
+from test_server import ENGINE_ARGS, MODEL, ServerThread
+from tiny_models import make_checkpoint
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("fields"), "llama")
+
+
+@pytest.fixture(scope="module")
+def url(ckpt):
+    with ServerThread(build_app(EngineConfig(model=str(ckpt), **ENGINE_ARGS), MODEL)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    return LLM(str(ckpt), **ENGINE_ARGS)
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, **body}, timeout=60)
+
+
+def test_logit_bias_of_100_forces_its_token(url):
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        r = complete(url, max_tokens=6, logit_bias={"42": 100}, return_token_ids=True, **sampling)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [42] * 6
+
+
+@pytest.mark.parametrize("bias, text", [({"42": 100.5}, "logit_bias"), ({"abc": 1}, "'abc' is not a token id"),
+                                        ({"999999": 1}, "not a token id"), ({"-1": 1}, "not a token id")])
+def test_a_bad_logit_bias_is_a_400(url, bias, text):
+    r = complete(url, max_tokens=2, logit_bias=bias)
+    assert r.status_code == 400 and text in r.json()["error"]["message"]
+    assert r.json()["error"]["param"].startswith("logit_bias")
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(url, client, offline):
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=1, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    choice, n_prompt = r.choices[0], len(ref.prompt_token_ids)
+    assert choice.text == PROMPT + ref.outputs[0].text
+    info = choice.logprobs
+    assert len(info.tokens) == len(info.token_logprobs) == len(info.text_offset) == n_prompt + 4
+    assert info.token_logprobs[0] is None and info.top_logprobs[0] is None   # nothing before the first token
+    want = [entry[t].logprob for t, entry in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    assert info.token_logprobs[1:n_prompt] == pytest.approx(want, abs=1e-4)
+    assert info.text_offset[0] == 0 and info.text_offset[n_prompt] == len(PROMPT)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                         logprobs=1, stream=True)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == info.tokens
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, temperature=0, echo=True)
+    assert ids.choices[0].text.startswith(offline.get_tokenizer().decode([5, 6, 7]))
+
+
+def test_top_k_of_minus_one_is_off(url):
+    texts = [complete(url, max_tokens=8, temperature=1.0, seed=11, top_k=k).json()["choices"][0]["text"]
+             for k in (-1, 0)]
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"n": 2, "best_of": 2}, 200, None),
+    ({"n": 1, "best_of": 3}, 400, "best_of"),
+    ({"response_format": {"type": "text"}}, 200, None),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400, "response_format"),
+    ({"suffix": "return n"}, 400, "suffix"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"presence_penalty": 0.0, "frequency_penalty": 0}, 200, None),
+])
+def test_known_completion_fields_are_honoured_or_refused_by_name(url, body, status, param):
+    r = complete(url, max_tokens=2, **body)
+    assert r.status_code == status
+    if status == 400:
+        error = r.json()["error"]
+        assert error["param"] == param and param in error["message"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"tools": TOOLS}, 400),
+    ({"tools": TOOLS, "tool_choice": "auto"}, 400),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, 400),
+    ({"tools": TOOLS, "tool_choice": "none"}, 200),
+    ({"response_format": {"type": "json_object"}}, 400),
+    ({"top_logprobs": 2}, 400),
+])
+def test_chat_refuses_tools_and_structured_output(url, body, status):
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2, **body},
+                   timeout=60)
+    assert r.status_code == status
+    if status == 400:
+        assert r.json()["error"]["param"] in ("tools", "tool_choice", "response_format", "top_logprobs")
+
+
+def test_return_token_ids_gives_the_prompt_s_and_the_completion_s(url, offline):
+    tok = offline.get_tokenizer()
+    r = complete(url, max_tokens=5, temperature=0, return_token_ids=True).json()["choices"][0]
+    assert r["prompt_token_ids"] == tok.encode(PROMPT) and tok.decode(r["token_ids"]) == r["text"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "return_token_ids": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] and sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 5
+
+
+def test_unknown_fields_are_ignored_and_logged(url, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve.server.protocol"):
+        assert complete(url, max_tokens=2, not_a_field=1).status_code == 200
+    assert any("not_a_field" in r.getMessage() for r in caplog.records)
+
+
+# ---- chat templates --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo():
+    """The bundled demo model, served: its tokenizer writes a BOS before every text."""
+    with ServerThread(build_app(EngineConfig(max_model_len=256, num_kv_blocks=64, max_num_seqs=4), "demo")) as base:
+        yield base
+
+
+def test_the_demo_model_chats_out_of_the_box(demo):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    r = httpx.post(f"{demo}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    tokens = httpx.post(f"{demo}/tokenize", json={"messages": messages}).json()["tokens"]
+    text = httpx.post(f"{demo}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text == "<s><|system|>\nBe brief.\n<|user|>\nhello\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], ["ok", ""]])
+def test_an_empty_prompt_is_a_400_however_it_is_written(demo, prompt):
+    # "" is one token (the BOS) to this tokenizer: vLLM's rule refuses it all the same
+    r = httpx.post(f"{demo}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
+
+
+@pytest.fixture(scope="module")
+def no_template(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("no-template"), "llama")
+    (path / "chat_template.jinja").unlink()
+    return path
+
+
+def test_chat_template_from_the_command_line(no_template, tmp_path):
+    engine = EngineConfig(model=str(no_template), **ENGINE_ARGS)
+    messages = [{"role": "user", "content": "hi"}]
+    with ServerThread(build_app(engine, MODEL)) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages}, timeout=60)
+        assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"]
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    flag = build_parser().parse_args(["serve", "--chat-template", str(template)]).chat_template
+    with ServerThread(build_app(engine, MODEL, ServerConfig(chat_template=load_chat_template(flag)))) as base:
+        tokens = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()["tokens"]
+        assert httpx.post(f"{base}/detokenize", json={"tokens": tokens}).json()["prompt"] == "[user] hi\n"
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+
+
+def test_load_chat_template_takes_a_file_or_the_template_itself(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    assert load_chat_template(str(tmp_path / "t.jinja")) == "{{ messages }}"
+    assert load_chat_template("{% for m in messages %}{{ m['content'] }}\\n{% endfor %}").endswith("}\n{% endfor %}")
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+# ---- no tokenizer ----------------------------------------------------------------------
+
+def test_without_a_tokenizer_token_ids_in_token_ids_out(ckpt):
+    config = EngineConfig(model=str(ckpt), skip_tokenizer_init=True, **ENGINE_ARGS)
+    with ServerThread(build_app(config, MODEL)) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1,
+                                                       "temperature": 0}, timeout=60)
+        assert r.status_code == 200
+        choice = r.json()["choices"][0]
+        assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"] == [5, 6, 7]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        for path, body in (("/v1/completions", {"prompt": "text"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/tokenize", {"prompt": "text"}), ("/detokenize", {"tokens": [5]})):
+            r = httpx.post(f"{base}{path}", json=body, timeout=60)
+            assert r.status_code == 400 and "--skip-tokenizer-init" in r.json()["error"]["message"]
