@@ -37,3 +37,12 @@ def test_the_command_exits_through_the_interpreter():
     bad = script.replace("'h100'", "'h100', '--context', '0'")
     done = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "atexit ran" in done.stdout and "context" in done.stderr
+
+
+def test_serve_refuses_limits_that_admit_nothing(capsys):
+    from kvserve.cli import main
+
+    assert main(["serve", "--max-connections", "0"]) == 2
+    assert "max_connections must be positive" in capsys.readouterr().err
+    assert main(["serve", "--request-read-timeout", "-1"]) == 2
+    assert "request_read_timeout" in capsys.readouterr().err

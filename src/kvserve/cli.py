@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from kvserve.bench import MissingDependency
-from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES
+from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES, ServerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
 
 
@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.config import EngineConfig
-    from kvserve.server.app import ServerConfig, build_app
+    from kvserve.server.app import build_app
     from kvserve.server.http import uvicorn_config
     from kvserve.server.tokenization import load_chat_template
 
@@ -130,13 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--served-model-name", default=None, help="the model name clients send")
     s.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
-    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
-    s.add_argument("--request-read-timeout", type=float, default=30.0,
+    s.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    s.add_argument("--request-read-timeout", type=float, default=ServerConfig.request_read_timeout,
                    help="seconds a client has to send a request's head, and then its body, before a 408")
-    s.add_argument("--max-connections", type=int, default=2048,
+    s.add_argument("--max-connections", type=int, default=ServerConfig.max_connections,
                    help="open connections; a new one past this gets a 503 and is closed")
-    s.add_argument("--max-n-sequences", type=int, default=128, help="the largest n (samples) of one request")
-    s.add_argument("--max-completion-prompts", type=int, default=128,
+    s.add_argument("--max-n-sequences", type=int, default=ServerConfig.max_n_sequences,
+                   help="the largest n (samples) of one request")
+    s.add_argument("--max-completion-prompts", type=int, default=ServerConfig.max_completion_prompts,
                    help="the most prompts of one /v1/completions request")
     s.add_argument("--chat-template", default=None,
                    help="a chat template (jinja) for /v1/chat/completions and /tokenize: a file, or the template "

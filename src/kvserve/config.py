@@ -230,3 +230,27 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP side's options: `kvserve serve`'s flags beside the engine's."""
+
+    api_key: str | None = None              # every path but /health needs 'Authorization: Bearer KEY'
+    max_queue: int | None = None            # requests in flight before 429
+    max_body_bytes: int = 8 * 2**20
+    request_read_timeout: float = 30.0      # seconds for a request's head, and then for its body
+    max_connections: int = 2048             # open connections; a new one past it gets a 503
+    max_n_sequences: int = 128              # the largest n of a request (vLLM's VLLM_MAX_N_SEQUENCES)
+    max_completion_prompts: int = 128       # prompts of one /v1/completions request (VLLM_MAX_COMPLETION_PROMPTS)
+    chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
+    enable_docs: bool = False               # /docs, /redoc and /openapi.json
+    engine_start_attempts: int = 3          # tries to start a new engine process after one dies
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "request_read_timeout", "max_connections", "max_n_sequences",
+                     "max_completion_prompts", "engine_start_attempts"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")

@@ -7,14 +7,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
@@ -26,22 +25,6 @@ from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, De
 from kvserve.server.tokenization import ServerTokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's and vLLM's default for /v1/completions
-
-
-@dataclass
-class ServerConfig:
-    """The HTTP side's options: `kvserve serve`'s flags beside the engine's."""
-
-    api_key: str | None = None              # every path but /health needs 'Authorization: Bearer KEY'
-    max_queue: int | None = None            # requests in flight before 429
-    max_body_bytes: int = 8 * 2**20
-    request_read_timeout: float = 30.0      # seconds for a request's head, and then for its body
-    max_connections: int = 2048             # open connections; a new one past it gets a 503
-    max_n_sequences: int = 128              # the largest n of a request (vLLM's VLLM_MAX_N_SEQUENCES)
-    max_completion_prompts: int = 128       # prompts of one /v1/completions request (VLLM_MAX_COMPLETION_PROMPTS)
-    chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
-    enable_docs: bool = False               # /docs, /redoc and /openapi.json
-    engine_start_attempts: int = 3          # tries to start a new engine process after one dies
 
 
 def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerConfig | None = None) -> FastAPI:

@@ -12,13 +12,12 @@ from typing import Annotated
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       ValidationInfo, WrapValidator, field_validator, model_validator)
 
-from kvserve.sampling import SamplingParams
+from kvserve.sampling import MAX_LOGIT_BIAS, SamplingParams
 from kvserve.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0
 
 
 def valid_unicode(text: str) -> str:
@@ -169,9 +168,8 @@ class _SamplingRequest(OpenAIBaseModel):
         kwargs = {"n": self.n, "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": max(self.top_k, 0), "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
                   "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "logprobs": logprobs,
-                  "prompt_logprobs": prompt_logprobs, "eviction": self.eviction}
-        if self.logit_bias:
-            kwargs["logit_bias"] = self._token_bias(vocab_size)
+                  "prompt_logprobs": prompt_logprobs, "eviction": self.eviction,
+                  "logit_bias": self._token_bias(vocab_size) if self.logit_bias else None}
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
