@@ -8,6 +8,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.native_decode import MAX_BATCH
+from kvserve.kernels import STRICT_ENV
 from kvserve.model import layers
 from tiny_models import make_checkpoint
 
@@ -58,6 +59,7 @@ def test_native_steps_give_the_eager_logits(tmp_path, monkeypatch, variant, dtyp
     path = make_checkpoint(tmp_path, arch, dtype=getattr(torch, dtype), **overrides)
     torch.set_num_threads(threads)
     if not gemm:        # as on a CPU whose csrc/gemm.c does not multiply the dtype
+        monkeypatch.setenv(STRICT_ENV, "0")
         monkeypatch.setattr(layers, "_gemm_function", lambda *args: None)
     # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4, their
     # layers multiplied by the packed GEMM or by the step's matrix-vector products
@@ -97,6 +99,7 @@ def test_it_runs_every_step_of_decodes_only(tiny_llama):
 def test_without_its_gemm_it_runs_small_decode_steps_only(tiny_llama, monkeypatch):
     """Weights packed for oneDNN (no csrc/gemm.c for the dtype here): past its matrix-vector products'
     limit, steps run op by op."""
+    monkeypatch.setenv(STRICT_ENV, "0")
     monkeypatch.setattr(layers, "_gemm_function", lambda *args: None)
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
     native = llm.engine.runner.native
@@ -195,13 +198,32 @@ def test_the_matrix_vector_products_equal_torch(dtype, n, out, in_):
 
 
 def test_without_a_c_compiler_the_engine_decodes_op_by_op(tiny_llama, monkeypatch):
-    import kvserve.engine.native_decode as native_decode
+    from kvserve import kernels
 
-    monkeypatch.setattr(native_decode, "library", lambda: None)
+    monkeypatch.setenv(STRICT_ENV, "0")
+    monkeypatch.setattr(kernels, "library", lambda: None)
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32")
     assert llm.engine.runner.native is None
     out = llm.generate(prompts([5]), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_strict_mode_refuses_to_decode_op_by_op_without_a_c_compiler(tiny_llama, monkeypatch):
+    """Under KVSERVE_STRICT_KERNELS=1 (the tests' mode where the CPU runs the kernels), kernels that cannot
+    be built are an error that names them, not a silent fallback."""
+    from kvserve import kernels
+
+    def no_compiler():
+        raise OSError("cc: not found")
+
+    monkeypatch.setenv(STRICT_ENV, "1")
+    monkeypatch.setattr(kernels, "build", no_compiler)
+    kernels.library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"native kernels .* cannot be built: cc: not found"):
+            LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32")
+    finally:
+        kernels.library.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

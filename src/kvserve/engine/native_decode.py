@@ -19,7 +19,7 @@ from kvserve.attention import AttentionBatch
 from kvserve.attention.native import DTYPE_KINDS, NativeBackend
 from kvserve.config import EngineConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
-from kvserve.kernels import function, library
+from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import Linear, gemm_packs
@@ -31,6 +31,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
 
+# copies of csrc/decode_step.c's structs (NativeDecode checks them against the library's: check_layout)
 class _Proj(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "packed")]
 
@@ -62,12 +63,11 @@ def _proj(linear: Linear) -> _Proj:
 
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """x [n, in] (float32) @ w [out, in].T by the decode step's own matrix-vector products, as float32
-    (rounded to w's dtype); None where the kernels cannot be built."""
+    (rounded to w's dtype); None where the kernels cannot be built (only outside KVSERVE_STRICT_KERNELS=1)."""
     if w.dtype not in DTYPES or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear_rows takes float32 or bfloat16 weights [out, in] and inputs [n, in]; got "
                          f"{w.dtype} {tuple(w.shape)} and {tuple(x.shape)}")
-    p, i = ctypes.c_void_p, ctypes.c_int
-    fn = function("linear_rows", (p, i, p, i, i, i, p, i))
+    fn = function("linear_rows")
     if fn is None:
         return None
     w, x = w.contiguous(), x.float().contiguous()
@@ -82,7 +82,7 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
     backend runs over a full-precision cache, and the kernels built."""
     return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
-            and config.kv_cache_dtype == "auto" and library() is not None)
+            and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
 
 
 def prepare_weights(model: CausalLM) -> None:
@@ -122,6 +122,8 @@ class NativeDecode:
     """The model's weights and cache pages as the C step reads them, and `run` for one step."""
 
     def __init__(self, model: CausalLM, storage: KVStorage):
+        for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):
+            check_layout(library(), structure, name)
         cfg = model.config
         self.model = model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -129,9 +131,7 @@ class NativeDecode:
         if not self.packed and any(m.weight.numel() == 0 for m in linears):
             raise ValueError("the C decode step reads the plain weights where they are not packed for csrc/gemm.c: "
                              "pack them with keep_weights=True")
-        p, i = ctypes.c_void_p, ctypes.c_int
-        self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i))
-        self.steps_fn = function("decode_steps", (ctypes.POINTER(_Model), i, i, p, p, p, i, p, p, p, p, p, i))
+        self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
         layers = []
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
