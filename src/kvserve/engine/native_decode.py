@@ -7,7 +7,8 @@ Where gemm.c does not multiply the dtype (CPUs without AVX-512, or without its B
 bfloat16), the step reads the weights as torch's Linear keeps them ([out, in]) by matrix-vector
 products, which win only while reading the weights bounds the step: then the engine keeps those, on
 huge pages, beside oneDNN's packed copies (the weights take twice their memory, as CUDA graphs take
-memory of their own), and larger steps run op by op. `enforce_eager` turns it off.
+memory of their own), and larger steps run op by op. `enforce_eager` turns it off; engine/executor.py
+says which steps it runs.
 """
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import ctypes
 import torch
 
 from kvserve.attention import AttentionBatch
-from kvserve.attention.native import DTYPE_KINDS, NativeBackend
-from kvserve.config import EngineConfig
+from kvserve.attention.native import DTYPE_KINDS
 from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
@@ -77,14 +77,6 @@ def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
-    """On the CPU unless enforce_eager: a float32 or bfloat16 model whose decode the native attention
-    backend runs over a full-precision cache, and the kernels built."""
-    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
-            and isinstance(backend, NativeBackend) and config.cache_mode != "none"
-            and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
-
-
 def prepare_weights(model: CausalLM) -> None:
     """Pack the linear layers, keeping the plain weights where the C step reads them (no csrc/gemm.c for
     the dtype here), and put what it streams every step on huge pages."""
@@ -119,7 +111,8 @@ def _to_huge_pages(fields: list[tuple[torch.nn.Module, str]]) -> None:
 
 
 class NativeDecode:
-    """The model's weights and cache pages as the C step reads them, and `run` for one step."""
+    """The model's weights and cache pages as the C step reads them, `run` for one step and `run_steps`
+    for several; `steps` counts the decode steps run."""
 
     def __init__(self, model: CausalLM, storage: KVStorage):
         for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):
@@ -149,11 +142,6 @@ class NativeDecode:
         # the packed GEMMs take any batch; the matrix-vector products only small ones
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0
-
-    def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
-        """A step of decodes only (at most max_batch, where that is set) that needs nothing but the logits."""
-        return (batch.num_prefills == 0 and (self.max_batch is None or len(batch.query_lens) <= self.max_batch)
-                and batch.kv_write is None and not batch.mass_requests and not prompt_logprobs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache."""
