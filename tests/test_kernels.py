@@ -20,7 +20,7 @@ from kvserve.sampling import argmax
 from tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-RESULTS = {"void": (None,), "int": (kernels._Status, ctypes.c_int), "int64_t": (ctypes.c_int64,)}
+RESULTS = {"void": (None,), "int": (kernels.Status, ctypes.c_int), "int64_t": (ctypes.c_int64,)}
 
 
 def c_functions() -> dict[str, tuple[str, int]]:

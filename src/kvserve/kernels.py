@@ -32,7 +32,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 STRICT_ENV = "KVSERVE_STRICT_KERNELS"
 
 
-class _Status(ctypes.c_int):
+class Status(ctypes.c_int):
     """The result of a kernel that allocates memory: 0, or -1 where an allocation failed (see _check)."""
 
 
@@ -44,12 +44,12 @@ _CACHE = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)
 SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     # csrc/paged_decode.c: q, q kind, q stride, out, sequences, heads, block tables, their width, context lens,
     # scale, the cache (and for prefill, query starts)
-    "paged_decode": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE), _Status),
-    "paged_prefill": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _P), _Status),
+    "paged_decode": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE), Status),
+    "paged_prefill": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _P), Status),
     # csrc/decode_step.c: model, n, (steps,) input ids, positions, (slots,) block tables, their width, context
     # lens, cos, sin, logits, (tokens,) threads
-    "decode_step": ((_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I), _Status),
-    "decode_steps": ((_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I), _Status),
+    "decode_step": ((_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I), Status),
+    "decode_steps": ((_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I), Status),
     "linear_rows": ((_P, _I, _P, _I, _I, _I, _P, _I), None),
     "struct_layout": ((_I, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)), _I64),
     # csrc/gemm.c
@@ -58,7 +58,7 @@ SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     "gemm_pack": ((_P, _I, _I, _I, _I, _P), None),
     "gemm": ((_P, _P, _I, _P, _I64, _I, _I, _I, _P, _I, _I), None),
     # csrc/layer_ops.c
-    "add_rms_norm": ((_P, _P, _P, _P, _I, _I, _F, _I, _I), _Status),
+    "add_rms_norm": ((_P, _P, _P, _P, _I, _I, _F, _I, _I), Status),
     "rope": ((_P, _I64, _I, _I, _I, _P, _P, _I, _I), None),
     "store_kv": ((_P, _I64, _I, _I, _I, _P, _P, _I64, _I, _I), None),
     # csrc/sampling.c
@@ -106,12 +106,12 @@ def typed(lib: ctypes.CDLL, name: str) -> ctypes._CFuncPtr:
     argtypes, restype = SIGNATURES[name]
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = list(argtypes), restype
-    if restype is _Status:
+    if restype is Status:
         fn.errcheck = _check
     return fn
 
 
-def _check(status: _Status, fn: ctypes._CFuncPtr, args: tuple) -> int:
+def _check(status: Status, fn: ctypes._CFuncPtr, args: tuple) -> int:
     if status.value:
         raise MemoryError(f"{fn.__name__}: out of memory (an allocation in the C kernel failed)")
     return status.value
