@@ -13,6 +13,7 @@ from triton_setup import DEVICE
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from kvserve.engine.executor import CudaGraphs
 from tiny_models import make_checkpoint
 
 CUDA = DEVICE.type == "cuda"
@@ -52,10 +53,11 @@ def test_padded_graph_steps_give_the_eager_tokens(ckpt):
     graphs = DecodeGraphs(engine.model, engine.storage, engine.backend, 6, engine.max_model_len, engine.device,
                           capture=CUDA)
     graphs.capture_all()
-    engine.runner.graphs = graphs
+    engine.runner.executors.insert(0, CudaGraphs(graphs, engine.model))
     assert tokens(llm) == want
     # 5 and 3 sequences ran padded to 6 and 4; 2 and 1 exactly
     assert graphs.replays[6] > 0 and graphs.replays[4] > 0 and graphs.replays[2] > 0 and graphs.replays[1] > 0
+    assert llm.stats()["steps"]["cuda_graphs"] == sum(graphs.replays.values())
     # padding rows wrote nothing: every block is back, and a second run gives the same tokens
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
     assert tokens(llm) == want
@@ -65,14 +67,16 @@ def test_steps_that_need_more_than_the_forward_run_eagerly(ckpt):
     llm = LLM(str(ckpt), device=str(DEVICE), attention_backend="triton", block_size=4, num_kv_blocks=48,
               max_num_seqs=2, enforce_eager=True)
     engine = llm.engine
-    graphs = engine.runner.graphs = DecodeGraphs(engine.model, engine.storage, engine.backend, 2,
-                                                 engine.max_model_len, engine.device, capture=CUDA)
+    graphs = DecodeGraphs(engine.model, engine.storage, engine.backend, 2, engine.max_model_len, engine.device,
+                          capture=CUDA)
     graphs.capture_all()
+    engine.runner.executors.insert(0, CudaGraphs(graphs, engine.model))
     llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True,
                                                                  eviction="h2o:budget=8,recent=2"), use_tqdm=False)
     assert sum(graphs.replays.values()) == 0       # h2o scores every step's attention
     llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert sum(graphs.replays.values()) == 2       # the two decode steps after the prompt's
+    assert llm.stats()["steps"] == {"eager": 4, "cuda_graphs": 2}
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -83,3 +87,4 @@ def test_the_engine_captures_by_default_on_cuda(ckpt):
     assert eager.engine.runner.graphs is None
     assert tokens(graphed) == tokens(eager)
     assert sum(graphed.engine.runner.graphs.replays.values()) > 0
+    assert graphed.stats()["steps"]["cuda_graphs"] == sum(graphed.engine.runner.graphs.replays.values())

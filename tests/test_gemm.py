@@ -142,5 +142,20 @@ def test_builds_without_the_instructions_say_so(flags, dtypes, tmp_path, monkeyp
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
     library = ctypes.CDLL(str(kernels.build()))
-    library.gemm_dtypes.restype = ctypes.c_int
-    assert library.gemm_dtypes() == dtypes
+    assert kernels.typed(library, "gemm_dtypes")() == dtypes
+
+
+def test_strict_mode_raises_where_a_linear_layer_would_fall_back(monkeypatch):
+    """Under KVSERVE_STRICT_KERNELS=1, a weight csrc/gemm.c does not pack, or oneDNN cannot, is an error
+    naming the packing; without it, the layer is left to torch's F.linear."""
+    monkeypatch.setattr(layers, "_gemm_function", lambda *args: None)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setenv(kernels.STRICT_ENV, "1")
+    with pytest.raises(RuntimeError, match="gemm_pack did not run: csrc/gemm.c does not multiply torch.float32"):
+        gemm_pack(torch.zeros(4, 4))
+    with pytest.raises(RuntimeError, match="onednn_pack did not run: this build of torch has no oneDNN"):
+        layers.onednn_pack(torch.zeros(4, 4))
+    monkeypatch.setenv(kernels.STRICT_ENV, "0")
+    lin = Linear(4, 4, bias=False)
+    lin.weight.data.zero_()
+    assert not lin.pack() and lin.packed is None and lin.weight.numel() == 16

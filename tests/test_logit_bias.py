@@ -115,11 +115,10 @@ def test_multi_step_native_decode_does_not_skip_the_bias(ckpt):
     """Offline greedy batches decode several steps in one C call that takes the plain argmax: a request with a
     logit_bias keeps a step at a time, and the others in its batch still decode as they would alone."""
     llm = LLM(str(ckpt), block_size=4, num_kv_blocks=64, num_scheduler_steps=8)
-    runner = llm.engine.runner
-    assert runner.native is not None
+    (multi,) = [e for e in llm.engine.runner.executors if e.name == "native_multi_step"]
     calls = []
-    run_steps = runner.run_steps
-    runner.run_steps = lambda sched, steps: calls.append(len(sched.seqs)) or run_steps(sched, steps)
+    run = multi.run
+    multi.run = lambda step: calls.append(len(step.sched.seqs)) or run(step)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = tokens(llm, PROMPTS, greedy)
     assert calls                                   # the multi-step path is taken without a bias

@@ -28,11 +28,27 @@ def test_the_kernel_builds_and_reads_every_kind_of_page():
         assert paged_decode(q, layer, *args) is not None
 
 
-def test_without_the_kernel_decode_is_sdpas(monkeypatch):
+@pytest.mark.parametrize("q_lens", [[1, 1], [1, 1, 5]], ids=["decode", "prefill"])
+def test_without_the_kernels_attention_is_sdpas(monkeypatch, q_lens):
+    monkeypatch.setenv(kernels.STRICT_ENV, "0")
     monkeypatch.setattr(native, "kernel", lambda: None)
-    q, k, v, kv_cache, batch = make_case([1, 1, 5], [9, 30, 5], 2, 4, 2, 64, block_size=4)
-    torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 0.125),
+    monkeypatch.setattr(native, "prefill_kernel", lambda: None)
+    q, k, v, kv_cache, batch = make_case(q_lens, [9, 30, 5][:len(q_lens)], 2, 4, 2, 64, block_size=4)
+    backend = NativeBackend()
+    torch.testing.assert_close(backend.forward(q, k, v, kv_cache, batch, 0.125),
                                SdpaBackend().forward(q, k, v, kv_cache, batch, 0.125))
+    assert not backend.calls
+
+
+@pytest.mark.parametrize("q_lens, kernel", [([1, 1], "paged_decode"), ([1, 1, 5], "paged_prefill")])
+def test_strict_mode_raises_where_the_kernel_does_not_run(monkeypatch, q_lens, kernel):
+    """Pages the kernel does not read (not contiguous) are not a silent fallback to sdpa: the error names the
+    kernel and why."""
+    monkeypatch.setenv(kernels.STRICT_ENV, "1")
+    q, k, v, kv_cache, batch = make_case(q_lens, [9, 30, 5][:len(q_lens)], 2, 4, 2, 64, block_size=4)
+    strided = torch.cat((kv_cache, kv_cache), -1)[..., :64]
+    with pytest.raises(RuntimeError, match=f"{kernel} did not run: it does not read this cache"):
+        NativeBackend().forward(q, k, v, strided, batch, 0.125)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -70,8 +86,9 @@ def test_prefill_in_causal_tiles_matches_the_textbook(heads, kv_heads, head_dim,
     q, k, v, kv_cache, batch = make_case(q_lens, ctx, 2, heads, kv_heads, head_dim, block_size=block_size,
                                          dtype=dtype)
     ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5)
-    out = NativeBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
-    assert out.dtype == dtype
+    backend = NativeBackend()
+    out = backend.forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+    assert out.dtype == dtype and backend.calls == {"paged_prefill": 1}
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
@@ -80,8 +97,9 @@ def test_float32_queries_over_bfloat16_pages_are_not_rounded():
     q, k, v, kv_cache, batch = make_case([1, 1, 9], [30, 17, 40], 2, 8, 2, 64, block_size=16, dtype=torch.bfloat16)
     q = q.float() + torch.randn(q.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
     ref = TextbookBackend().forward(q, k.float(), v.float(), kv_cache.float(), batch, 64 ** -0.5)
-    torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 64 ** -0.5), ref,
-                               atol=1e-5, rtol=1e-5)
+    backend = NativeBackend()
+    torch.testing.assert_close(backend.forward(q, k, v, kv_cache, batch, 64 ** -0.5), ref, atol=1e-5, rtol=1e-5)
+    assert backend.calls == {"paged_prefill": 1}
 
 
 @pytest.mark.parametrize("tokens", [6, 20], ids=["tile-of-12-rows", "tile-of-32-rows"])
@@ -101,8 +119,9 @@ def test_a_block_as_long_as_a_whole_context_decodes():
     # thread's stack (32768 x 128 floats are 16 MiB, past the usual 8 MiB)
     q, k, v, kv_cache, batch = make_case([1, 1], [20000, 32768], 2, 4, 2, 128, block_size=32768)
     ref = TextbookBackend().forward(q, k, v, kv_cache, batch, 128 ** -0.5)
-    torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, 128 ** -0.5), ref,
-                               atol=1e-5, rtol=1e-5)
+    backend = NativeBackend()
+    torch.testing.assert_close(backend.forward(q, k, v, kv_cache, batch, 128 ** -0.5), ref, atol=1e-5, rtol=1e-5)
+    assert backend.calls == {"paged_decode": 1}
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or platform.machine() != "x86_64", reason="no C compiler, or not x86")
@@ -114,10 +133,8 @@ def test_the_portable_fallbacks_compute_the_same(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
     library = ctypes.CDLL(str(kernels.build()))
-    for name, typed in (("paged_decode", native.kernel), ("paged_prefill", native.prefill_kernel)):
-        portable = getattr(library, name)
-        portable.argtypes, portable.restype = typed().argtypes, None
-        monkeypatch.setattr(native, typed.__name__, lambda portable=portable: portable)
+    for name, getter in (("paged_decode", "kernel"), ("paged_prefill", "prefill_kernel")):
+        monkeypatch.setattr(native, getter, lambda portable=kernels.typed(library, name): portable)
     for heads, kv_heads, head_dim in [(4, 4, 64), (8, 2, 80), (4, 1, 24)]:
         q, k, v, kv_cache, batch = make_case([1, 1, 1], [9, 30, 17], 3, heads, kv_heads, head_dim, block_size=4)
         ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)

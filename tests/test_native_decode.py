@@ -8,6 +8,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.native_decode import MAX_BATCH
+from kvserve.kernels import STRICT_ENV
 from kvserve.model import layers
 from tiny_models import make_checkpoint
 
@@ -58,6 +59,7 @@ def test_native_steps_give_the_eager_logits(tmp_path, monkeypatch, variant, dtyp
     path = make_checkpoint(tmp_path, arch, dtype=getattr(torch, dtype), **overrides)
     torch.set_num_threads(threads)
     if not gemm:        # as on a CPU whose csrc/gemm.c does not multiply the dtype
+        monkeypatch.setenv(STRICT_ENV, "0")
         monkeypatch.setattr(layers, "_gemm_function", lambda *args: None)
     # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4, their
     # layers multiplied by the packed GEMM or by the step's matrix-vector products
@@ -69,6 +71,7 @@ def test_native_steps_give_the_eager_logits(tmp_path, monkeypatch, variant, dtyp
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     llm.generate(prompts([1, 3, 4, 5, 13, 6]), params, use_tqdm=False)
     assert len(diffs) >= 9 and max(diffs) <= atol
+    assert llm.stats()["steps"]["native"] == len(diffs)
 
 
 def test_bfloat16_rounds_where_the_eager_model_does(tmp_path):
@@ -89,14 +92,18 @@ def test_it_runs_every_step_of_decodes_only(tiny_llama):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate(prompts([5] * (MAX_BATCH[torch.float32] + 3)), params, use_tqdm=False)
     assert native.steps == 3                       # a prefill, then decodes of 7 sequences
+    # (in one call of three steps)
+    assert llm.stats()["steps"] == {"native_multi_step": 3, "native": 0, "eager": 1}
     # h2o scores the cache with the attention of each step: those steps need the eager forward
     llm.generate(prompts([5]), SamplingParams(max_tokens=4, eviction="h2o:budget=64,recent=8"), use_tqdm=False)
     assert native.steps == 3
+    assert llm.stats()["steps"] == {"native_multi_step": 3, "native": 0, "eager": 5}
 
 
 def test_without_its_gemm_it_runs_small_decode_steps_only(tiny_llama, monkeypatch):
     """Weights packed for oneDNN (no csrc/gemm.c for the dtype here): past its matrix-vector products'
     limit, steps run op by op."""
+    monkeypatch.setenv(STRICT_ENV, "0")
     monkeypatch.setattr(layers, "_gemm_function", lambda *args: None)
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
     native = llm.engine.runner.native
@@ -104,8 +111,10 @@ def test_without_its_gemm_it_runs_small_decode_steps_only(tiny_llama, monkeypatc
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate(prompts([5] * (MAX_BATCH[torch.float32] + 1)), params, use_tqdm=False)
     assert native.steps == 0
+    assert llm.stats()["steps"] == {"native_multi_step": 0, "native": 0, "eager": 4}
     llm.generate(prompts([5] * MAX_BATCH[torch.float32]), params, use_tqdm=False)
     assert native.steps == 3
+    assert llm.stats()["steps"] == {"native_multi_step": 3, "native": 0, "eager": 5}
 
 
 def test_steps_at_once_give_the_tokens_of_steps_one_at_a_time(tiny_llama):
@@ -117,9 +126,6 @@ def test_steps_at_once_give_the_tokens_of_steps_one_at_a_time(tiny_llama):
     runs = {}
     for steps in (1, 8):
         llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32", num_scheduler_steps=steps)
-        calls = []
-        run_steps = llm.engine.runner.run_steps
-        llm.engine.runner.run_steps = lambda sched, k: calls.append(k) or run_steps(sched, k)
         greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (20, 7, 13, 20, 1, 20)]
         first = llm.generate(batch, greedy, use_tqdm=False)
         if steps == 1:
@@ -133,7 +139,7 @@ def test_steps_at_once_give_the_tokens_of_steps_one_at_a_time(tiny_llama):
         llm.generate(follow, SamplingParams(max_tokens=1), use_tqdm=False)
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        assert (max(calls, default=1) > 1) == (steps > 1)
+        assert (stats["steps"].get("native_multi_step", 0) > 0) == (steps > 1)
         runs[steps] = ([(c.token_ids, c.text, c.finish_reason) for o in first + ended for c in o.outputs],
                        stats["prefix_cache_hits"])
     assert runs[8] == runs[1]
@@ -149,6 +155,7 @@ def test_streamed_requests_decode_a_step_at_a_time(tiny_llama):
     while engine.has_unfinished_requests():
         counts += [len(o.outputs[0].token_ids) for o in engine.step()]
     assert counts == [1, 2, 3, 4, 5, 6]
+    assert engine.stats()["steps"] == {"native_multi_step": 0, "native": 5, "eager": 1}
 
 
 @pytest.mark.parametrize("kwargs", [dict(enforce_eager=True), dict(attention_backend="sdpa"),
@@ -156,6 +163,7 @@ def test_streamed_requests_decode_a_step_at_a_time(tiny_llama):
 def test_it_is_off_where_it_does_not_apply(tiny_llama, kwargs):
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, **{"dtype": "float32", **kwargs})
     assert llm.engine.runner.native is None
+    assert [e.name for e in llm.engine.runner.executors] == ["eager"]
     # and the eager model keeps only its prepacked weights (float16 is not prepacked)
     linear = llm.engine.model.model.layers[0].mlp.down_proj
     assert linear.packed is None or linear.weight.numel() == 0
@@ -172,6 +180,7 @@ def test_the_same_tokens_with_and_without_it(tiny_llama, kwargs):
         llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32", enforce_eager=eager, **kwargs)
         outs.append(llm.generate(prompts([2, 9, 4]), params, use_tqdm=False))
         assert (llm.engine.runner.native is None) == eager
+        assert (llm.stats()["steps"].get("native", 0) > 0) != eager
     for native, eager in zip(*outs):
         assert native.outputs[0].token_ids == eager.outputs[0].token_ids
         for a, b in zip(native.outputs[0].logprobs, eager.outputs[0].logprobs):
@@ -195,13 +204,33 @@ def test_the_matrix_vector_products_equal_torch(dtype, n, out, in_):
 
 
 def test_without_a_c_compiler_the_engine_decodes_op_by_op(tiny_llama, monkeypatch):
-    import kvserve.engine.native_decode as native_decode
+    from kvserve import kernels
 
-    monkeypatch.setattr(native_decode, "library", lambda: None)
+    monkeypatch.setenv(STRICT_ENV, "0")
+    monkeypatch.setattr(kernels, "library", lambda: None)
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32")
     assert llm.engine.runner.native is None
     out = llm.generate(prompts([5]), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.stats()["steps"] == {"eager": 4}
+
+
+def test_strict_mode_refuses_to_decode_op_by_op_without_a_c_compiler(tiny_llama, monkeypatch):
+    """Under KVSERVE_STRICT_KERNELS=1 (the tests' mode where the CPU runs the kernels), kernels that cannot
+    be built are an error that names them, not a silent fallback."""
+    from kvserve import kernels
+
+    def no_compiler():
+        raise OSError("cc: not found")
+
+    monkeypatch.setenv(STRICT_ENV, "1")
+    monkeypatch.setattr(kernels, "build", no_compiler)
+    kernels.library.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"native kernels .* cannot be built: cc: not found"):
+            LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, dtype="float32")
+    finally:
+        kernels.library.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -213,3 +242,4 @@ def test_steps_of_more_sequences_than_a_gemm_row_block(tmp_path, dtype):
     diffs = compare_with_eager(llm)
     llm.generate(prompts([3, 5] * 130), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(diffs) == 2 and max(diffs) <= (5e-5 if dtype == "float32" else 0.1)
+    assert llm.stats()["steps"] == {"native": 2, "eager": 1}

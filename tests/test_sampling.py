@@ -277,9 +277,7 @@ def test_argmax_without_avx512(tmp_path, monkeypatch):
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
-    fn = ctypes.CDLL(str(kernels.build())).argmax_rows
-    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int), None
+    fn = kernels.typed(ctypes.CDLL(str(kernels.build())), "argmax_rows")
     x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
     x[0, [3, 900]] = 10.0
     x[1, 500] = float("nan")

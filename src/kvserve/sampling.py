@@ -1,7 +1,6 @@
 """SamplingParams and the batched sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
 from __future__ import annotations
 
-import ctypes
 import math
 import numbers
 from collections.abc import Mapping
@@ -9,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, function
+from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 from kvserve.kv.eviction import parse_eviction
 
 _EPS = 1e-5
@@ -144,7 +143,6 @@ class SampleResult:
 
 
 ARGMAX_TILE = 128
-_P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -155,12 +153,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     bfloat16, against 0.31 and 0.45 for the two passes below (bfloat16 widened first). Elsewhere: the
     tiles' maxima, then the best tile (torch's argmax does not vectorize on the CPU, its amax does)."""
     rows, n = x.shape
-    fn = function("argmax_rows", (_P, _I, _I, ctypes.c_int64, _I, _P, _I)) \
-        if x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.stride(-1) == 1 and rows and n else None
-    if fn is not None:
-        out = torch.empty(rows, dtype=torch.int64)
-        fn(x.data_ptr(), rows, n, x.stride(0), DTYPE_KINDS[x.dtype], out.data_ptr(), torch.get_num_threads())
-        return out
+    if x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and rows and n:
+        fn = function("argmax_rows")
+        if fn is not None and x.stride(-1) == 1:
+            out = torch.empty(rows, dtype=torch.int64)
+            fn(x.data_ptr(), rows, n, x.stride(0), DTYPE_KINDS[x.dtype], out.data_ptr(), torch.get_num_threads())
+            return out
+        fallback("argmax_rows", "the kernels are not built" if fn is None else "a row's numbers are not adjacent")
     x = x.float()
     # one or two rows: torch's single op, which costs less than the tiles' several right after a
     # decode step has streamed the weights through the caches (0.05 ms a step measured at batch 1)

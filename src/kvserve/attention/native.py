@@ -1,35 +1,33 @@
 """The `native` backend: attention by C kernels (`csrc/paged_decode.c`) that read the pages in place,
 dequantizing as they read: one query per sequence for decode steps, and causal tiles of a prompt's
 tokens for steps with prompts (the step's K/V are in the pages by then). Where no C compiler works
-(see kvserve.kernels), it runs as `sdpa` does.
+(see kvserve.kernels), it runs as `sdpa` does; under KVSERVE_STRICT_KERNELS=1 that raises instead.
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
+from collections import Counter
 
 import torch
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.paged import SdpaBackend
-from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, function
+from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
 
 # quantized row kinds, as the kernel numbers them (full-precision ones: DTYPE_KINDS)
 CODEC_KINDS = {Int8PerToken: 3, Fp8PerBlock: 4, Int4: 5}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_CACHE_ARGS = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)
 
 
 def kernel():
     """The compiled paged_decode, or None where the kernels cannot be built here."""
-    return function("paged_decode", (_P, _I, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS))
+    return function("paged_decode")
 
 
 def prefill_kernel():
     """The compiled paged_prefill (paged_decode's arguments, and query starts), or None where the kernels
     cannot be built here."""
-    return function("paged_prefill", (_P, _I, ctypes.c_int64, _P, _I, _I, _P, _I, _P, _F, *_CACHE_ARGS, _P))
+    return function("paged_prefill")
 
 
 def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
@@ -51,13 +49,17 @@ def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
     return pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots, residual_of
 
 
-def _attend(fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-            *extra) -> torch.Tensor | None:
-    """out [T, H, D] of kernel fn over the pages; None if it is unavailable or does not read this cache.
-    float32 or bfloat16 q is read where it is (a view of the step's qkv rows), if its heads are adjacent, and
-    out is of its dtype; float16 goes through float32."""
-    cache = _cache_args(kv_cache) if fn is not None and q.device.type == "cpu" else None
+def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
+            scale: float, *extra) -> torch.Tensor | None:
+    """out [T, H, D] of kernel fn (called `name`) over the pages; None (a fallback: see kvserve.kernels) if it is
+    unavailable or does not read this cache. float32 or bfloat16 q is read where it is (a view of the step's
+    qkv rows), if its heads are adjacent, and out is of its dtype; float16 goes through float32."""
+    if q.device.type != "cpu":
+        return None
+    cache = _cache_args(kv_cache) if fn is not None else None
     if cache is None:
+        fallback(name, "the kernels are not built" if fn is None else
+                 f"it does not read this cache ({type(kv_cache).__name__} of {kv_cache.dtype}, or not contiguous)")
         return None
     d, dtype = q.shape[-1], q.dtype
     if q.dtype not in COMPUTE_DTYPES or q.stride(2) != 1 or q.stride(1) != d:
@@ -74,7 +76,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Attention of one query per sequence, q [B, H, D], over its pages; None if the kernel is unavailable
     or does not read this cache."""
-    return _attend(kernel(), q, kv_cache, block_tables, context_lens, scale)
+    return _attend("paged_decode", kernel(), q, kv_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
@@ -82,7 +84,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, bloc
     """Causal attention of every query token, q [T, H, D] (tokens [query_starts[s], query_starts[s + 1])
     of sequence s, the last of its context_lens[s] cached ones), over its sequence's pages; None if the
     kernel is unavailable or does not read this cache."""
-    return _attend(prefill_kernel(), q, kv_cache, block_tables, context_lens, scale, query_starts.data_ptr())
+    return _attend("paged_prefill", prefill_kernel(), q, kv_cache, block_tables, context_lens, scale,
+                   query_starts.data_ptr())
 
 
 def query_starts(batch: AttentionBatch) -> torch.Tensor:
@@ -95,22 +98,27 @@ def query_starts(batch: AttentionBatch) -> torch.Tensor:
 
 
 class NativeBackend(SdpaBackend):
-    """Decode and prefill by the C kernels over the pages (sdpa's where they cannot run)."""
+    """Decode and prefill by the C kernels over the pages (sdpa's where they cannot run); `calls` counts the
+    kernels' calls (a call per layer of a step), by name."""
 
     name = "native"
 
     def __init__(self):
         kernel()     # built (or found in the cache) as an engine starts, not inside its first step
+        self.calls: Counter[str] = Counter()
 
     def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
         if kv_cache is not None and batch.num_prefills:
             out = paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, query_starts(batch), scale)
             if out is not None:
+                self.calls["paged_prefill"] += 1
                 return out
         return super().forward(q, k, v, kv_cache, batch, scale)
 
-    @staticmethod
-    def _decode(q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def _decode(self, q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
         nd = batch.num_decodes
         out = paged_decode(q, kv_cache, batch.block_tables[:nd], batch.context_lens[:nd], scale)
-        return SdpaBackend._decode(q, kv_cache, batch, scale) if out is None else out
+        if out is None:
+            return SdpaBackend._decode(q, kv_cache, batch, scale)
+        self.calls["paged_decode"] += 1
+        return out

@@ -16,6 +16,9 @@
  * to the order of the sums. The rows that go into and come out of the GEMMs stay bfloat16 (see
  * widen): converting them in passes of their own took 0.6 ms of an 8.9 ms 64-sequence step.
  */
+#include <omp.h>
+#include <stddef.h>
+
 #include "common.h"
 
 /* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
@@ -38,6 +41,32 @@ typedef struct {
     Proj lm_head;
     const Layer *layers;
 } Model;
+
+/* The structs' layout, which the Python side's ctypes copies must repeat (kvserve.kernels.check_layout):
+ * each struct's size (field ""), then each field's offset. */
+#define SIZE_OF(S) {#S, "", sizeof(S)}
+#define FIELD(S, f) {#S, #f, offsetof(S, f)}
+static const struct {
+    const char *type, *field;
+    size_t at;
+} LAYOUT[] = {
+    SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed),
+    SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
+    FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
+    SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
+    FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, intermediate), FIELD(Model, vocab),
+    FIELD(Model, dtype), FIELD(Model, num_blocks), FIELD(Model, block_size), FIELD(Model, eps), FIELD(Model, scale),
+    FIELD(Model, embed), FIELD(Model, norm), FIELD(Model, lm_head), FIELD(Model, layers),
+};
+#undef SIZE_OF
+#undef FIELD
+
+/* Entry i of LAYOUT: its struct and field names, and the offset (or size); -1 past the last. */
+int64_t struct_layout(int i, const char **type, const char **field) {
+    if (i < 0 || i >= (int)(sizeof(LAYOUT) / sizeof(LAYOUT[0]))) return -1;
+    *type = LAYOUT[i].type, *field = LAYOUT[i].field;
+    return (int64_t)LAYOUT[i].at;
+}
 
 /* out[j] = w . x[j] for the four inputs x[0..3] (three: repeat one), w in the model's dtype: each
  * weight is loaded and converted once for all four. */
@@ -198,8 +227,9 @@ static void add_and_norm(const Model *m, float *x, int t, void *added, const voi
 
 /* The heads of KV head kh of sequence t: its q, k and v heads (row t of the qkv rows, of gdt) into qkv (float32
  * rows), their RoPE and its K/V into the cache, and the attention of its query heads over its pages into its
- * row of out (gdt). One task of the step's attention: its heads are no other task's. */
-static void attend_task(const Model *m, const Layer *l, const Cache *cache, int t, int kh, const void *rows, int gdt,
+ * row of out (gdt). One task of the step's attention: its heads are no other task's. 0, or -1 where the
+ * attention's memory ran out. */
+static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t, int kh, const void *rows, int gdt,
                         float *qkv, int64_t position, int64_t slot, const int64_t *table, int64_t ctx,
                         const float *cos_table, const float *sin_table, void *out) {
     const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, groups = nh / nkv;
@@ -214,14 +244,16 @@ static void attend_task(const Model *m, const Layer *l, const Cache *cache, int 
     position_and_store(m, l, own, kh, position, slot, cos_table, sin_table);
     const size_t at = (size_t)t * nh * d + q;
     float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
-    attend_head(cache, kh, table, ctx, own + q, groups, m->scale, o);
+    if (attend_head(cache, kh, table, ctx, own + q, groups, m->scale, o)) return -1;
     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], m->dtype);
     if (o == local) store_row((uint16_t *)out + at, o, gdt, groups * d);
+    return 0;
 }
 
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
- * token each at `positions`, writing their K/V at `slots` and attending over their pages. */
-void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
+ * token each at `positions`, writing their K/V at `slots` and attending over their pages. 0, or -1
+ * where memory ran out (the logits and the step's K/V are then not all written). */
+int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
                  const int64_t *block_tables, int table_width, const int64_t *context_lens,
                  const float *cos_table, const float *sin_table, void *logits, int threads) {
     const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
@@ -239,11 +271,14 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
     float *qkv = gdt == F32 ? b : malloc(sizeof(float) * n * qkv_size);     /* q, k, v as floats */
     float *gate_up = gemm ? NULL : malloc(sizeof(float) * n * 2 * inter);
     float *y = gemm ? NULL : malloc(sizeof(float) * n * m->vocab);
+    float *rows = malloc(sizeof(float) * widest * threads);                  /* a float row per thread */
+    int failed = !x || !a || !b || !qkv || (!gemm && (!gate_up || !y)) || !rows;
+    if (failed) goto done;
     for (int t = 0; t < n; t++)
         for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
     #pragma omp parallel num_threads(threads)
     {
-        float *row = malloc(sizeof(float) * widest);
+        float *row = rows + (size_t)omp_get_thread_num() * widest;
         #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) norm_row(m, x, t, m->layers[0].input_norm, a, gdt, row);
         for (int li = 0; li < m->num_layers; li++) {
@@ -253,8 +288,12 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
             #pragma omp for collapse(2) schedule(dynamic)
             for (int t = 0; t < n; t++)
                 for (int kh = 0; kh < nkv; kh++)
-                    attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slots[t],
-                                block_tables + (int64_t)t * table_width, context_lens[t], cos_table, sin_table, a);
+                    if (attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slots[t],
+                                    block_tables + (int64_t)t * table_width, context_lens[t], cos_table, sin_table, a)) {
+                        /* the rest of the step still runs (every thread must meet the barriers), and is discarded */
+                        #pragma omp atomic write
+                        failed = 1;
+                    }
             project(&l->o, 0, dt, a, n, q_size, hdim, b);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) add_and_norm(m, x, t, b, l->post_norm, a, gdt, row);
@@ -276,34 +315,39 @@ void decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t 
             for (int t = 0; t < n; t++) add_and_norm(m, x, t, a, norm, a, gdt, row);
         }
         project(&m->lm_head, 0, dt, a, n, hdim, m->vocab, gemm ? logits : (void *)y);
-        free(row);
     }
     if (!gemm)
         for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
-    free(x), free(a), free(b), free(gate_up), free(y);
+done:
+    free(x), free(a), free(gate_up), free(y), free(rows);
     if (qkv != b) free(qkv);
+    free(b);
+    return failed ? -1 : 0;
 }
 
 /* `steps` greedy decode steps of n sequences in one call: each step's argmax is the next step's input, and
  * its K/V go at the next slot of the sequence's table, which holds blocks for all the steps. input_ids,
  * positions and context_lens are the first step's, and advance in place; tokens [steps][n]; logits: room
- * for one step's. */
-void decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions,
+ * for one step's. 0, or -1 where memory ran out (the steps stop there). */
+int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions,
                   const int64_t *block_tables, int table_width, int64_t *context_lens, const float *cos_table,
                   const float *sin_table, void *logits, int64_t *tokens, int threads) {
     const int bs = m->block_size;
     int64_t *slots = malloc(sizeof(int64_t) * n);
-    for (int s = 0; s < steps; s++) {
+    int status = slots ? 0 : -1;
+    for (int s = 0; s < steps && status == 0; s++) {
         for (int t = 0; t < n; t++) {
             const int64_t at = context_lens[t] - 1;     /* the new token's place in the cache */
             slots[t] = block_tables[(int64_t)t * table_width + at / bs] * bs + at % bs;
         }
-        decode_step(m, n, input_ids, positions, slots, block_tables, table_width, context_lens, cos_table, sin_table,
-                    logits, threads);
+        status = decode_step(m, n, input_ids, positions, slots, block_tables, table_width, context_lens, cos_table,
+                             sin_table, logits, threads);
+        if (status) break;
         argmax_rows(logits, n, m->vocab, m->vocab, m->dtype, tokens + (int64_t)s * n, threads);
         for (int t = 0; t < n; t++) input_ids[t] = tokens[(int64_t)s * n + t], positions[t]++, context_lens[t]++;
     }
     free(slots);
+    return status;
 }
 
 /* y[t] = w . x[t] for n inputs by the step's own matrix-vector product (y and x float32): to test it

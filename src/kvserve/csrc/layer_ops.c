@@ -5,19 +5,23 @@
  * RoPE: a rolled copy, a product, a multiply-add); here each is one pass, rounded where the eager
  * model rounds (`dtype`: F32 or BF16 of common.h). Rows are shared between the threads when there
  * are enough of them. */
+#include <omp.h>
+
 #include "common.h"
 
 #define PARALLEL_FROM (1 << 16)     /* numbers: below this, one thread is faster than waking more */
 
 /* residual[t] += x[t] (x NULL: no addition), then out[t] = RMSNorm(residual[t]) * weight, for n rows
- * of dim numbers. */
-void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int n, int dim, float eps,
-                  int dtype, int threads) {
+ * of dim numbers. 0, or -1 (nothing written) where memory ran out. */
+int add_rms_norm(const void *x, void *residual, const void *weight, void *out, int n, int dim, float eps,
+                 int dtype, int threads) {
     const size_t row_bytes = (size_t)dim * elem_size(dtype);
+    const size_t stride = ((size_t)dim + 15) / 16 * 16;      /* whole cache lines, for the vector loops */
+    float *rows = aligned_alloc(64, sizeof(float) * 3 * stride * threads);     /* three rows per thread */
+    if (!rows) return -1;
     #pragma omp parallel num_threads(threads) if ((int64_t)n * dim >= PARALLEL_FROM)
     {
-        const size_t stride = ((size_t)dim + 15) / 16 * 16;      /* whole cache lines, for the vector loops */
-        float *sum = aligned_alloc(64, sizeof(float) * 3 * stride), *add = sum + stride, *y = add + stride;
+        float *sum = rows + 3 * stride * omp_get_thread_num(), *add = sum + stride, *y = add + stride;
         #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) {
             char *r = (char *)residual + t * row_bytes;
@@ -48,8 +52,9 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
             store_row((char *)out + t * row_bytes, y, dtype, dim);
 #endif
         }
-        free(sum);
     }
+    free(rows);
+    return 0;
 }
 
 /* x[t][h] rotated in place by RoPE (rotate-half layout; sin carries the sign of the first half) for

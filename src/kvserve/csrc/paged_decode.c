@@ -376,9 +376,8 @@ typedef struct {
 } Queries;
 
 #if DOT_BF16
-/* The rows as bfloat16, or NULL where a number of them is not one (q of a float32 model). */
-static uint16_t *bf16_queries(const void *q, int kind, int64_t q_stride, int rows, int groups, int d) {
-    uint16_t *qb = malloc(sizeof(uint16_t) * (size_t)rows * d);
+/* The rows as bfloat16 into qb; 0 where a number of them is not one (q of a float32 model). */
+static int bf16_queries(const void *q, int kind, int64_t q_stride, int rows, int groups, int d, uint16_t *qb) {
     uint32_t rest = 0;          /* the low halves of float32 numbers: bfloat16 ones have none */
     for (int r = 0; r < rows; r++) {
         const int64_t at = (r / groups) * q_stride + (r % groups) * d;
@@ -394,27 +393,34 @@ static uint16_t *bf16_queries(const void *q, int kind, int64_t q_stride, int row
             row[i] = (uint16_t)(bits >> 16);
         }
     }
-    if (rest) free(qb);
-    return rest ? NULL : qb;
+    return !rest;
 }
 #endif
 
-static Queries queries(const Cache *c, const void *q, int kind, int64_t q_stride, int rows, int groups,
-                       float scale) {
+/* The task's query rows into qs (free both); -1 (and none) where memory for them ran out. */
+static int queries(const Cache *c, const void *q, int kind, int64_t q_stride, int rows, int groups, float scale,
+                   Queries *qs) {
     const int d = c->d;
-    Queries qs = {NULL, NULL};
+    *qs = (Queries){NULL, NULL};
 #if DOT_BF16
-    if (c->kind == BF16 || (c->kind > F16 && c->residual_kind == BF16))
-        qs.bf16 = bf16_queries(q, kind, q_stride, rows, groups, d);
-    if (qs.bf16 && c->kind == BF16) return qs;      /* every block is scored in pairs */
+    if (c->kind == BF16 || (c->kind > F16 && c->residual_kind == BF16)) {
+        qs->bf16 = malloc(sizeof(uint16_t) * (size_t)rows * d);
+        if (!qs->bf16) return -1;
+        if (!bf16_queries(q, kind, q_stride, rows, groups, d, qs->bf16)) free(qs->bf16), qs->bf16 = NULL;
+    }
+    if (qs->bf16 && c->kind == BF16) return 0;      /* every block is scored in pairs */
 #endif
-    qs.scaled = malloc(sizeof(float) * (size_t)rows * d);
+    qs->scaled = malloc(sizeof(float) * (size_t)rows * d);
+    if (!qs->scaled) {
+        free(qs->bf16), qs->bf16 = NULL;
+        return -1;
+    }
     for (int r = 0; r < rows; r++) {
-        float *row = qs.scaled + (size_t)r * d;
+        float *row = qs->scaled + (size_t)r * d;
         load_row(row, (const char *)q + ((r / groups) * q_stride + (r % groups) * d) * elem_size(kind), kind, d);
         for (int i = 0; i < d; i++) row[i] *= scale;
     }
-    return qs;
+    return 0;
 }
 
 /* scores[r][t] = scale * q[r] . K[t] for the n keys of a block (at t0 of the step's scores), and the
@@ -628,8 +634,8 @@ static inline __attribute__((always_inline)) void add_weighted_pairs_of(float *a
 
 /* attend_rows for a tile of `rows` >= 16 rows over float32 pages, or bfloat16 pages with the rows as
  * bfloat16 (qs->bf16): rows in lanes (scores_t, softmax_t), the products with V by add_weighted_rows_of
- * (float32) or add_weighted_pairs_of (bfloat16). */
-static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx, const Queries *qs, int tokens,
+ * (float32) or add_weighted_pairs_of (bfloat16). 0, or -1 (out untouched) where memory ran out. */
+static int attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx, const Queries *qs, int tokens,
                         int groups, float scale, void *out, int kind, int64_t out_stride) {
     const int d = c->d, bs = c->bs, rows = tokens * groups, rv = (rows + 15) / 16, lanes = 16 * rv;
     const int pairs = c->kind == BF16, depth = pairs ? d / 2 : d;      /* bfloat16: qs->bf16, scored by pairs */
@@ -638,6 +644,10 @@ static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx
     /* the step's V rows: as floats, or (pairs) as pairs of keys, with the probabilities' pairs after them */
     float *v_rows = malloc(sizeof(float) * ((size_t)step * d + (size_t)(step / 2 + 1) * (d + 16 + lanes)));
     float *acc = calloc((size_t)rows * d, sizeof(float));
+    if (!qt || !st || !v_rows || !acc) {
+        free(qt), free(st), free(acc), free(v_rows);
+        return -1;
+    }
     pack_rows(pairs ? (const uint32_t *)qs->bf16 : (const uint32_t *)qs->scaled, rows, depth, rv, (uint32_t *)qt);
     __m512 m[4], l[4], corr[4];
     __m512i sees[4];
@@ -717,22 +727,25 @@ static void attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx
         }
     }
     free(qt), free(st), free(acc), free(v_rows);
+    return 0;
 }
 #endif
 
 /* Attention of `tokens` consecutive query tokens of a sequence (q rows q_stride numbers apart, of
  * `kind` F32 or BF16) over KV head h: token r sees the first ctx - tokens + 1 + r cached tokens (causal;
  * its own are cached already), and each of its `groups` query heads (adjacent in its row) is one row of
- * the work, so that all rows share every K/V block read. out: rows out_stride numbers apart, of `kind`. */
-static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx, const void *q, int kind,
-                        int64_t q_stride, int tokens, int groups, float scale, void *out, int64_t out_stride) {
+ * the work, so that all rows share every K/V block read. out: rows out_stride numbers apart, of `kind`.
+ * 0, or -1 (out untouched) where memory ran out. */
+static int attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx, const void *q, int kind,
+                       int64_t q_stride, int tokens, int groups, float scale, void *out, int64_t out_stride) {
     const int d = c->d, bs = c->bs, rows = tokens * groups;
-    const Queries qs = queries(c, q, kind, q_stride, rows, groups, scale);
+    Queries qs;
+    if (queries(c, q, kind, q_stride, rows, groups, scale, &qs)) return -1;
 #if AVX512_BW_VL
     if (rows >= 16 && rows <= TILE_LANES && d % 2 == 0 && (c->kind == F32 || (c->kind == BF16 && qs.bf16))) {
-        attend_tile(c, h, table, ctx, &qs, tokens, groups, scale, out, kind, out_stride);
+        const int status = attend_tile(c, h, table, ctx, &qs, tokens, groups, scale, out, kind, out_stride);
         free(qs.scaled), free(qs.bf16);
-        return;
+        return status;
     }
 #endif
     const int per_step = bs >= SEGMENT ? 1 : SEGMENT / bs, span = ctx < bs ? (int)ctx : bs, step = per_step * span;
@@ -740,6 +753,10 @@ static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx
      * none for float32 pages, which are read in place */
     float *tile = c->kind == F32 ? NULL : malloc(sizeof(float) * (size_t)span * d);
     float *scores = malloc(sizeof(float) * (size_t)rows * step), *acc = calloc((size_t)rows * d, sizeof(float));
+    if ((!tile && c->kind != F32) || !scores || !acc) {
+        free(tile), free(scores), free(acc), free(qs.scaled), free(qs.bf16);
+        return -1;
+    }
     float m[rows], l[rows], correction[rows];
     int valid[rows];
     int64_t seen[rows];
@@ -781,17 +798,18 @@ static void attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx
 #endif
     }
     free(tile), free(scores), free(acc), free(qs.scaled), free(qs.bf16);
+    return 0;
 }
 
-void attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
-                 float scale, float *out) {
-    attend_rows(c, h, table, ctx, q, F32, 0, 1, groups, scale, out, 0);
+int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
+                float scale, float *out) {
+    return attend_rows(c, h, table, ctx, q, F32, 0, 1, groups, scale, out, 0);
 }
 
 /* out[b][h * G + g][:] = softmax(q . K^T * scale) V for each decoding sequence b: q and out of
  * `q_kind` F32 or BF16, each sequence's q heads adjacent, sequences q_stride numbers apart in q and
- * contiguous in out. */
-void paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num_seqs, int num_heads,
+ * contiguous in out. 0, or -1 where memory ran out (out is then not all written). */
+int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num_seqs, int num_heads,
                   const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                   const void *pages, int kind, int kvh, int nb, int bs, int d,
                   const void *k_meta, const void *v_meta,
@@ -799,14 +817,23 @@ void paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int nu
     const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, slots};
     const int groups = num_heads / kvh;
     const size_t es = elem_size(q_kind);
+    int failed = 0;
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (int b = 0; b < num_seqs; b++)
         for (int h = 0; h < kvh; h++) {
+            int stop;
+            #pragma omp atomic read
+            stop = failed;
+            if (stop) continue;         /* the call fails: no task left need run */
             const int64_t head = (int64_t)h * groups * d;
-            attend_rows(&c, h, block_tables + (int64_t)b * table_width, context_lens[b],
-                        (const char *)q + (b * q_stride + head) * es, q_kind, 0, 1, groups, scale,
-                        (char *)out + ((int64_t)b * num_heads * d + head) * es, 0);
+            if (attend_rows(&c, h, block_tables + (int64_t)b * table_width, context_lens[b],
+                            (const char *)q + (b * q_stride + head) * es, q_kind, 0, 1, groups, scale,
+                            (char *)out + ((int64_t)b * num_heads * d + head) * es, 0)) {
+                #pragma omp atomic write
+                failed = 1;
+            }
         }
+    return failed ? -1 : 0;
 }
 
 /* out[t][h * G + g][:] = causal attention of every query token t of a step over its sequence's pages,
@@ -814,8 +841,9 @@ void paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int nu
  * query_starts[s + 1]), the last of its context_lens[s] cached tokens (a prompt's chunk after a cached
  * prefix, or a decode's one token). Tasks are tiles of a few consecutive tokens of a sequence and one
  * KV head, so that each K/V block read serves tokens x G query rows. q (rows q_stride apart) and out
- * (contiguous) of q_kind; the arguments are paged_decode's, and query_starts. */
-void paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int num_seqs, int num_heads,
+ * (contiguous) of q_kind; the arguments are paged_decode's, and query_starts. 0, or -1 where memory ran
+ * out (out is then not all written). */
+int paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int num_seqs, int num_heads,
                    const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                    const void *pages, int kind, int kvh, int nb, int bs, int d,
                    const void *k_meta, const void *v_meta,
@@ -828,6 +856,11 @@ void paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int n
     for (int s = 0; s < num_seqs; s++) num_tiles += (query_starts[s + 1] - query_starts[s] + per_tile - 1) / per_tile;
     int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     int *tile_seq = malloc(sizeof(int) * (size_t)(num_tiles + 1));
+    if (!tile_start || !tile_seq) {
+        free(tile_start), free(tile_seq);
+        return -1;
+    }
+    int failed = 0;
     int64_t at = 0;
     for (int s = 0; s < num_seqs; s++)
         for (int64_t t = query_starts[s]; t < query_starts[s + 1]; t += per_tile) tile_seq[at] = s, tile_start[at++] = t;
@@ -835,14 +868,23 @@ void paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int n
     /* the latest tiles first: they attend to the most keys */
     #pragma omp parallel for schedule(dynamic)
     for (int64_t i = 0; i < num_tasks; i++) {
+        int stop;
+        #pragma omp atomic read
+        stop = failed;
+        if (stop) continue;         /* the call fails: no task left need run */
         const int64_t tile = (num_tasks - 1 - i) / kvh, t0 = tile_start[tile];
         const int h = (int)((num_tasks - 1 - i) % kvh), s = tile_seq[tile];
         const int64_t end = query_starts[s + 1], tokens = end - t0 < per_tile ? end - t0 : per_tile;
         /* keys its last token sees: the cache less the sequence's query tokens after it */
         const int64_t ctx = context_lens[s] - (end - t0 - tokens);
         const int64_t head = (int64_t)h * groups * d;
-        attend_rows(&c, h, block_tables + (int64_t)s * table_width, ctx, (const char *)q + (t0 * q_stride + head) * es,
-                    q_kind, q_stride, (int)tokens, groups, scale, (char *)out + (t0 * row + head) * es, row);
+        if (attend_rows(&c, h, block_tables + (int64_t)s * table_width, ctx,
+                        (const char *)q + (t0 * q_stride + head) * es, q_kind, q_stride, (int)tokens, groups, scale,
+                        (char *)out + (t0 * row + head) * es, row)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
     }
     free(tile_start), free(tile_seq);
+    return failed ? -1 : 0;
 }

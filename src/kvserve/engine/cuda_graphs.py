@@ -4,10 +4,9 @@ A step of decodes only runs from the graph of the smallest captured size that ho
 past its sequences are padding that writes no K/V (slot -1) and reads no context (length 0). The
 graph reads its inputs from static buffers that each step fills first, and launches its decode
 kernels for the longest context it serves (max_model_len, at most MAX_CONTEXT as vLLM's
-max_seq_len_to_capture), so the same launches serve every step. Steps that need more than the
-forward (prompts, attention mass for eviction, quantized pages whose writes are planned in Python,
-a longer context) run eagerly, as does everything when enforce_eager is set, and every step
-once a `sink` sequence has outgrown the RoPE table that the graphs read (it is reallocated).
+max_seq_len_to_capture), so the same launches serve every step. Which steps run from the graphs
+(decodes that need nothing but the forward, within the captured sizes and context, while the RoPE
+table is the one the graphs read) is for engine/executor.py's CudaGraphs to say.
 """
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, **long)
         self.graphs: dict[int, _Captured] = {}
         self.replays = dict.fromkeys(self.sizes, 0)
-        self._rope_table = model.rope.cos
+        self.rope_table = model.rope.cos        # the graphs read it: reallocated (ensure_rope), it is not theirs
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -90,15 +89,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool):
             hidden = self._forward(size, self._batch(size))
         return _Captured(graph, hidden)
-
-    def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
-        """A step of decodes only, within the largest size and context, that needs nothing but the
-        forward (no attention mass, no prompt logprobs)."""
-        return (bool(self.graphs) and batch.num_prefills == 0 and batch.kv_write is None
-                and not batch.mass_requests and not prompt_logprobs and len(batch.query_lens) <= self.sizes[-1]
-                and max(batch.context_lens_list) <= self.max_context
-                and batch.block_tables.shape[1] <= self.block_tables.shape[1]
-                and self.model.rope.cos is self._rope_table)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode step of n sequences, from the graph of its padded size."""

@@ -13,11 +13,11 @@ import torch
 from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
-from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
+from kvserve.engine.executor import build_executors, native_decode_wanted
 from kvserve.engine.gpu_memory import profile_kv_memory
-from kvserve.engine.native_decode import NativeDecode, native_decode_wanted, prepare_weights
+from kvserve.engine.native_decode import prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
@@ -62,32 +62,19 @@ class LLMEngine:
         self.cache_config, self.kv, self.storage = self._init_cache(config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
                                    config.enable_prefix_caching and config.cache_mode == "paged")
+        self._final_only: set[str] = set()              # requests reported only when finished
+        executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
+                                    self.scheduler, self._final_only, self.max_model_len)
         self.runner = ModelRunner(self.model, self.storage, self.kv.block_tables if self.kv else {},
-                                  self.backend, self.device)
-        if self._use_cuda_graphs(config):
-            graphs = DecodeGraphs(self.model, self.storage, self.backend, config.max_num_seqs, self.max_model_len,
-                                  self.device)
-            try:
-                graphs.capture_all()
-                self.runner.graphs = graphs
-            except Exception as e:  # noqa: BLE001  (a driver or kernel that cannot be captured: serve eagerly)
-                log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
-        if native:
-            self.runner.native = NativeDecode(self.model, self.storage)
+                                  self.backend, self.device, executors)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
         self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
-        self._final_only: set[str] = set()              # requests reported only when finished
         # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
         # need whole distributions (KL divergence), not just the logprobs a request returns
         self.prompt_logits_hook: Callable[[list[Sequence], torch.Tensor, list], None] | None = None
         self._seq_ids = count()
-
-    def _use_cuda_graphs(self, config: EngineConfig) -> bool:
-        """On CUDA unless enforce_eager: a paged, full-precision cache read by a backend that can be captured."""
-        return (self.device.type == "cuda" and not config.enforce_eager and self.storage is not None
-                and not self.kv_spec.quantized_layers and self.backend.supports_cuda_graphs)
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
@@ -275,12 +262,11 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns the requests that gained tokens."""
+        """Schedule, run the model once (or, where nobody sees the steps between, several greedy decode steps
+        at once: engine/executor.py), sample; returns the requests that gained tokens."""
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        if (steps := self._steps_at_once(sched)) > 1:
-            return self._run_steps(sched, steps)
         try:
             out = self.runner.run(sched)
         except BaseException:
@@ -292,6 +278,8 @@ class LLMEngine:
                         self.scheduler.preempt(seq)
             raise
         self.scheduler.commit(sched)
+        if out.tokens is not None:
+            return self._append_steps(sched, out.tokens)
         if self.evictor is not None:
             self.evictor.after_step(sched.seqs, out.attention_mass)
         try:
@@ -315,33 +303,10 @@ class LLMEngine:
         return [self._output(rid) for rid in touched
                 if rid not in self._final_only or self._finished(self.requests[rid])]
 
-    def _steps_at_once(self, sched: SchedulerOutput) -> int:
-        """Decode steps to run in one native call (vLLM's multi-step scheduling): up to num_scheduler_steps
-        where nobody sees the steps between (greedy decodes of final-only requests, no logprobs, no
-        eviction, no logit_bias: the C step takes the plain argmax), no request waits for a place, none
-        would pass its max_tokens or max_model_len, and the pool has the blocks; else 1."""
-        native, steps = self.runner.native, self.config.num_scheduler_steps
-        if (steps == 1 or native is None or sched.num_decodes < len(sched.seqs) or self.scheduler.waiting
-                or (native.max_batch is not None and len(sched.seqs) > native.max_batch)):
-            return 1
-        for seq in sched.seqs:
-            p = seq.params
-            # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet)
-            if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.logit_bias
-                    or seq.request_id not in self._final_only or seq.num_computed_tokens + 1 < seq.num_tokens):
-                return 1
-            steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        return steps if steps > 1 and self.scheduler.reserve_ahead(sched, steps) else 1
-
-    def _run_steps(self, sched: SchedulerOutput, steps: int) -> list[RequestOutput]:
-        """`steps` greedy decode steps in one native call: each sequence takes their tokens as one step at a
-        time would, up to the one that ends it (a stop token or string); the rest are dropped with its blocks."""
-        try:
-            tokens = self.runner.run_steps(sched, steps)
-        except BaseException:
-            self.scheduler.forget_uncomputed(sched)
-            raise
-        self.scheduler.commit(sched)
+    def _append_steps(self, sched: SchedulerOutput, tokens: list[list[int]]) -> list[RequestOutput]:
+        """The tokens [steps][sequences] of several greedy decode steps run at once: each sequence takes them as
+        one step at a time would, up to the one that ends it (a stop token or string); the rest are dropped with
+        its blocks."""
         for i, row in enumerate(tokens):
             for seq, token in zip(sched.seqs, row):
                 if not seq.is_finished:
@@ -477,4 +442,5 @@ class LLMEngine:
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
+            "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
         }

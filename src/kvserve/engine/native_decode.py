@@ -7,7 +7,8 @@ Where gemm.c does not multiply the dtype (CPUs without AVX-512, or without its B
 bfloat16), the step reads the weights as torch's Linear keeps them ([out, in]) by matrix-vector
 products, which win only while reading the weights bounds the step: then the engine keeps those, on
 huge pages, beside oneDNN's packed copies (the weights take twice their memory, as CUDA graphs take
-memory of their own), and larger steps run op by op. `enforce_eager` turns it off.
+memory of their own), and larger steps run op by op. `enforce_eager` turns it off; engine/executor.py
+says which steps it runs.
 """
 from __future__ import annotations
 
@@ -16,10 +17,9 @@ import ctypes
 import torch
 
 from kvserve.attention import AttentionBatch
-from kvserve.attention.native import DTYPE_KINDS, NativeBackend
-from kvserve.config import EngineConfig
+from kvserve.attention.native import DTYPE_KINDS
 from kvserve.engine.cpu_memory import huge_page_buffer
-from kvserve.kernels import function, library
+from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import Linear, gemm_packs
@@ -31,6 +31,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
 
+# copies of csrc/decode_step.c's structs (NativeDecode checks them against the library's: check_layout)
 class _Proj(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "packed")]
 
@@ -62,12 +63,11 @@ def _proj(linear: Linear) -> _Proj:
 
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """x [n, in] (float32) @ w [out, in].T by the decode step's own matrix-vector products, as float32
-    (rounded to w's dtype); None where the kernels cannot be built."""
+    (rounded to w's dtype); None where the kernels cannot be built (only outside KVSERVE_STRICT_KERNELS=1)."""
     if w.dtype not in DTYPES or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear_rows takes float32 or bfloat16 weights [out, in] and inputs [n, in]; got "
                          f"{w.dtype} {tuple(w.shape)} and {tuple(x.shape)}")
-    p, i = ctypes.c_void_p, ctypes.c_int
-    fn = function("linear_rows", (p, i, p, i, i, i, p, i))
+    fn = function("linear_rows")
     if fn is None:
         return None
     w, x = w.contiguous(), x.float().contiguous()
@@ -75,14 +75,6 @@ def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     fn(w.data_ptr(), DTYPE_KINDS[w.dtype], x.data_ptr(), x.shape[0], w.shape[1], w.shape[0], y.data_ptr(),
        torch.get_num_threads())
     return y
-
-
-def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
-    """On the CPU unless enforce_eager: a float32 or bfloat16 model whose decode the native attention
-    backend runs over a full-precision cache, and the kernels built."""
-    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
-            and isinstance(backend, NativeBackend) and config.cache_mode != "none"
-            and config.kv_cache_dtype == "auto" and library() is not None)
 
 
 def prepare_weights(model: CausalLM) -> None:
@@ -119,9 +111,12 @@ def _to_huge_pages(fields: list[tuple[torch.nn.Module, str]]) -> None:
 
 
 class NativeDecode:
-    """The model's weights and cache pages as the C step reads them, and `run` for one step."""
+    """The model's weights and cache pages as the C step reads them, `run` for one step and `run_steps`
+    for several; `steps` counts the decode steps run."""
 
     def __init__(self, model: CausalLM, storage: KVStorage):
+        for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):
+            check_layout(library(), structure, name)
         cfg = model.config
         self.model = model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -129,9 +124,7 @@ class NativeDecode:
         if not self.packed and any(m.weight.numel() == 0 for m in linears):
             raise ValueError("the C decode step reads the plain weights where they are not packed for csrc/gemm.c: "
                              "pack them with keep_weights=True")
-        p, i = ctypes.c_void_p, ctypes.c_int
-        self.fn = function("decode_step", (ctypes.POINTER(_Model), i, p, p, p, p, i, p, p, p, p, i))
-        self.steps_fn = function("decode_steps", (ctypes.POINTER(_Model), i, i, p, p, p, i, p, p, p, p, p, i))
+        self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
         layers = []
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -149,11 +142,6 @@ class NativeDecode:
         # the packed GEMMs take any batch; the matrix-vector products only small ones
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0
-
-    def can_run(self, batch: AttentionBatch, prompt_logprobs: bool) -> bool:
-        """A step of decodes only (at most max_batch, where that is set) that needs nothing but the logits."""
-        return (batch.num_prefills == 0 and (self.max_batch is None or len(batch.query_lens) <= self.max_batch)
-                and batch.kv_write is None and not batch.mass_requests and not prompt_logprobs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache."""

@@ -1,13 +1,14 @@
-"""ModelRunner: turns a scheduled step into flat tensors, runs the model, returns last-token logits."""
+"""ModelRunner: turns a scheduled step into flat tensors and runs it by the first executor that takes it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
 
 import numpy as np
 import torch
 
 from kvserve.attention import AttentionBatch
 from kvserve.engine.cuda_graphs import DecodeGraphs
+from kvserve.engine.executor import CudaGraphs, Executor, NativeStep, Step, StepInputs, StepOutput
 from kvserve.engine.native_decode import NativeDecode
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv.storage import KVStorage
@@ -20,38 +21,30 @@ def index_tensor(values: list, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    batch: AttentionBatch
-    logits_indices: torch.Tensor   # flat index of the last token of each sequence that samples
-    sample_rows: list[int]         # which scheduled sequences sample this step
-    prompt_indices: torch.Tensor   # flat indices whose logits score the next prompt token
-    prompt_spans: list[tuple[int, int, int]]   # (row, first prompt token scored, count) per sequence
-
-
-@dataclass
-class StepOutput:
-    logits: torch.Tensor           # [sampling sequences, vocab]
-    sample_rows: list[int]
-    prompt_logits: torch.Tensor    # [scored prompt tokens, vocab], in prompt_spans order
-    prompt_spans: list[tuple[int, int, int]]
-    attention_mass: dict[int, torch.Tensor]   # row -> [layers * KVH, context] mass, for eviction policies
-
-
 class ModelRunner:
-    """`block_tables` is the cache manager's live map seq_id -> block ids (empty with no cache)."""
+    """Turns a scheduled step into flat tensors and runs it on the first of `executors` that supports it
+    (engine/executor.py); `steps` counts the steps each executor ran, by name. `block_tables` is the cache
+    manager's live map seq_id -> block ids (empty with no cache)."""
 
     def __init__(self, model: CausalLM, storage: KVStorage | None, block_tables: dict[int, list[int]],
-                 backend, device: torch.device):
+                 backend, device: torch.device, executors: list[Executor]):
         self.model = model
         self.storage = storage
         self.block_tables = block_tables
         self.backend = backend
         self.device = device
-        self.graphs: DecodeGraphs | None = None
-        self.native: NativeDecode | None = None
+        self.executors = executors
+        self.steps: Counter[str] = Counter(dict.fromkeys((e.name for e in executors), 0))
+
+    @property
+    def native(self) -> NativeDecode | None:
+        """The C step of the native executors, if the engine has them."""
+        return next((e.native for e in self.executors if isinstance(e, NativeStep)), None)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The captured CUDA graphs, if the engine has them."""
+        return next((e.graphs for e in self.executors if isinstance(e, CudaGraphs)), None)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         input_ids, starts, q_lens, ctx_lens, logits_indices, sample_rows = [], [], [], [], [], []
@@ -140,29 +133,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> StepOutput:
-        """Logits of the tokens that sample, and of the prompt tokens asked to be scored."""
+        """The step, run by the first executor that supports it (counted in `steps`): the logits of the tokens
+        that sample and of the prompt tokens asked to be scored, or the tokens of several decode steps."""
+        step = Step(sched, self._copy_and_prepare)
+        executor = next(e for e in self.executors if e.supports(step))
+        out = executor.run(step)
+        self.steps[executor.name] += step.num_steps
+        return out
+
+    def _copy_and_prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's inputs, its copy-on-write blocks copied first (those of every block it reserved)."""
         if self.storage is not None:
             self.storage.copy_blocks(sched.block_copies)
-        inputs = self.prepare(sched)
-        batch = inputs.batch
-        if self.native is not None and self.native.can_run(batch, bool(inputs.prompt_spans)):
-            logits = self.native.run(inputs.input_ids, inputs.positions, batch)
-            if len(inputs.sample_rows) < len(logits):     # the others compute a prompt a token at a time
-                logits = logits[inputs.logits_indices]
-            return StepOutput(logits, inputs.sample_rows, logits[:0], [], {})
-        if self.graphs is not None and self.graphs.can_run(batch, bool(inputs.prompt_spans)):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, batch)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, batch, self.backend, self.storage)
-        num_sample = len(inputs.sample_rows)
-        logits = self.model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
-        mass = {row: torch.cat(layers) for row, layers in batch.mass.items()}
-        return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans, mass)
-
-    @torch.inference_mode()
-    def run_steps(self, sched: SchedulerOutput, steps: int) -> list[list[int]]:
-        """Tokens [steps][sequences] of `steps` greedy decode steps of the scheduled decodes, in one native call."""
-        self.storage.copy_blocks(sched.block_copies)
-        inputs = self.prepare(sched)
-        self.model.ensure_rope(int(inputs.positions.max()) + steps)
-        return self.native.run_steps(inputs.input_ids, inputs.positions, inputs.batch, steps).tolist()
+        return self.prepare(sched)

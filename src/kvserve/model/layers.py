@@ -4,7 +4,6 @@ Parameters are not initialised: the loader fills every one from the checkpoint (
 """
 from __future__ import annotations
 
-import ctypes
 import math
 from functools import lru_cache
 from typing import Any
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, function
+from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _PACK_BATCH_HINT = 64
@@ -73,12 +72,15 @@ class GateUpLinear(Linear):
 
 
 def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
-    """w [out, in] prepacked for oneDNN's GEMM (onednn_linear), or None where torch has no oneDNN."""
+    """w [out, in] prepacked for oneDNN's GEMM (onednn_linear), or None (a fallback: see kvserve.kernels)
+    where torch has no oneDNN."""
     if not torch.backends.mkldnn.is_available():
+        fallback("onednn_pack", "this build of torch has no oneDNN")
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
-    except (RuntimeError, AttributeError):
+    except (RuntimeError, AttributeError) as e:
+        fallback("onednn_pack", f"{type(e).__name__}: {e}")
         return None
 
 
@@ -87,31 +89,25 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 @lru_cache(maxsize=None)
-def _gemm_function(name: str, argtypes: tuple, dtype: torch.dtype, restype=None):
+def _gemm_function(name: str, dtype: torch.dtype):
     """csrc/gemm.c's `name` where this CPU's build multiplies dtype, else None."""
-    dtypes = function("gemm_dtypes", ())
-    if dtypes is None or dtype not in COMPUTE_DTYPES:
+    dtypes = function("gemm_dtypes")
+    if dtypes is None or dtype not in COMPUTE_DTYPES or not dtypes() >> DTYPE_KINDS[dtype] & 1:
         return None
-    dtypes.restype = ctypes.c_int
-    if not dtypes() >> DTYPE_KINDS[dtype] & 1:
-        return None
-    fn = function(name, argtypes)
-    fn.restype = restype
-    return fn
+    return function(name)
 
 
 def gemm_packs(dtype: torch.dtype) -> bool:
     """Whether csrc/gemm.c multiplies dtype on this CPU (Linear.pack then packs for it)."""
-    return _gemm_function("gemm", _GEMM_ARGS, dtype) is not None
+    return _gemm_function("gemm", dtype) is not None
 
 
 def gemm_pack(w: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
-    """w [out, in] packed for gemm(), or None where csrc/gemm.c does not multiply its dtype here. gated: w is
-    [gate; up], for gemm(gated=True)."""
-    p, i = ctypes.c_void_p, ctypes.c_int
-    size = _gemm_function("gemm_packed_size", (i, i, i, i), w.dtype, ctypes.c_int64)
-    pack = _gemm_function("gemm_pack", (p, i, i, i, i, p), w.dtype)
+    """w [out, in] packed for gemm(), or None (a fallback: see kvserve.kernels) where csrc/gemm.c does not
+    multiply its dtype here. gated: w is [gate; up], for gemm(gated=True)."""
+    size, pack = _gemm_function("gemm_packed_size", w.dtype), _gemm_function("gemm_pack", w.dtype)
     if pack is None:
+        fallback("gemm_pack", f"csrc/gemm.c does not multiply {w.dtype} on this CPU (or the kernels are not built)")
         return None
     kind, (n, k) = DTYPE_KINDS[w.dtype], w.shape
     if gated and n % 2:
@@ -119,11 +115,6 @@ def gemm_pack(w: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     packed = torch.empty(size(kind, n, k, gated), dtype=w.dtype)
     pack(w.contiguous().data_ptr(), kind, n, k, gated, packed.data_ptr())
     return packed
-
-
-# gemm(packed, bias, dtype, x, ldx, m, k, n, y, gated, threads)
-_GEMM_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-              ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
@@ -137,7 +128,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
         y = torch.zeros(*x.shape[:-1], out_features * (1 + gated), dtype=x.dtype)
         y = y if bias is None else y.add_(bias)
         return F.silu(y[..., :out_features]) * y[..., out_features:] if gated else y
-    fn = _gemm_function("gemm", _GEMM_ARGS, x.dtype)
+    fn = _gemm_function("gemm", x.dtype)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -152,12 +143,12 @@ class Embedding(nn.Embedding):
         pass
 
 
-def _layer_op(name: str, argtypes: tuple, x: torch.Tensor, *contiguous: torch.Tensor):
+def _layer_op(name: str, x: torch.Tensor, *contiguous: torch.Tensor):
     """The C kernel `name` (csrc/layer_ops.c) where it runs on x (CPU, float32/bfloat16) and the tensors
     in `contiguous` are, else None."""
     if x.device.type != "cpu" or x.dtype not in COMPUTE_DTYPES or not all(t.is_contiguous() for t in contiguous):
         return None
-    return function(name, argtypes)
+    return function(name)
 
 
 class RMSNorm(nn.Module):
@@ -169,10 +160,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x); with a residual, it first becomes residual + x (in place), and both are returned:
         (RMSNorm(residual + x), residual + x). One C pass on the CPU."""
-        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         same = self.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
-        fn = _layer_op("add_rms_norm", (p, p, p, p, i, i, f, i, i), x, x, *([] if residual is None else [residual])) \
-            if same else None
+        fn = _layer_op("add_rms_norm", x, x, *([] if residual is None else [residual])) if same else None
         if fn is None:
             if residual is None:
                 return self._norm(x)
@@ -234,10 +223,9 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     on the CPU for a step's x [T, heads, D] whose heads are adjacent (q and k, views of qkv's rows)
     and its cos, sin [T, 1, D]."""
     d = x.shape[-1]
-    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fits = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == d and cos.shape == sin.shape == (len(x), 1, d) \
         and cos.dtype == sin.dtype == x.dtype
-    fn = _layer_op("rope", (p, i64, i, i, i, p, p, i, i), x, cos, sin) if fits else None
+    fn = _layer_op("rope", x, cos, sin) if fits else None
     if fn is None:
         rolled = x.roll(d // 2, dims=-1)
         x.mul_(cos).addcmul_(rolled, sin)

@@ -39,6 +39,11 @@ class EngineCollector:
             family = CounterMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), stats[key])
             yield family
+        steps = CounterMetricFamily("kvserve:steps", "Engine steps by the executor that ran them (a multi-step "
+                                    "call counts its decode steps).", labels=[*self.labels, "executor"])
+        for executor, count in stats["steps"].items():
+            steps.add_metric([*self.labels.values(), executor], count)
+        yield steps
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))

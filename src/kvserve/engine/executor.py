@@ -1,0 +1,246 @@
+"""How a step runs: the one place that decides, and that says which way each step went.
+
+An engine builds its executors once from its configuration (build_executors, at the end of this file),
+and its runner runs each step on the first of them that supports it, in this order:
+
+  native_multi_step   several greedy decode steps in one C call, each step's argmax the next one's
+                      input (vLLM's multi-step scheduling); CPU
+  native              one decode step in one C call (csrc/decode_step.c); CPU
+  cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
+  eager               the model op by op, by its attention backend: any step
+
+Each executor's `supports` holds all its conditions on a step; the functions before build_executors,
+those on the engine for it to be built at all. The runner counts the steps each executor ran
+(LLMEngine.stats()["steps"], /metrics' kvserve:steps_total): a multi-step call counts its decode steps.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+from kvserve.attention import AttentionBatch
+from kvserve.attention.native import NativeBackend
+from kvserve.config import EngineConfig
+from kvserve.engine.cuda_graphs import DecodeGraphs
+from kvserve.engine.native_decode import DTYPES, NativeDecode
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.kernels import function
+from kvserve.kv import KVSpec, KVStorage
+from kvserve.model.decoder import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: AttentionBatch
+    logits_indices: torch.Tensor   # flat index of the last token of each sequence that samples
+    sample_rows: list[int]         # which scheduled sequences sample this step
+    prompt_indices: torch.Tensor   # flat indices whose logits score the next prompt token
+    prompt_spans: list[tuple[int, int, int]]   # (row, first prompt token scored, count) per sequence
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor           # [sampling sequences, vocab]
+    sample_rows: list[int]
+    prompt_logits: torch.Tensor    # [scored prompt tokens, vocab], in prompt_spans order
+    prompt_spans: list[tuple[int, int, int]]
+    attention_mass: dict[int, torch.Tensor]   # row -> [layers * KVH, context] mass, for eviction policies
+    tokens: list[list[int]] | None = None     # [steps][sequences]: several decode steps' tokens, sampled already
+
+
+@dataclass
+class Step:
+    """A scheduled step as the executors see it: the scheduler's output, and its flat inputs, prepared when an
+    executor first asks for them (after native_multi_step has reserved the blocks its steps write)."""
+
+    sched: SchedulerOutput
+    prepare: Callable[[SchedulerOutput], StepInputs]
+    num_steps: int = 1             # decode steps it runs: more where native_multi_step takes it
+
+    @cached_property
+    def inputs(self) -> StepInputs:
+        return self.prepare(self.sched)
+
+
+class Executor(Protocol):
+    name: str
+
+    def supports(self, step: Step) -> bool:
+        """Whether this executor runs the step."""
+
+    def run(self, step: Step) -> StepOutput:
+        """The step's logits (of the tokens that sample and of the prompt tokens scored), or its tokens."""
+
+
+def decodes_for_logits(inputs: StepInputs) -> bool:
+    """A step of decodes only that needs nothing of the forward but its logits: no prompt token computed or
+    scored (prompt_logprobs), no attention mass for an eviction policy, no quantized pages (their writes are
+    planned in Python)."""
+    batch = inputs.batch
+    return batch.num_prefills == 0 and batch.kv_write is None and not batch.mass_requests and not inputs.prompt_spans
+
+
+def _takes(native: NativeDecode, num_seqs: int) -> bool:
+    """Whether the C step takes a batch of num_seqs sequences: any number over weights packed for its GEMMs,
+    else up to its matrix-vector products' max_batch."""
+    return native.max_batch is None or num_seqs <= native.max_batch
+
+
+def _logits(model: CausalLM, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
+    """The output of a forward's hidden states: the logits of the tokens that sample and of the prompt tokens
+    scored, and the attention mass the layers gathered."""
+    num_sample = len(inputs.sample_rows)
+    logits = model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
+    mass = {row: torch.cat(layers) for row, layers in inputs.batch.mass.items()}
+    return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans, mass)
+
+
+class NativeMultiStep:
+    """Several greedy decode steps in one call of the C step, where nobody sees the steps between."""
+
+    name = "native_multi_step"
+
+    def __init__(self, native: NativeDecode, max_steps: int, scheduler: Scheduler, final_only: Container[str],
+                 max_model_len: int):
+        self.native, self.max_steps, self.scheduler = native, max_steps, scheduler
+        self.final_only = final_only          # the engine's requests reported only once finished
+        self.max_model_len = max_model_len
+
+    def supports(self, step: Step) -> bool:
+        """Decodes only, as many as the C step takes, of final-only requests (nobody sees the steps between)
+        that are greedy, with no logprobs, no eviction and no logit_bias (the C step takes the plain argmax),
+        while no request waits for a place (it would wait the whole call); at least two steps before any sequence reaches its max_tokens or max_model_len.
+        Then it reserves the blocks of all the steps (all or none: without them, the step is not taken)."""
+        sched = step.sched
+        if (sched.num_decodes < len(sched.seqs) or self.scheduler.waiting
+                or not _takes(self.native, len(sched.seqs))):
+            return False
+        steps = self.max_steps
+        for seq in sched.seqs:
+            p = seq.params
+            # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet)
+            if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.logit_bias
+                    or seq.request_id not in self.final_only or seq.num_computed_tokens + 1 < seq.num_tokens):
+                return False
+            steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        if steps < 2 or not self.scheduler.reserve_ahead(sched, steps):
+            return False
+        step.num_steps = steps
+        return True
+
+    def run(self, step: Step) -> StepOutput:
+        inputs = step.inputs
+        self.native.model.ensure_rope(int(inputs.positions.max()) + step.num_steps)
+        tokens = self.native.run_steps(inputs.input_ids, inputs.positions, inputs.batch, step.num_steps)
+        nothing = torch.empty(0)
+        return StepOutput(nothing, [], nothing, [], {}, tokens.tolist())
+
+
+class NativeStep:
+    """One decode step in one call of the C step."""
+
+    name = "native"
+
+    def __init__(self, native: NativeDecode):
+        self.native = native
+
+    def supports(self, step: Step) -> bool:
+        """As many decodes as the C step takes, for their logits only."""
+        return _takes(self.native, len(step.sched.seqs)) and decodes_for_logits(step.inputs)
+
+    def run(self, step: Step) -> StepOutput:
+        inputs = step.inputs
+        logits = self.native.run(inputs.input_ids, inputs.positions, inputs.batch)
+        if len(inputs.sample_rows) < len(logits):     # the others compute a prompt a token at a time
+            logits = logits[inputs.logits_indices]
+        return StepOutput(logits, inputs.sample_rows, logits[:0], [], {})
+
+
+class CudaGraphs:
+    """One decode step replayed from the captured graph of its padded batch size."""
+
+    name = "cuda_graphs"
+
+    def __init__(self, graphs: DecodeGraphs, model: CausalLM):
+        self.graphs, self.model = graphs, model        # graphs: captured (capture_all)
+
+    def supports(self, step: Step) -> bool:
+        """Decodes for their logits only, within the largest captured batch and context, whose block tables fit
+        the graphs' buffer, while the RoPE table is the one the graphs read (a `sink` sequence that outgrows it
+        reallocates it)."""
+        inputs, graphs = step.inputs, self.graphs
+        batch = inputs.batch
+        return (decodes_for_logits(inputs) and len(batch.query_lens) <= graphs.sizes[-1]
+                and max(batch.context_lens_list) <= graphs.max_context
+                and batch.block_tables.shape[1] <= graphs.block_tables.shape[1]
+                and self.model.rope.cos is graphs.rope_table)
+
+    def run(self, step: Step) -> StepOutput:
+        inputs = step.inputs
+        return _logits(self.model, self.graphs.run(inputs.input_ids, inputs.positions, inputs.batch), inputs)
+
+
+class Eager:
+    """The model op by op: any step."""
+
+    name = "eager"
+
+    def __init__(self, model: CausalLM, backend, storage: KVStorage | None):
+        self.model, self.backend, self.storage = model, backend, storage
+
+    def supports(self, step: Step) -> bool:
+        """Every step."""
+        return True
+
+    def run(self, step: Step) -> StepOutput:
+        inputs = step.inputs
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.batch, self.backend, self.storage)
+        return _logits(self.model, hidden, inputs)
+
+
+def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
+    """The native executors: on the CPU unless enforce_eager, a float32 or bfloat16 model whose attention the
+    native backend runs over a full-precision cache, and the kernels built. (Asked before the model loads,
+    whose weights are then prepared for the C step: native_decode.prepare_weights.)"""
+    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
+            and isinstance(backend, NativeBackend) and config.cache_mode != "none"
+            and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
+
+
+def cuda_graphs_wanted(config: EngineConfig, device: torch.device, storage: KVStorage | None, spec: KVSpec,
+                       backend) -> bool:
+    """cuda_graphs: on CUDA unless enforce_eager, a paged, full-precision cache read by a backend that can be
+    captured (and the capture succeeding: build_executors)."""
+    return (device.type == "cuda" and not config.enforce_eager and storage is not None
+            and not spec.quantized_layers and backend.supports_cuda_graphs)
+
+
+def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | None, spec: KVSpec, backend,
+                    device: torch.device, scheduler: Scheduler, final_only: Container[str],
+                    max_model_len: int) -> list[Executor]:
+    """The engine's executors, in the order a step tries them; eager, last, takes what the others do not."""
+    executors: list[Executor] = []
+    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend):
+        native = NativeDecode(model, storage)
+        if config.num_scheduler_steps > 1:
+            executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,
+                                             max_model_len))
+        executors.append(NativeStep(native))
+    if cuda_graphs_wanted(config, device, storage, spec, backend):
+        graphs = DecodeGraphs(model, storage, backend, config.max_num_seqs, max_model_len, device)
+        try:
+            graphs.capture_all()
+            executors.append(CudaGraphs(graphs, model))
+        except Exception as e:  # noqa: BLE001  (a driver or kernel that cannot be captured: serve eagerly)
+            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+    executors.append(Eager(model, backend, storage))
+    return executors
