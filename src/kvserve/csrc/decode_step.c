@@ -6,15 +6,16 @@
  * run op by op from Python it loses as much time again in dispatch and in small-matrix overheads.
  * Here one OpenMP team runs the step: attention by (sequence, KV head) tasks, norms, RoPE and SiLU by
  * sequence, and the linear layers by csrc/gemm.c over their packed copies, which stream the weights
- * faster than matrix-vector products do even for one sequence (float32: 503 against 452 tok/s here;
- * bfloat16 alike, 742 against 737) and are bound by computing at many. Where gemm.c does not
+ * at least as fast as matrix-vector products do even for one sequence (the panels are read in order,
+ * whole cache lines) and are bound by computing at many. Where gemm.c does not
  * multiply the dtype, matrix-vector products split by rows read the weights as torch keeps them.
  *
  * Weights are float32 or bfloat16 (`dtype`, the kinds of common.h), and the cache holds the same
  * dtype. The ops between the products compute in float32; in a bfloat16 model every number is rounded
  * to bfloat16 wherever the eager model holds it in bfloat16, so that both compute the same numbers up
  * to the order of the sums. The rows that go into and come out of the GEMMs stay bfloat16 (see
- * widen): converting them in passes of their own took 0.6 ms of an 8.9 ms 64-sequence step.
+ * widen): converting them in passes of their own would read and write every row twice more, each
+ * pass behind a barrier.
  */
 #include <omp.h>
 #include <stddef.h>

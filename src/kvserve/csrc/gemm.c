@@ -3,9 +3,9 @@
  * GEMM over a weight packed once at load: panels of NR = 32 output columns, each stored k-row by k-row
  * (bfloat16: pairs of k rows interleaved, as VDPBF16PS reads them). A tile of up to MR = 14 input rows
  * by one panel keeps its 28 sums in registers while a k-chunk of the panel (32 KiB, in L1) and of the
- * rows (in L2) goes by; the threads share the panels. Measured here on the decoder layers of `kvserve
- * bench throughput`'s model, it takes 12-23% less time than oneDNN's prepacked GEMM (tuned for large
- * matrices) at the 4-64 rows of decode steps, and 1-4% more at prefill's 8192. Sums run in float32, in
+ * rows (in L2) goes by; the threads share the panels. oneDNN's prepacked GEMM is tuned for large
+ * matrices; this one for the few rows of decode steps, where it takes less time, while prefill's
+ * thousands of rows run about as fast in either (docs/performance.md). Sums run in float32, in
  * k order within chunks of KC (at a few rows and k of hundreds, float32 errors up to a few times
  * those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
  *
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void finish(__m512 acc[MR][NV], flo
                 continue;
             }
             const __mmask16 m = lanes16(c->cols - 16 * j);
-            /* not load16: its whole-vector branch, inlined here, slowed the bfloat16 tiles 5-12% (A/B) */
+            /* not load16: its whole-vector branch, inlined here, slows the bfloat16 tiles */
             if (c->bias)
                 v = _mm512_add_ps(v, dtype == BF16
                     ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(

@@ -25,9 +25,9 @@ from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import Linear, gemm_packs
 
 DTYPES = (torch.float32, torch.bfloat16)
-# Where the model is not packed for csrc/gemm.c, the step takes at most this many sequences: past it,
-# op by op with oneDNN's GEMMs was faster (at 4 sequences the products were 1.07x those in float32,
-# 0.80-0.90x in bfloat16, two runs here).
+# Where the model is not packed for csrc/gemm.c, the step takes at most this many sequences: its
+# matrix-vector products read each weight once per sequence, so past a few sequences op by op with
+# oneDNN's GEMMs, which read it once per step, wins (`kvserve bench throughput` sweeps both by batch size).
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
 

@@ -16,8 +16,8 @@ from kvserve.model.decoder import CausalLM
 
 
 def index_tensor(values: list, device: torch.device) -> torch.Tensor:
-    """int64 tensor of a (nested) list of ints: through numpy, 4x faster than torch.tensor on lists
-    (a 64-sequence step's padded block tables: 24 against 105 us here)."""
+    """int64 tensor of a (nested) list of ints: through numpy, which converts a list in C, where
+    torch.tensor inspects every element in Python."""
     return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 

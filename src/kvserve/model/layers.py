@@ -58,8 +58,8 @@ class Linear(nn.Linear):
 class GateUpLinear(Linear):
     """An MLP's gate_proj and up_proj as one Linear [2 x intermediate, hidden], whose forward is the
     activation silu(gate) * up (SwiGLU). csrc/gemm.c applies it as it writes the products, where it packs
-    the weight: the 2 x intermediate products per token are not stored and read back (float32 prefill of
-    `kvserve bench throughput`'s model: torch's silu and mul_ took 5.8 ms a layer)."""
+    the weight: the 2 x intermediate products per token are not stored and read back by two more
+    passes (torch's silu and mul_)."""
 
     gated = True
 
