@@ -2,13 +2,21 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.cli import main
-from kvserve.planner import MODELS, num_blocks, plan, weight_bytes, load_model_config
+from kvserve.planner import MODELS, _paged_bytes_per_user, num_blocks, plan, weight_bytes, load_model_config
 from tiny_models import make_checkpoint
+
+KV_DTYPES = ["auto", "int8", "fp8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("plan"), "llama")
 
 
 def test_the_seeds_example(tmp_path):
@@ -28,12 +36,33 @@ def test_weight_bytes_match_the_published_size():
     assert weight_bytes(cfg, 1) == 8_030_261_248          # Llama 3.1 8B's parameter count
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "int4"])
-def test_planner_blocks_equal_the_engines(tmp_path, kv_dtype):
-    ckpt = make_checkpoint(tmp_path, "llama")
-    llm = LLM(str(ckpt), kv_cache_memory="3MiB", block_size=16, dtype="float32", kv_cache_dtype=kv_dtype,
-              max_num_seqs=8)
-    assert num_blocks(str(ckpt), "3MiB", 16, "float32", kv_dtype, max_num_seqs=8) == llm.stats()["kv_blocks_total"]
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("budget", ["3MiB", "7.5MiB"])
+def test_planner_blocks_equal_the_engines(ckpt, kv_dtype, budget):
+    llm = LLM(str(ckpt), kv_cache_memory=budget, block_size=16, dtype="float32", kv_cache_dtype=kv_dtype)
+    assert num_blocks(str(ckpt), budget, 16, "float32", kv_dtype) == llm.stats()["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_planner_bytes_per_request_are_what_the_engine_holds(ckpt, kv_dtype):
+    """A request holding T tokens holds KVSpec.bytes_held(T) in the engine (its blocks, and those its last
+    block borrows while held exact); over a block's fill levels, their mean is the planner's figure."""
+    llm = LLM(str(ckpt), num_kv_blocks=64, block_size=16, dtype="float32", kv_cache_dtype=kv_dtype)
+    engine, spec = llm.engine, llm.engine.kv_spec
+    seq = engine.add_request("r", {"prompt_token_ids": list(range(3, 21))},
+                             SamplingParams(max_tokens=31, ignore_eos=True))
+    held = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not seq.is_finished:
+            held[seq.num_computed_tokens] = engine.kv_bytes_in_use()
+    assert sorted(held) == list(range(18, 48))
+    assert all(held[t] == spec.bytes_held(t) for t in held)
+    cycle = range(32, 48)                                  # every fill level of the third block
+    mean = statistics.fmean(held[t] for t in cycle)
+    assert _paged_bytes_per_user(spec, statistics.fmean(cycle), 1) == pytest.approx(mean, rel=1e-12)
+    if kv_dtype == "int4":                                 # the borrowed blocks are counted
+        assert held[47] > held[32] + spec.bytes_per_block and spec.mean_borrowed_blocks > 0
 
 
 def test_quantized_pages_fit_more_users():

@@ -210,8 +210,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.cache_mode != "paged":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs cache_mode 'paged' (a block is "
-                             f"quantized when it fills), got {self.cache_mode!r}")
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs cache_mode 'paged', "
+                             f"got {self.cache_mode!r}")
         self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "

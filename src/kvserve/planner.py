@@ -118,36 +118,33 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
                          f"try --tensor-parallel {need} or more, or a smaller dtype")
     kv_memory = usable - weights   # activations are not counted: leave room through --memory-utilization
     held = mean_tokens_held(context, avg_prompt, avg_output)
-    per_user = {kd: _paged_bytes_per_user(cfg, dtype, block_size, kd, held, tensor_parallel)
-                for kd in KV_CACHE_DTYPES}
-    per_token = per_user[kv_dtype][0]
+    per_card = {kd: KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kd) for kd in KV_CACHE_DTYPES}
+    cards = min(tensor_parallel, cfg.num_kv_heads)   # tensor parallelism splits the KV heads (never one head)
+    per_token = per_card[kv_dtype].bytes_per_token / cards
     bounded = min(context, sinks + window)
     users = {
         "contiguous": int(kv_memory // (context * per_token)),
-        "paged": int(kv_memory // per_user[kv_dtype][1]),
+        "paged": int(kv_memory // _paged_bytes_per_user(per_card[kv_dtype], held, cards)),
         "sink_window": int(kv_memory // (math.ceil(bounded / block_size + 1) * block_size * per_token)),
     }
-    users.update({f"paged_{kd}": int(kv_memory // per_user[kd][1]) for kd in KV_CACHE_DTYPES if kd != "auto"})
+    users.update({f"paged_{kd}": int(kv_memory // _paged_bytes_per_user(per_card[kd], held, cards))
+                  for kd in KV_CACHE_DTYPES if kd != "auto"})
     return Plan(name, weights, per_token, context * per_token, kv_memory, context, users, held)
 
 
-def _paged_bytes_per_user(cfg: ModelConfig, dtype: str, block_size: int, kv_dtype: str, held: float,
-                          tensor_parallel: int) -> tuple[float, float]:
-    """(bytes per token, bytes a paged request holds on average: its tokens and half a block, plus
-    the full-precision block it is filling when the pages are quantized), per card."""
-    spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
-    cards = min(tensor_parallel, cfg.num_kv_heads)   # tensor parallelism splits the KV heads (never one head)
-    per_token = spec.bytes_per_token / cards
-    return per_token, ((held + block_size / 2) * per_token + spec.residual_slot_bytes / cards)
+def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
+    """Bytes a paged request holds on average, per card: its `held` tokens, the places its last block
+    has left ((block_size - 1) / 2 on average), and the blocks that block borrows while it fills
+    (KVSpec.mean_borrowed_blocks). Exactly the mean of KVSpec.bytes_held over a block's fill levels."""
+    slack = (spec.block_size - 1) / 2
+    return ((held + slack) * spec.bytes_per_token + spec.mean_borrowed_blocks * spec.bytes_per_block) / cards
 
 
 def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",
-               kv_dtype: str = "auto", max_num_seqs: int = 256) -> int:
-    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses
-    (a quantized pool first sets aside one full-precision block per sequence that may run, and one more)."""
+               kv_dtype: str = "auto") -> int:
+    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses."""
     _, cfg = load_model_config(model)
-    spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
-    return spec.num_blocks_for(parse_bytes(kv_cache_memory), max_num_seqs + 1 if spec.quantized_layers else 0)
+    return KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype).num_blocks_for(parse_bytes(kv_cache_memory))
 
 
 def add_plan_parser(sub) -> None:
