@@ -24,6 +24,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
+from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
@@ -42,6 +43,7 @@ class LLMEngine:
             reuse_freed_memory()
             library()       # the C kernels: built (or found cached) as the engine starts, not in its first step
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
+        config.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)   # bfloat16 etc.: auto
         self.max_model_len = self._max_model_len(config, mcfg)
         self.tokenizer = load_tokenizer(self.model_path)
         self.detokenize = Detokenizer(self.tokenizer)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.config import KV_CACHE_DTYPES
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, parse_dtype
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
 # floor of a scale (float16's smallest normal number), so that an all-zero group decodes to zeros
@@ -202,6 +202,22 @@ class Int4(Codec):
         return group.to(dtype).unsqueeze(self.axis)
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The kv_cache_dtype of pages beside a model computing in `dtype`: `auto` where it names that dtype
+    (bfloat16, bf16, float16, fp16: full-precision pages hold the model's numbers), a quantized one
+    as it is. ValueError for a name of another dtype, or no kv_cache_dtype at all."""
+    if kv_cache_dtype == "auto" or kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+        return kv_cache_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    named, model = (str(t).removeprefix("torch.") for t in (parse_dtype(kv_cache_dtype), dtype))
+    if named != model:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} asks for {named} pages, but full-precision pages "
+                         f"hold the model's numbers ({model}): use auto, a quantized kv_cache_dtype "
+                         f"({', '.join(QUANTIZED_KV_CACHE_DTYPES)}) or dtype {kv_cache_dtype!r}")
+    return "auto"
+
+
 def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
     """The (K, V) codecs of a `kv_cache_dtype`; None for `auto` (the model's dtype)."""
     if kv_cache_dtype == "auto":
@@ -212,7 +228,8 @@ def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
         return Fp8PerToken(), Fp8PerToken()
     if kv_cache_dtype == "int4":
         return Int4(axis=-2), Int4(axis=-1)
-    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(QUANTIZED_KV_CACHE_DTYPES)}, "
+                     f"got {kv_cache_dtype!r}")
 
 
 class QuantizedLayer:

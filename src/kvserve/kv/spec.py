@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.kv.quant import codecs
+from kvserve.kv.quant import codecs, resolve_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class KVSpec:
     skip_layers: tuple[int, ...] = ()     # layers kept in `dtype` when kv_cache_dtype quantizes
 
     def __post_init__(self):
+        object.__setattr__(self, "kv_cache_dtype", resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype))
         pair = codecs(self.kv_cache_dtype)
         bad = [i for i in self.skip_layers if not 0 <= i < self.num_layers]
         if bad:
