@@ -9,6 +9,7 @@ in the model's dtype, in its own pages and in blocks it borrows from the same po
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -77,7 +78,7 @@ class KVSpec:
         per_token = self.bytes_per_block / self.block_size
         return int(per_token) if per_token.is_integer() else per_token
 
-    @property
+    @cached_property
     def borrowed_blocks(self) -> tuple[int, ...] | None:
         """Blocks that a block holding t exact tokens (t < block_size) borrows, its own pages holding
         the first of them: a quantized block's pages hold fewer bytes than the same tokens in `dtype`.
