@@ -355,3 +355,18 @@ def test_fp8_pages_of_large_values_attend_like_their_values(backend):
     out = backend.forward(q, k, v, layer, batch, 0.125)
     assert out.isfinite().all()
     torch.testing.assert_close(out, ref, atol=1e-5 * 1e6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_quantized_pages_pay_off_at_a_small_budget_on_the_demo_model(block_size):
+    """64 MiB and the default max_num_seqs (256): nothing is set aside for the sequences that may run
+    (a full-precision block each would take half of it at block size 16, all of it at 64)."""
+    def tokens(kv_cache_dtype: str) -> int:
+        llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB", block_size=block_size)
+        assert llm.engine.scheduler_config.max_num_seqs == 256
+        return llm.stats()["kv_blocks_total"] * block_size
+
+    full = tokens("auto")
+    assert tokens("int8") >= 1.9 * full and tokens("fp8") >= 1.9 * full
+    # int4's keys carry a (scale, minimum) per channel of a block: 4 x head_dim / block_size bytes a token
+    assert tokens("int4") >= {16: 3.0, 64: 3.5}[block_size] * full
