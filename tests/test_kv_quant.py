@@ -11,7 +11,8 @@ from kvserve.attention.native import NativeBackend
 from kvserve.attention.paged import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.eval.perplexity import perplexity
-from kvserve.kv.quant import FP8_MAX, Fp8PerBlock, Int4, codecs
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.quant import FP8_MAX, Fp8PerToken, Int4, codecs
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
 from tiny_models import make_checkpoint
@@ -36,16 +37,33 @@ def test_int8_error_is_within_half_a_step_per_token():
     assert ((codec.decode(q, meta) - x).abs() <= step / 2 + 1e-6).all()
 
 
-def test_fp8_keeps_three_mantissa_bits():
+def test_fp8_keeps_three_mantissa_bits_per_token():
     x = with_outliers((2, 3, 16, 64))
     codec = codecs("fp8")[0]
     q, scale = codec.encode(x)
-    assert q.dtype == torch.uint8 and scale.shape == (2, 3)
+    assert q.dtype == torch.uint8 and scale.shape == (2, 3, 16)
+    scale = scale.float()
     err = (codec.decode(q, scale) - x).abs()
     # relative 2^-4 for normal numbers; below the smallest normal (2^-6 x scale), an absolute 2^-10 x scale
-    bound = torch.maximum(x.abs() * 2 ** -4, scale[..., None, None] * 2 ** -10)
+    bound = torch.maximum(x.abs() * 2 ** -4, scale[..., None] * 2 ** -10)
     assert (err <= bound + 1e-7).all()
-    assert (x.abs().amax((-2, -1)) / scale).allclose(torch.full_like(scale, FP8_MAX))
+    # each token's largest number lands at the top of the range (the float16 scale rounds by 2^-11)
+    assert (x.abs().amax(-1) / scale).allclose(torch.full_like(scale, FP8_MAX), rtol=2 ** -10)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_per_token_codecs_quantize_a_token_alone(kv_cache_dtype):
+    """What int8 and fp8 store for a token does not depend on the other tokens of its block (an
+    outlier token leaves its neighbours' precision alone), nor on when the block fills."""
+    x = with_outliers((2, 3, 16, 64))
+    codec = codecs(kv_cache_dtype)[0]
+    assert codec.per_token
+    whole = codec.decode(*codec.encode(x))
+    alone = torch.cat([codec.decode(*codec.encode(x[:, :, t:t + 1])) for t in range(16)], 2)
+    assert whole.equal(alone)
+    assert ((whole - x).abs()[:, :, 0] < (whole - x).abs()[:, :, 1].amax()).all()   # beside the outlier token
+    zeros = codec.decode(*codec.encode(torch.zeros(1, 1, 4, 64)))
+    assert zeros.equal(torch.zeros(1, 1, 4, 64))
 
 
 @pytest.mark.parametrize("axis", [-2, -1])
@@ -74,10 +92,21 @@ def test_bytes_per_token_count_the_scales():
     spec = lambda dt, **kw: KVSpec(8, 4, 64, torch.bfloat16, 16, dt, **kw)  # noqa: E731
     assert spec("auto").bytes_per_token == 8192
     assert spec("int8").bytes_per_token == 8 * 2 * 4 * (64 + 2)                        # fp16 scale per token
-    assert spec("fp8").bytes_per_token == 8 * 2 * 4 * 64 + 8 * 2 * 4 * 4 / 16           # fp32 scale per block
+    assert spec("fp8").bytes_per_token == 8 * 2 * 4 * (64 + 2)                         # fp16 scale per token
     assert spec("int4").bytes_per_token == 8 * 4 * (32 + 2 * 2 * 64 / 16 + 32 + 2 * 2)  # K per channel, V per token
     assert spec("int8", skip_layers=(0,)).bytes_per_token == 1024 + 7 * 2 * 4 * 66
-    assert spec("int8").residual_slot_bytes == 16 * 8192
+    # int4 keeps the block being filled exact: a page of 16 x 32 bytes a head holds 4 tokens in bf16, so a
+    # block holding t tokens borrows ceil(t / 4) - 1 blocks
+    int4 = spec("int4")
+    assert int4.borrowed_blocks == (0,) * 5 + (1,) * 4 + (2,) * 4 + (3,) * 3
+    assert (int4.residual_pieces, int4.residual_blocks, int4.mean_borrowed_blocks) == (4, 3, 21 / 16)
+    fp32 = KVSpec(8, 4, 64, torch.float32, 16, "int4")
+    assert fp32.borrowed_blocks == tuple(max(0, -(-t // 2) - 1) for t in range(16))
+    assert spec("int8").borrowed_blocks is spec("fp8").borrowed_blocks is spec("auto").borrowed_blocks is None
+    assert spec("int8").residual_blocks == spec("auto").mean_borrowed_blocks == 0
+    assert int4.bytes_held(32 + 9) == (3 + 2) * int4.bytes_per_block and int4.bytes_held(32) == 2 * int4.bytes_per_block
+    with pytest.raises(ValueError, match="block_size 1"):
+        KVSpec(8, 4, 4, torch.float32, 1, "int4")
     with pytest.raises(ValueError, match="not layers"):
         spec("int8", skip_layers=(8,))
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -85,64 +114,84 @@ def test_bytes_per_token_count_the_scales():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
-def test_storage_quantizes_a_block_when_it_fills(kv_cache_dtype):
-    """Chunked writes (partial blocks, blocks filled over several steps or in one), a copy-on-write,
-    a block freed while filling and handed to a new sequence, and the return of freed slots."""
+def test_storage_quantizes_tokens_or_blocks_as_they_are_written(kv_cache_dtype):
+    """Chunked writes (partial blocks, blocks filled over several steps or in one), a copy-on-write of
+    a block being filled, a sequence that ends while filling a block, which goes to a new sequence:
+    every sequence reads back its tokens, exact while their block fills (int4), else as quantized alone
+    (int8, fp8) or with their block (int4); the blocks borrowed to hold exact tokens all come back."""
     bs, kvh, d = 4, 2, 64
     spec = KVSpec(2, kvh, d, torch.float32, bs, kv_cache_dtype, skip_layers=(1,))
-    ref_counts = [1] * 16
-    storage = KVStorage(spec, 16, torch.device("cpu"), residual_slots=4, ref_counts=ref_counts)
+    kv = KVCacheManager(48, bs, spec.borrowed_blocks)
+    storage = KVStorage(spec, 48, torch.device("cpu"), kv.residuals)
     layer = storage.layer(0)
     assert isinstance(storage.layer(1), torch.Tensor)
     codec = codecs(kv_cache_dtype)
-    tables, lens, truth = [[3, 7, 1], [0, 5, 9, 11], [2, 8]], [0, 0, 0], {}
+    lens, truth = {0: 0, 1: 0, 2: 0}, {}
     g = torch.Generator().manual_seed(0)
 
-    def step(new: list[int]):
-        kv = torch.randn(sum(new), 2, kvh, d, generator=g)
-        storage.plan_writes(tables, list(lens), new).write(layer, kv)
+    def step(new: dict[int, int]):
+        copies = [c for i, n in new.items() for c in kv.allocate(i, lens[i], n)]
+        storage.copy_blocks(copies)
+        ids = list(new)
+        kv_new = torch.randn(sum(new.values()), 2, kvh, d, generator=g)
+        tables = [kv.block_tables[i] for i in ids]
+        plan = storage.plan_writes(tables, [lens[i] for i in ids], list(new.values()))
+        slots = torch.tensor([t[p // bs] * bs + p % bs for t, i in zip(tables, ids)
+                              for p in range(lens[i], lens[i] + new[i])])
+        plan.write(layer, kv_new, slots)
         t = 0
-        for i, n in enumerate(new):
+        for i, n in new.items():
             for p in range(lens[i], lens[i] + n):
-                truth[i, p] = kv[t]
+                truth[i, p] = kv_new[t]
                 t += 1
+            kv.release_filled(i, lens[i], n)
             lens[i] += n
         check()
 
     def check():
-        for i, table in enumerate(tables):
-            pages = layer.gather(torch.tensor(table))               # [2, KVH, blocks, BS, D]
-            for j in range(-(-lens[i] // bs)):
-                want = torch.stack([truth[i, p] for p in range(j * bs, min(lens[i], (j + 1) * bs))])
-                if (j + 1) * bs <= lens[i]:    # full: the codec's round trip of the exact block
-                    block = want.permute(1, 2, 0, 3)                 # [2, KVH, BS, D]
+        filling = set()
+        for i, n in lens.items():
+            table = kv.block_tables.get(i, [])
+            pages = layer.gather(torch.tensor(table, dtype=torch.long))           # [2, KVH, blocks, BS, D]
+            for j in range(-(-n // bs)):
+                want = torch.stack([truth[i, p] for p in range(j * bs, min(n, (j + 1) * bs))])   # [n, 2, KVH, D]
+                exact = (j + 1) * bs > n and not codec[0].per_token
+                if exact:
+                    filling.add(table[j])
+                elif codec[0].per_token:                                   # each token quantized alone
+                    want = torch.stack([c.decode(*c.encode(want[:, n].transpose(0, 1)))
+                                        for n, c in enumerate(codec)], 1).transpose(0, 2)
+                else:                                                      # the codec's round trip of the block
+                    block = want.permute(1, 2, 0, 3)                        # [2, KVH, BS, D]
                     want = torch.stack([c.decode(*c.encode(block[n][:, None]))[:, 0]
                                         for n, c in enumerate(codec)]).permute(2, 0, 1, 3)
-                    assert storage.residual_of[table[j]] == -1
-                else:
-                    assert storage.residual_of[table[j]] >= 0
-                got = pages[:, :, j, :len(want)].permute(2, 0, 1, 3)   # [n, 2, KVH, D]
+                assert (storage.residual_of[table[j], 0] >= 0) == exact
+                got = pages[:, :, j, :len(want)].permute(2, 0, 1, 3)       # [n, 2, KVH, D]
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        assert set(kv.residuals) == filling
+        # a block holding t exact tokens borrows what they need beyond its own pages: an fp32 token is
+        # two int4 pages of 4 tokens, so 2t - 1 blocks
+        assert spec.borrowed_blocks == ((0, 1, 3, 5) if kv_cache_dtype == "int4" else None)
+        assert all(len(kv.residuals[kv.block_tables[i][n // bs]]) == spec.borrowed_blocks[n % bs]
+                   for i, n in lens.items() if n % bs and spec.borrowed_blocks)
 
-    step([3, 1, 2])       # all partial
-    step([1, 8, 1])       # seq 0 fills a block from its slot; seq 1 one from its slot and one at once
-    step([5, 6, 0])       # across block boundaries
-    storage.copy_blocks([(2, 6)])    # seq 3 forks seq 2 and copies its filling block
-    tables.append([6, 10])
-    lens.append(lens[2])
+    step({0: 3, 1: 1, 2: 2})       # all partial
+    step({0: 1, 1: 8, 2: 1})       # seq 0 fills a block from its residual; seq 1 one from its residual and one at once
+    step({0: 5, 1: 6})             # across block boundaries
+    kv.fork(2, 3)                  # seq 3 forks seq 2 and copies its block being filled as it writes
+    lens[3] = lens[2]
     truth.update({(3, p): truth[2, p] for p in range(lens[2])})
-    step([0, 0, 1, 1])    # both fill their copy from their own slot
-    step([0, 0, 2, 2])
-    assert len(storage.filling_blocks) == 4
-    # seq 3 ends while filling block 10, which goes to a new sequence before any step: it starts afresh
-    tables[3], lens[3] = [10], 0
+    step({2: 1, 3: 1})             # both write into their copy of the block
+    step({2: 2, 3: 2})             # and fill it
+    step({3: 1})
+    kv.free(3)                     # seq 3 ends while filling a block; a new sequence may take it at once
+    del lens[3]
     truth = {key: val for key, val in truth.items() if key[0] != 3}
-    step([0, 0, 0, 3])
-    ref_counts[10] = 0    # and ends; the next step returns its slot
-    tables.pop(), lens.pop()
-    step([0, 0, 1])
-    assert 10 not in storage.filling_blocks and storage.residual_of[10] == -1
-    assert len(storage.filling_blocks) + len(storage._free_slots) == 4
+    lens[4] = 0
+    step({4: 3})
+    for i in list(lens):
+        kv.free(i)
+    assert not kv.residuals and kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
@@ -217,12 +266,12 @@ def test_pool_capacity_follows_the_bytes_per_block(ckpt, kv_cache_dtype):
     llm = LLM(str(ckpt), block_size=16, kv_cache_memory="4MiB", max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
     stats, spec = llm.stats(), llm.engine.kv_spec
     assert stats["kv_cache_dtype"] == kv_cache_dtype and stats["kv_bytes_per_token"] == spec.bytes_per_token
-    # the residual slots (one full-precision block per sequence, and a spare) come out of the same budget
-    assert stats["kv_blocks_total"] == (4 * 2**20 - 5 * spec.residual_slot_bytes) // spec.bytes_per_block
+    # nothing is set aside: blocks being filled borrow from the pool as they fill
+    assert stats["kv_blocks_total"] == 4 * 2**20 // spec.bytes_per_block
     assert stats["kv_cache_bytes"] <= 4 * 2**20
-    # fp32 model: 4 bytes a number become 1 (int8, fp8) or 1/2 (int4), plus scales and residual slots
+    # fp32 model, head_dim 64: 4 bytes a number become 1 (int8, fp8) or 1/2 (int4), plus scales
     ratio = stats["kv_blocks_total"] / full["kv_blocks_total"]
-    assert ratio > {"int8": 3.5, "fp8": 3.5, "int4": 5.0}[kv_cache_dtype]
+    assert ratio > {"int8": 3.75, "fp8": 3.75, "int4": 5.5}[kv_cache_dtype]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
@@ -243,7 +292,7 @@ def test_batching_and_forks_keep_tokens(ckpt, kv_cache_dtype):
         solo = llm.generate(prompts(1)[0], SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i),
                             use_tqdm=False)[0]
         assert completion.token_ids == solo.outputs[0].token_ids
-    assert len(llm.engine.storage.filling_blocks) <= 1 + 3    # the last ones, returned at the next step
+    assert not llm.engine.kv.residuals and llm.stats()["kv_blocks_free"] == 64   # all borrowed blocks came back
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
@@ -262,14 +311,14 @@ def test_prefix_hit_reads_the_same_pages_as_a_chunked_prefill(ckpt, kv_cache_dty
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
 def test_preemption_recomputes_and_returns_everything(ckpt, kv_cache_dtype):
-    # 10 blocks of 4 tokens: the longest request (30 + 8 tokens) needs all of them alone
-    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=10, kv_cache_dtype=kv_cache_dtype)
+    # 10 blocks of 4 tokens: the longest request (30 + 8 tokens) needs all of them alone, and int4 as many
+    # again as a block being filled borrows, twice (a prompt chunk may start and end in one)
+    borrowed = 2 * KVSpec(2, 2, 64, torch.float32, 4, kv_cache_dtype).residual_blocks
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=10 + borrowed, kv_cache_dtype=kv_cache_dtype)
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    llm.engine.storage.plan_writes([], [], [])               # a step returns the slots of freed blocks
-    assert not llm.engine.storage.filling_blocks
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not llm.engine.kv.residuals
 
 
 def test_quantized_cache_options_are_checked(ckpt):
@@ -287,10 +336,10 @@ def test_fp8_pages_decode_in_every_model_dtype_and_at_any_magnitude(dtype):
     # whole in float16 too, and a block whose values reach 3e5 (a scale past 256) must stay finite
     x = torch.randn(2, 3, 8, 16)
     x[1] *= 3e5 if dtype != torch.float16 else 1.0
-    codec = Fp8PerBlock()
+    codec = Fp8PerToken()
     q, meta = codec.encode(x)
     out = codec.decode(q, meta, dtype)
-    ref = q.view(torch.float8_e4m3fn).float() * meta[..., None, None]
+    ref = q.view(torch.float8_e4m3fn).float() * meta.float()[..., None]
     assert out.isfinite().all()
     torch.testing.assert_close(out.float(), ref, rtol={torch.float32: 1e-6}.get(dtype, 1e-2), atol=0)
 
@@ -306,3 +355,18 @@ def test_fp8_pages_of_large_values_attend_like_their_values(backend):
     out = backend.forward(q, k, v, layer, batch, 0.125)
     assert out.isfinite().all()
     torch.testing.assert_close(out, ref, atol=1e-5 * 1e6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_quantized_pages_pay_off_at_a_small_budget_on_the_demo_model(block_size):
+    """64 MiB and the default max_num_seqs (256): nothing is set aside for the sequences that may run
+    (a full-precision block each would take half of it at block size 16, all of it at 64)."""
+    def tokens(kv_cache_dtype: str) -> int:
+        llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory="64MiB", block_size=block_size)
+        assert llm.engine.scheduler_config.max_num_seqs == 256
+        return llm.stats()["kv_blocks_total"] * block_size
+
+    full = tokens("auto")
+    assert tokens("int8") >= 1.9 * full and tokens("fp8") >= 1.9 * full
+    # int4's keys carry a (scale, minimum) per channel of a block: 4 x head_dim / block_size bytes a token
+    assert tokens("int4") >= {16: 3.0, 64: 3.5}[block_size] * full

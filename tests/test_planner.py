@@ -1,17 +1,30 @@
-"""kvserve plan: the seeds' formula, the engine's own block count, and clear errors."""
+"""kvserve plan: the KV cache formula, the engine's own block count and bytes a request holds, the
+sink+window row at the same length mix, and clear errors."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.cli import main
-from kvserve.planner import MODELS, num_blocks, plan, weight_bytes, load_model_config
+from kvserve.kv.spec import KVSpec
+from kvserve.planner import MODELS, _paged_bytes_per_user, num_blocks, plan, weight_bytes, load_model_config
 from tiny_models import make_checkpoint
 
+KV_DTYPES = ["auto", "int8", "fp8", "int4"]
 
-def test_the_seeds_example(tmp_path):
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("plan"), "llama")
+
+
+def test_the_formula_on_a_published_model(tmp_path):
     """4096 tokens, 32 layers, 8 KV heads, head_dim 128, fp16: 0.5 GiB per request."""
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -28,12 +41,33 @@ def test_weight_bytes_match_the_published_size():
     assert weight_bytes(cfg, 1) == 8_030_261_248          # Llama 3.1 8B's parameter count
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8", "int4"])
-def test_planner_blocks_equal_the_engines(tmp_path, kv_dtype):
-    ckpt = make_checkpoint(tmp_path, "llama")
-    llm = LLM(str(ckpt), kv_cache_memory="3MiB", block_size=16, dtype="float32", kv_cache_dtype=kv_dtype,
-              max_num_seqs=8)
-    assert num_blocks(str(ckpt), "3MiB", 16, "float32", kv_dtype, max_num_seqs=8) == llm.stats()["kv_blocks_total"]
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("budget", ["3MiB", "7.5MiB"])
+def test_planner_blocks_equal_the_engines(ckpt, kv_dtype, budget):
+    llm = LLM(str(ckpt), kv_cache_memory=budget, block_size=16, dtype="float32", kv_cache_dtype=kv_dtype)
+    assert num_blocks(str(ckpt), budget, 16, "float32", kv_dtype) == llm.stats()["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_planner_bytes_per_request_are_what_the_engine_holds(ckpt, kv_dtype):
+    """A request holding T tokens holds KVSpec.bytes_held(T) in the engine (its blocks, and those its last
+    block borrows while held exact); over a block's fill levels, their mean is the planner's figure."""
+    llm = LLM(str(ckpt), num_kv_blocks=64, block_size=16, dtype="float32", kv_cache_dtype=kv_dtype)
+    engine, spec = llm.engine, llm.engine.kv_spec
+    seq = engine.add_request("r", {"prompt_token_ids": list(range(3, 21))},
+                             SamplingParams(max_tokens=31, ignore_eos=True))
+    held = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not seq.is_finished:
+            held[seq.num_computed_tokens] = engine.kv_bytes_in_use()
+    assert sorted(held) == list(range(18, 48))
+    assert all(held[t] == spec.bytes_held(t) for t in held)
+    cycle = range(32, 48)                                  # every fill level of the third block
+    mean = statistics.fmean(held[t] for t in cycle)
+    assert _paged_bytes_per_user(spec, statistics.fmean(cycle), 1) == pytest.approx(mean, rel=1e-12)
+    if kv_dtype == "int4":                                 # the borrowed blocks are counted
+        assert held[47] > held[32] + spec.bytes_per_block and spec.mean_borrowed_blocks > 0
 
 
 def test_quantized_pages_fit_more_users():
@@ -69,3 +103,48 @@ def test_plan_cli(tmp_path, capsys):
     assert report["kv_bytes_per_token"] == 28 * 2 * 4 * 128 * 2 and png.stat().st_size > 0
     assert "KV bytes per token = 28 layers x 2 (K, V) x 4 kv_heads x 128 head_dim x 2 bytes" in capsys.readouterr().out
     assert set(MODELS) >= {"llama-3.1-8b", "mistral-7b", "qwen3-8b"}
+
+
+def test_sink_window_counts_requests_at_the_length_mix():
+    """Each request holds min(its tokens, the sink+window cache): at the same mix as paged, never fewer
+    users than paged; every request at the full context is shown beside it."""
+    result = plan("llama-3.1-8b", 80 * 2**30, 8192)
+    mix, full = result.max_users, result.max_users_at_full_context
+    assert mix["sink_window"] > mix["paged"] > full["paged"] == full["contiguous"] == mix["contiguous"]
+    assert full["sink_window"] > 4 * full["paged"]
+    spec = KVSpec.from_model(load_model_config("llama-3.1-8b")[1], torch.bfloat16)
+    assert full["paged"] == result.kv_memory // spec.bytes_held(8192)
+    # a window past every request's length evicts nothing: the same users as paged
+    assert plan("llama-3.1-8b", 80 * 2**30, 8192, window=9000).max_users["sink_window"] == mix["paged"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(context=st.integers(1, 200_000), window=st.integers(1, 16_384), sinks=st.integers(0, 64),
+       block_size=st.sampled_from([1, 8, 16, 64]), kv_dtype=st.sampled_from(KV_DTYPES),
+       avg=st.one_of(st.none(), st.tuples(st.floats(1, 50_000), st.floats(1, 50_000))))
+def test_eviction_never_shows_fewer_users_than_no_eviction(context, window, sinks, block_size, kv_dtype, avg):
+    if kv_dtype == "int4" and block_size == 1:
+        block_size = 8                  # int4 needs a block's pages to hold whole bf16 numbers
+    prompt, output = avg or (None, None)
+    result = plan("llama-3.1-8b", 80 * 2**30, context, block_size=block_size, sinks=sinks, window=window,
+                  kv_dtype=kv_dtype, avg_prompt=prompt, avg_output=output)
+    assert result.mean_tokens_held_sink_window <= result.mean_tokens_held
+    for users in (result.max_users, result.max_users_at_full_context):
+        assert users["sink_window"] >= users["paged"]
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "bf16", "float16", "fp16"])
+def test_kv_dtype_may_name_the_models_dtype(ckpt, name, capsys):
+    """As vLLM's --kv-cache-dtype bfloat16: full-precision pages named by their dtype, which must be the
+    model's (pages hold the model's numbers); the same users as auto."""
+    dtype = "bfloat16" if name.startswith("b") else "float16"
+    assert plan("llama-3.1-8b", 80 * 2**30, 8192, dtype=dtype, kv_dtype=name) == \
+        plan("llama-3.1-8b", 80 * 2**30, 8192, dtype=dtype)
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--dtype", dtype, "--kv-dtype", name]) == 0
+    assert "paged, auto pages" in capsys.readouterr().out
+    other = "float16" if dtype == "bfloat16" else "bfloat16"
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype '{name}' asks for {dtype} pages, but .* \({other}\)"):
+        plan("llama-3.1-8b", 80 * 2**30, 8192, dtype=other, kv_dtype=name)
+    assert LLM(str(ckpt), dtype=dtype, kv_cache_dtype=name, num_kv_blocks=8).stats()["kv_cache_dtype"] == "auto"
+    with pytest.raises(ValueError, match=f"kv_cache_dtype '{name}'"):
+        LLM(str(ckpt), dtype="float32", kv_cache_dtype=name, num_kv_blocks=8)

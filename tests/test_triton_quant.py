@@ -1,10 +1,10 @@
 """The Triton kernels over quantized pages (kv_cache_dtype int8, fp8, int4) against the textbook
-over the plain pages the QuantizedLayer stands for (dequantized blocks, exact residual slots).
+over the plain pages the QuantizedLayer stands for (dequantized blocks, exact blocks still filling).
 
 Without CUDA the kernels run in Triton's interpreter, with small tiles (see test_triton_attention)
-so that short contexts span several key tiles, pages and decode partitions. The quantized numbers
-and scales of blocks still filling are overwritten with garbage: a kernel that reads them instead
-of the residual slot fails.
+so that short contexts span several key tiles, pages and decode partitions. The scales of int4
+blocks still filling are overwritten with garbage (their numbers' bytes hold their exact tokens): a
+kernel that decodes them instead of reading the exact tokens fails.
 """
 from __future__ import annotations
 
@@ -33,16 +33,16 @@ def quantized_step(case, heads, kv_heads, head_dim, kv_cache_dtype, block_size, 
     q_lens, ctx_lens = [n for n, _ in seqs], [c for _, c in seqs]
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, num_decodes, heads, kv_heads, head_dim,
                                          block_size=block_size, dtype=dtype, seed=seed)
-    layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, block_size)
-    filling = (layer.residual_of >= 0).nonzero().flatten()
-    assert len(filling), "the case must have blocks still filling"
+    layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, block_size, DEVICE)
+    filling = (layer.residual_of[:, 0] >= 0).nonzero().flatten()
+    # int4 keeps the blocks being filled exact; int8 and fp8 quantize every token as it is written
+    assert bool(len(filling)) == (kv_cache_dtype == "int4"), "the case must have blocks still filling"
     gen = torch.Generator().manual_seed(seed + 1)
-    for t in (*layer.data, *layer.meta):    # what a kernel must not read
+    for t in layer.meta:    # what a kernel must not read
         garbage = torch.randint(0, 256, t[:, filling].shape, generator=gen, dtype=torch.uint8)
-        t[:, filling] = garbage.to(t.dtype)
-    torch.testing.assert_close(layer.gather(torch.arange(layer.shape[2])), pages, atol=0, rtol=0)
-    layer.data, layer.meta = [t.to(DEVICE) for t in layer.data], [t.to(DEVICE) for t in layer.meta]
-    layer.residual, layer.residual_of = layer.residual.to(DEVICE), layer.residual_of.to(DEVICE)
+        t[:, filling] = garbage.to(DEVICE, t.dtype)
+    nb = pages.shape[2]
+    torch.testing.assert_close(layer.gather(torch.arange(nb, device=DEVICE)).cpu(), pages, atol=0, rtol=0)
     batch.block_tables, batch.context_lens = batch.block_tables.to(DEVICE), batch.context_lens.to(DEVICE)
     return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layer, pages.to(DEVICE), batch
 
@@ -102,13 +102,13 @@ def build(fn, types, consts):
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
-for quant, data, k_meta, v_meta in ((1, "*i8", "*fp16", "*fp16"), (2, "*u8", "*fp32", "*fp32"),
-                                    (3, "*u8", "*fp16", "*fp16")):
+for quant, data, pieces in ((1, "*i8", 0), (2, "*u8", 0), (3, "*u8", 4)):
     types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16", "k_ptr": data, "v_ptr": data,
-             "k_meta_ptr": k_meta, "v_meta_ptr": v_meta, "residual_of_ptr": "*i64",
+             "k_meta_ptr": "*fp16", "v_meta_ptr": "*fp16", "residual_of_ptr": "*i64",
              "q_start_ptr": "*i32", "q_len_ptr": "*i32", "ctx_len_ptr": "*i32", "table_ptr": "*i64",
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
-    dims = {"HEAD_DIM": 80, "BLOCK_D": 128, "PAGE_SIZE": 16, "DOT_FP32": False, "KV_QUANT": quant}
+    dims = {"HEAD_DIM": 80, "BLOCK_D": 128, "PAGE_SIZE": 16, "DOT_FP32": False, "KV_QUANT": quant,
+            "PIECES": pieces, "PAGE_NUMBERS": 16 * 80 // 2 // 2}   # int4 pages of 16 x 40 bytes, as bf16
     build(K._prefill_quant_kernel, types, {"GROUP": 4, "PAGED": True, "BLOCK_M": 64, "BLOCK_N": 64, **dims})
     build(K._decode_partition_quant_kernel, types, {"GROUP": 8, "PARTITION": 512, "BLOCK_G": 16, "BLOCK_N": 64,
                                                    **dims})

@@ -17,7 +17,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 CACHE_MODES = ("paged", "contiguous", "none")
 ATTENTION_BACKENDS = ("auto", "sdpa", "native", "flash", "triton", "textbook")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int4")
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "int4")
+# full-precision pages: auto, or the model's dtype by name (vLLM's --kv-cache-dtype bfloat16, and the short names)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", *QUANTIZED_KV_CACHE_DTYPES)
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -214,9 +216,9 @@ class EngineConfig:
             raise ValueError(f"eviction needs cache_mode 'paged' (it drops blocks), got {self.cache_mode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and self.cache_mode != "paged":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs cache_mode 'paged' (a block is "
-                             f"quantized when it fills), got {self.cache_mode!r}")
+        if self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES and self.cache_mode != "paged":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs cache_mode 'paged', "
+                             f"got {self.cache_mode!r}")
         self.kv_cache_dtype_skip_layers = tuple(self.kv_cache_dtype_skip_layers)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "

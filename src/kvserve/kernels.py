@@ -38,7 +38,7 @@ class Status(ctypes.c_int):
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # a paged cache (csrc/paged_decode.c): pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta,
-# residual, residual kind, residual slots, residual_of
+# residual, residual kind, pieces (blocks a filling block's exact rows span), residual_of
 _CACHE = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)
 # name -> (argument types, result type) of each kernel; pointers (structs by ctypes.byref too) as void *
 SIGNATURES: dict[str, tuple[tuple, type | None]] = {

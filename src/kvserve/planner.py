@@ -1,7 +1,9 @@
-"""kvserve plan: the seeds' arithmetic as a tool. How many users fit on my card?
+"""kvserve plan: the KV cache arithmetic as a tool. How many users fit on my card?
 
 bytes per token = layers x 2 (K and V) x kv_heads x head_dim x bytes per number. A card holds the
-weights plus every active request's cache; what is left after the weights bounds the users.
+weights plus every active request's cache; what is left after the weights bounds the users. Users
+are counted twice: with requests of a chat length mix (each holds what its tokens need while it
+runs), and with every request at the full context.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.config import KV_CACHE_DTYPES, ModelConfig, parse_bytes, parse_dtype
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes, parse_dtype
+from kvserve.kv.eviction import Sink
+from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.kv.spec import KVSpec
 
 # Published configs of popular open models (config.json fields that size weights and cache).
@@ -55,8 +59,10 @@ class Plan:
     kv_bytes_per_request: float
     kv_memory: int
     context: int
-    max_users: dict[str, int]
+    max_users: dict[str, int]                  # requests of the length mix
     mean_tokens_held: float
+    mean_tokens_held_sink_window: float        # the same requests, each holding at most the sink+window cache
+    max_users_at_full_context: dict[str, int]  # every request holding `context` tokens
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -86,8 +92,10 @@ def weight_bytes(cfg: ModelConfig, bytes_per_number: int) -> int:
     return (cfg.num_layers * layer + embed + h) * bytes_per_number
 
 
-def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float | None) -> float:
-    """Time-averaged tokens a request holds while it runs: its prompt plus half its output."""
+def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float | None,
+                     cap: int | None = None) -> float:
+    """Time-averaged tokens a request holds while it runs: its prompt plus half its output, or with a
+    `cap` on the tokens it holds (an evicting cache), min(prompt + t, cap) over its output tokens t."""
     if avg_prompt is not None and avg_output is not None:
         prompt, output = np.array([avg_prompt]), np.array([avg_output])
     else:
@@ -96,7 +104,10 @@ def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float |
         output = np.maximum(1, rng.lognormal(math.log(MIX["output_median"]), MIX["sigma"], MIX["samples"]))
     prompt = np.minimum(prompt, context - 1)
     output = np.minimum(output, context - prompt)
-    return float(np.mean(prompt + output / 2))
+    cap = context if cap is None else min(cap, context)
+    below = np.clip(cap - prompt, 0, output)         # output tokens added while the request is under the cap
+    held = (np.minimum(prompt, cap) * below + below ** 2 / 2 + (output - below) * cap) / output
+    return float(np.mean(held))
 
 
 def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_parallel: int = 1,
@@ -108,6 +119,7 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
     if not 0 < utilization <= 1:
         raise ValueError(f"memory utilization must be in (0, 1], got {utilization}")
     name, cfg = load_model_config(model)
+    kv_dtype = resolve_kv_cache_dtype(kv_dtype, parse_dtype(dtype))
     spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size)
     weights = weight_bytes(cfg, spec.bytes_per_number) // tensor_parallel
     usable = int(memory * utilization)
@@ -117,37 +129,45 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
                          f"{usable / 2**30:.1f} GiB usable ({utilization:.0%} of {memory / 2**30:.1f} GiB); "
                          f"try --tensor-parallel {need} or more, or a smaller dtype")
     kv_memory = usable - weights   # activations are not counted: leave room through --memory-utilization
+    # the most a sink+window cache holds: the sink blocks, the window and the blocks it straddles, and the
+    # original sink blocks kept beside their rotated copies
+    policy = Sink(sinks, window)
+    bounded = policy.max_cache_tokens(block_size) + policy.sink_blocks(block_size) * block_size
     held = mean_tokens_held(context, avg_prompt, avg_output)
-    per_user = {kd: _paged_bytes_per_user(cfg, dtype, block_size, kd, held, tensor_parallel)
-                for kd in KV_CACHE_DTYPES}
-    per_token = per_user[kv_dtype][0]
-    bounded = min(context, sinks + window)
-    users = {
-        "contiguous": int(kv_memory // (context * per_token)),
-        "paged": int(kv_memory // per_user[kv_dtype][1]),
-        "sink_window": int(kv_memory // (math.ceil(bounded / block_size + 1) * block_size * per_token)),
-    }
-    users.update({f"paged_{kd}": int(kv_memory // per_user[kd][1]) for kd in KV_CACHE_DTYPES if kd != "auto"})
-    return Plan(name, weights, per_token, context * per_token, kv_memory, context, users, held)
-
-
-def _paged_bytes_per_user(cfg: ModelConfig, dtype: str, block_size: int, kv_dtype: str, held: float,
-                          tensor_parallel: int) -> tuple[float, float]:
-    """(bytes per token, bytes a paged request holds on average: its tokens and half a block, plus
-    the full-precision block it is filling when the pages are quantized), per card."""
-    spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
+    held_sink = mean_tokens_held(context, avg_prompt, avg_output, bounded)
+    per_card = {kd: KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kd)
+                for kd in ("auto", *QUANTIZED_KV_CACHE_DTYPES)}
     cards = min(tensor_parallel, cfg.num_kv_heads)   # tensor parallelism splits the KV heads (never one head)
-    per_token = spec.bytes_per_token / cards
-    return per_token, ((held + block_size / 2) * per_token + spec.residual_slot_bytes / cards)
+    per_token = per_card[kv_dtype].bytes_per_token / cards
+
+    def users(kd: str, tokens: float) -> int:
+        return int(kv_memory // _paged_bytes_per_user(per_card[kd], tokens, cards))
+
+    def users_at(kd: str, tokens: int) -> int:
+        return int(kv_memory // (per_card[kd].bytes_held(tokens) / cards))
+
+    contiguous = int(kv_memory // (context * per_token))
+    mix = {"contiguous": contiguous, "paged": users(kv_dtype, held), "sink_window": users(kv_dtype, held_sink)}
+    mix.update({f"paged_{kd}": users(kd, held) for kd in QUANTIZED_KV_CACHE_DTYPES})
+    full = {"contiguous": contiguous, "paged": users_at(kv_dtype, context),
+            "sink_window": users_at(kv_dtype, min(context, bounded))}
+    full.update({f"paged_{kd}": users_at(kd, context) for kd in QUANTIZED_KV_CACHE_DTYPES})
+    return Plan(name, weights, per_token, context * per_token, kv_memory, context, mix, held, held_sink, full)
+
+
+def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
+    """Bytes a paged request holds on average, per card: its `held` tokens, the places its last block
+    has left ((block_size - 1) / 2 on average), and the blocks that block borrows while it fills
+    (KVSpec.mean_borrowed_blocks). Exactly the mean of KVSpec.bytes_held over a block's fill levels."""
+    slack = (spec.block_size - 1) / 2
+    return ((held + slack) * spec.bytes_per_token + spec.mean_borrowed_blocks * spec.bytes_per_block) / cards
 
 
 def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",
-               kv_dtype: str = "auto", max_num_seqs: int = 256) -> int:
-    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses
-    (a quantized pool first sets aside one full-precision block per sequence that may run, and one more)."""
+               kv_dtype: str = "auto") -> int:
+    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses."""
     _, cfg = load_model_config(model)
-    spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
-    return spec.num_blocks_for(parse_bytes(kv_cache_memory), max_num_seqs + 1 if spec.quantized_layers else 0)
+    return KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype).num_blocks_for(parse_bytes(kv_cache_memory))
 
 
 def add_plan_parser(sub) -> None:
@@ -159,7 +179,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--context", type=int, default=4096, help="max tokens per request")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="pages of the contiguous, paged and sink+window rows (int8/fp8/int4 rows are always shown)")
+                   help="pages of the contiguous, paged and sink+window rows (int8/fp8/int4 rows are always "
+                        "shown); bfloat16, bf16, float16, fp16 name the model's --dtype, as auto does")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
@@ -184,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
           f"tensor parallel {args.tensor_parallel})")
     spec = KVSpec.from_model(cfg, parse_dtype(args.dtype), args.block_size, args.kv_dtype)
     cards = min(args.tensor_parallel, cfg.num_kv_heads)
-    number = (f"{spec.bytes_per_number} bytes" if args.kv_dtype == "auto" else
+    number = (f"{spec.bytes_per_number} bytes" if spec.kv_cache_dtype == "auto" else
               f"{spec.bytes_per_block / (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * args.block_size):.4g} "
               f"bytes ({args.kv_dtype} with its scales)")
     print(f"KV bytes per token = {cfg.num_layers} layers x 2 (K, V) x {cfg.num_kv_heads} kv_heads x "
@@ -192,12 +213,14 @@ def run(args: argparse.Namespace) -> int:
           f" = {result.kv_bytes_per_token:,.0f} bytes")
     print(f"per full {args.context}-token request: {result.kv_bytes_per_request / gib:.3f} GiB; "
           f"KV memory on the card: {result.kv_memory / gib:.2f} GiB")
-    print(f"concurrent users (paged at the length mix: mean {result.mean_tokens_held:.0f} tokens held):")
-    rows = {"contiguous": "contiguous max-length reservation", "paged": f"paged, {args.kv_dtype} pages",
+    print(f"concurrent users: requests of the length mix (mean {result.mean_tokens_held:.0f} tokens held, "
+          f"{result.mean_tokens_held_sink_window:.0f} with sink+window), and every request at {args.context} tokens")
+    rows = {"contiguous": "contiguous max-length reservation", "paged": f"paged, {spec.kv_cache_dtype} pages",
             "paged_int8": "paged, int8 pages", "paged_fp8": "paged, fp8 pages", "paged_int4": "paged, int4 pages",
             "sink_window": f"sink+window ({args.sinks}+{args.window})"}
+    print(f"  {'':<36} {'length mix':>12} {'full context':>14}")
     for key, label in rows.items():
-        print(f"  {label:<36} {result.max_users[key]:>10,}")
+        print(f"  {label:<36} {result.max_users[key]:>12,} {result.max_users_at_full_context[key]:>14,}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     if args.plot:

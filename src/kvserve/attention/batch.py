@@ -47,7 +47,7 @@ class AttentionBackend:
     def store(self, kv_cache: torch.Tensor | QuantizedLayer, kv: torch.Tensor, batch: AttentionBatch) -> None:
         """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] into a layer's cache."""
         if isinstance(kv_cache, QuantizedLayer):
-            batch.kv_write.write(kv_cache, kv)
+            batch.kv_write.write(kv_cache, kv, batch.slot_mapping)
         else:
             self.store_pages(kv_cache, kv, batch.slot_mapping)
 

@@ -13,10 +13,10 @@ import torch
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.paged import SdpaBackend
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
-from kvserve.kv.quant import Fp8PerBlock, Int4, Int8PerToken, QuantizedLayer
+from kvserve.kv.quant import Fp8PerToken, Int4, Int8PerToken, QuantizedLayer
 
 # quantized row kinds, as the kernel numbers them (full-precision ones: DTYPE_KINDS)
-CODEC_KINDS = {Int8PerToken: 3, Fp8PerBlock: 4, Int4: 5}
+CODEC_KINDS = {Int8PerToken: 3, Fp8PerToken: 4, Int4: 5}
 
 
 def kernel():
@@ -32,21 +32,22 @@ def prefill_kernel():
 
 def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
     """The cache as the kernels take it: pages, kind, KV heads, blocks, block size, head_dim, K meta,
-    V meta, residual, residual kind, residual slots, residual_of (addresses; None for what a cache
-    lacks). None where the kernels do not read this cache."""
+    V meta, residual numbers, their kind, pieces, residual_of (addresses; None for what a cache lacks).
+    None where the kernels do not read this cache."""
     _, kvh, nb, bs, d = kv_cache.shape
     if isinstance(kv_cache, QuantizedLayer):
         kind = CODEC_KINDS.get(type(kv_cache.k_codec))
-        tensors = (kv_cache.pages, *kv_cache.meta, kv_cache.residual, kv_cache.residual_of)
-        residual_kind = DTYPE_KINDS.get(kv_cache.residual.dtype)
-        slots = kv_cache.residual.shape[2]
+        exact = kv_cache.residual is not None       # blocks being filled are held exact
+        tensors = (kv_cache.pages, *kv_cache.meta, *((kv_cache.residual, kv_cache.residual_of) if exact else ()))
+        residual_kind = DTYPE_KINDS.get(kv_cache.dtype)
+        pieces = kv_cache.residual_of.shape[1] if exact else 0
     else:
-        kind, residual_kind, slots = DTYPE_KINDS.get(kv_cache.dtype), 0, 0
+        kind, residual_kind, pieces = DTYPE_KINDS.get(kv_cache.dtype), 0, 0
         tensors = (kv_cache,)            # no scales, no residual
     if kind is None or residual_kind is None or not all(t.is_contiguous() for t in tensors):
         return None
     pages, k_meta, v_meta, residual, residual_of = [t.data_ptr() for t in tensors] + [None] * (5 - len(tensors))
-    return pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, slots, residual_of
+    return pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, pieces, residual_of
 
 
 def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -6,13 +6,14 @@
  * tiles of 16 or more in the lanes of vectors (attend_tile).
  *
  * Pages are [2][KVH][NB][BS][row] with K at 0 and V at 1. `kind` says what a row holds:
- *   F32, BF16, F16: full-precision numbers (also the layout of the residual slots);
+ *   F32, BF16, F16: full-precision numbers;
  *   INT8: int8 numbers, one fp16 scale per (head, block, token)        meta [KVH][NB][BS];
- *   FP8:  e4m3 bytes, one fp32 scale per (head, block)                  meta [KVH][NB];
+ *   FP8:  e4m3 bytes, one fp16 scale per (head, block, token)          meta [KVH][NB][BS];
  *   INT4: two numbers a byte (even channel low); K: fp16 (scale, min) per channel of a block,
  *         meta [KVH][NB][2][D]; V: fp16 (scale, min) per token, meta [KVH][NB][2][BS].
- * For quantized kinds, a block with residual_of[block] >= 0 is still filling: its exact rows are in
- * residual [2][KVH][slots][BS][D] of `residual_kind`.
+ * For INT4, a block with residual_of[block][0] >= 0 is still filling: its exact rows, BS x D numbers
+ * of `residual_kind` for each (K/V, head), lie end to end over the pages of blocks
+ * residual_of[block][0..pieces) (itself first) in `residual`, the same memory as `pages`.
  */
 #include "common.h"
 
@@ -30,22 +31,41 @@ typedef struct {
     int bf16;
 } Rows;
 
+/* Whether block `block` of a quantized cache is still filling (its rows held exact). */
+static inline int filling(const Cache *c, int64_t block) {
+    return c->kind > F16 && c->residual_of && c->residual_of[block * c->pieces] >= 0;
+}
+
+/* Row t of filling block `block` of K (which = 0) or V (1), head h, as floats: its numbers run on
+ * from page to page of the block's pieces. */
+static void residual_row(const Cache *c, int which, int h, int64_t block, int t, float *dst) {
+    const size_t es = elem_size(c->residual_kind);
+    const int64_t page = (int64_t)c->bs * (c->kind == INT4 ? c->d / 2 : c->d) / (int64_t)es;   /* numbers a page */
+    for (int64_t at = (int64_t)t * c->d, end = at + c->d; at < end;) {
+        const int64_t piece = c->residual_of[block * c->pieces + at / page], left = page - at % page;
+        const int n = (int)(end - at < left ? end - at : left);
+        load_row(dst, (const char *)c->residual + ((((int64_t)which * c->kvh + h) * c->nb + piece) * page
+                                                    + at % page) * es, c->residual_kind, n);
+        dst += n, at += n;
+    }
+}
+
 /* Rows [0, n) of block `block` of K (which = 0) or V (1), head h: in place where they are float32 (or
  * bfloat16, RAW_BF16), else converted into `tile`. */
 static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
     const int d = c->d, bs = c->bs;
-    if (c->kind <= F16 || (c->residual_of && c->residual_of[block] >= 0)) {
-        int kind = c->kind <= F16 ? c->kind : c->residual_kind;
-        const char *base = c->kind <= F16 ? c->pages : c->residual;
-        int64_t blocks = c->kind <= F16 ? c->nb : c->slots;
-        int64_t at = c->kind <= F16 ? block : c->residual_of[block];
-        size_t es = elem_size(kind);
-        const char *rows = base + ((((int64_t)which * c->kvh + h) * blocks + at) * bs) * d * es;
-        if (kind == F32) return (Rows){rows, 0};
+    if (c->kind <= F16) {
+        const size_t es = elem_size(c->kind);
+        const char *rows = (const char *)c->pages + ((((int64_t)which * c->kvh + h) * c->nb + block) * bs) * d * es;
+        if (c->kind == F32) return (Rows){rows, 0};
 #if RAW_BF16
-        if (kind == BF16) return (Rows){rows, 1};
+        if (c->kind == BF16) return (Rows){rows, 1};
 #endif
-        for (int t = 0; t < n; t++) load_row(tile + t * d, rows + (size_t)t * d * es, kind, d);
+        for (int t = 0; t < n; t++) load_row(tile + t * d, rows + (size_t)t * d * es, c->kind, d);
+        return (Rows){tile, 0};
+    }
+    if (filling(c, block)) {
+        for (int t = 0; t < n; t++) residual_row(c, which, h, block, t, tile + t * d);
         return (Rows){tile, 0};
     }
     const int64_t hb = (int64_t)h * c->nb + block;
@@ -62,12 +82,14 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
          * fields are the same number times 2^-120 (subnormals included); times 2^120 (exact) it is
          * the number, then times the block's scale. */
         const uint8_t *rows = (const uint8_t *)c->pages + ((((int64_t)which * c->kvh + h) * c->nb + block) * bs) * d;
-        float s = ((const float *)meta)[hb];
-        for (int t = 0; t < n; t++)
+        const uint16_t *scale = (const uint16_t *)meta + hb * bs;
+        for (int t = 0; t < n; t++) {
+            float s = f16_to_float(scale[t]);
             for (int i = 0; i < d; i++) {
                 uint32_t b = rows[t * d + i], bits = ((b & 0x80u) << 24) | ((b & 0x7fu) << 20);
                 tile[t * d + i] = bits_to_float(bits) * 0x1p120f * s;
             }
+        }
     } else {   /* INT4 */
         const int half = d / 2;
         const uint8_t *rows = (const uint8_t *)c->pages + ((((int64_t)which * c->kvh + h) * c->nb + block) * bs) * half;
@@ -108,7 +130,7 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
 static inline __attribute__((always_inline)) void prefetch_block(const Cache *c, int h, int64_t block,
                                                                  const int next) {
     const int quantized = c->kind > F16;
-    if (quantized && c->residual_of && c->residual_of[block] >= 0) return;
+    if (filling(c, block)) return;
     const size_t row = quantized ? (c->kind == INT4 ? (size_t)c->d / 2 : (size_t)c->d)
                                  : (size_t)c->d * elem_size(c->kind);
     const size_t bytes = row * c->bs, ask = bytes < 16384 ? bytes : 16384;
@@ -403,7 +425,7 @@ static int queries(const Cache *c, const void *q, int kind, int64_t q_stride, in
     const int d = c->d;
     *qs = (Queries){NULL, NULL};
 #if DOT_BF16
-    if (c->kind == BF16 || (c->kind > F16 && c->residual_kind == BF16)) {
+    if (c->kind == BF16) {
         qs->bf16 = malloc(sizeof(uint16_t) * (size_t)rows * d);
         if (!qs->bf16) return -1;
         if (!bf16_queries(q, kind, q_stride, rows, groups, d, qs->bf16)) free(qs->bf16), qs->bf16 = NULL;
@@ -813,8 +835,8 @@ int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num
                   const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                   const void *pages, int kind, int kvh, int nb, int bs, int d,
                   const void *k_meta, const void *v_meta,
-                  const void *residual, int residual_kind, int slots, const int64_t *residual_of) {
-    const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, slots};
+                  const void *residual, int residual_kind, int pieces, const int64_t *residual_of) {
+    const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, pieces};
     const int groups = num_heads / kvh;
     const size_t es = elem_size(q_kind);
     int failed = 0;
@@ -847,9 +869,9 @@ int paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int nu
                    const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                    const void *pages, int kind, int kvh, int nb, int bs, int d,
                    const void *k_meta, const void *v_meta,
-                   const void *residual, int residual_kind, int slots, const int64_t *residual_of,
+                   const void *residual, int residual_kind, int pieces, const int64_t *residual_of,
                    const int64_t *query_starts) {
-    const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, slots};
+    const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, pieces};
     const int groups = num_heads / kvh, per_tile = groups >= 64 ? 1 : 64 / groups;
     const size_t es = elem_size(q_kind);
     int64_t num_tiles = 0;

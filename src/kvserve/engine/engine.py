@@ -24,6 +24,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
+from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
@@ -43,6 +44,7 @@ class LLMEngine:
                 reuse_freed_memory()
             library()       # the C kernels: built (or found cached) as the engine starts, not in its first step
         self.dtype = choose_dtype(config.dtype, mcfg, self.device)
+        config.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)   # bfloat16 etc.: auto
         self.max_model_len = self._max_model_len(config, mcfg)
         # skip_tokenizer_init: token ids in and out, no text (vLLM's)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
@@ -97,24 +99,22 @@ class LLMEngine:
         if config.cache_mode == "none":
             return CacheConfig(cache_mode="none"), None, None
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
-        # a quantized cache keeps the block each sequence is filling in full precision (and one more
-        # for the fresh block of an eviction's compaction, while the old one is still held)
-        residual_slots = config.max_num_seqs + 1 if spec.quantized_layers else 0
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
             memory = cache.kv_cache_memory
             if memory is None:
                 memory = self._gpu_kv_memory(config) if self.device.type == "cuda" else DEFAULT_KV_CACHE_MEMORY
-            num_blocks = spec.num_blocks_for(memory, residual_slots)
+            num_blocks = spec.num_blocks_for(memory)
             if cache.kv_cache_memory is None:   # a default need not exceed what could ever be used
-                num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // block_size))
+                per_seq = -(-self.max_model_len // block_size) + 2 * spec.residual_blocks
+                num_blocks = min(num_blocks, config.max_num_seqs * per_seq)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "
-                                 f"({spec.bytes_per_block} bytes) after {residual_slots} residual blocks "
-                                 f"({spec.residual_slot_bytes} bytes each)")
+                                 f"({spec.bytes_per_block} bytes)")
         cache.num_kv_blocks = num_blocks
-        kv = KVCacheManager(num_blocks, block_size)
-        storage = KVStorage(spec, num_blocks, self.device, residual_slots, kv.pool.ref_counts)
+        # blocks being filled borrow their exact tokens' room from the same pool, only while they fill
+        kv = KVCacheManager(num_blocks, block_size, spec.borrowed_blocks)
+        storage = KVStorage(spec, num_blocks, self.device, kv.residuals)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB); maximum concurrency at "
                  "max_model_len %d: %.2fx", num_blocks, block_size, num_blocks * block_size, config.kv_cache_dtype,
                  storage.nbytes / 2**20, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
@@ -135,12 +135,12 @@ class LLMEngine:
         return memory
 
     def kv_bytes_in_use(self) -> int:
-        """Bytes of the blocks that running sequences hold, and of their residual slots."""
+        """Bytes of the blocks that running sequences hold, and of those their blocks being filled borrow."""
         if self.kv is None:
             return 0
         held = {b for s in self.scheduler.running for b in self.kv.block_tables.get(s.seq_id, [])}
-        filling = len(held.intersection(self.storage.filling_blocks))
-        return len(held) * self.kv_spec.bytes_per_block + filling * self.kv_spec.residual_slot_bytes
+        borrowed = sum(len(self.kv.residuals.get(b, ())) for b in held)
+        return (len(held) + borrowed) * self.kv_spec.bytes_per_block
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -242,6 +242,8 @@ class LLMEngine:
         elif total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
                              f"exceeds max_model_len ({self.max_model_len})")
+        # a chunk of a prompt may start and end in blocks being filled: both borrow blocks while it is written
+        blocks += 2 * self.kv_spec.residual_blocks
         if self.kv is not None and self.kv.blocks_for(held) + blocks > self.kv.num_blocks:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
                              f"{self.kv.blocks_for(held) + blocks} KV blocks of {self.kv.block_size} tokens; "

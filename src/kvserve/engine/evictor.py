@@ -10,8 +10,6 @@ block that others share (prefix cache, forks) is never written, only let go of.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -104,7 +102,7 @@ class Evictor:
     def _compact(self, seq: Sequence, keep: torch.Tensor) -> None:
         """Copy the kept tokens, in order, into fresh blocks; the old ones are let go of."""
         scores = self._scores(seq, seq.num_cache_tokens)[:, keep] if seq.kv_scores is not None else None
-        old = self.kv.rebuild(seq.seq_id, math.ceil(len(keep) / self.kv.block_size))
+        old = self.kv.rebuild(seq.seq_id, len(keep))
         self.storage.rewrite(old, keep.to(self.storage.device), self.kv.block_tables[seq.seq_id])
         self.kv.release(old)
         evicted = seq.num_cache_tokens - len(keep)

@@ -126,7 +126,7 @@ class Scheduler:
         hits = self._prefix_hits(seq)
         computed = len(hits) * kv.block_size
         n = min(seq.num_tokens - computed, budget, self._chunk)
-        needed = kv.blocks_for(computed + n) - len(hits) + kv.num_reclaimed(hits)
+        needed = kv.blocks_for(computed + n) - len(hits) + kv.num_reclaimed(hits) + kv.residual_cost(computed + n)
         reserve = self.watermark_blocks if self.running else 0
         if needed + reserve > kv.num_free_blocks:
             return False
@@ -179,6 +179,7 @@ class Scheduler:
         """After the model ran: advance each sequence past the tokens it computed."""
         if self.kv is not None:
             for seq, n in zip(out.seqs, out.num_new_tokens):
+                self.kv.release_filled(seq.seq_id, seq.num_cache_tokens, n)
                 seq.num_computed_tokens += n
 
     def reserve_ahead(self, out: SchedulerOutput, steps: int) -> bool:
@@ -194,6 +195,7 @@ class Scheduler:
     def advance(self, seq: Sequence) -> None:
         """A decode of several steps at once computed one more token (the last step's): as commit, and the
         blocks it filled indexed, as schedule indexes a step's."""
+        self.kv.release_filled(seq.seq_id, seq.num_cache_tokens, 1)
         seq.num_computed_tokens += 1
         self._cache_full_blocks(seq, seq.num_computed_tokens)
 

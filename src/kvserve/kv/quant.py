@@ -2,19 +2,23 @@
 
 A codec turns full-precision pages [kv_heads, n, block_size, head_dim] of K or of V into stored
 numbers and their scales ("meta"), both with the block axis second so that a block table indexes
-them alike. A block is quantized once, when it fills; until then its tokens live in a
-full-precision residual slot (the block a sequence is still writing is exact).
+them alike. Codecs whose scales cover one token (int8, fp8) quantize each token as it is written.
+A codec with scales over a block's tokens (int4's keys, per channel) quantizes a block once, when
+it fills; until then its tokens are kept exact in the model's dtype, in the pages of the block
+itself and of the blocks it borrows from the pool (its residual: KIVI's full-precision window).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kvserve.config import KV_CACHE_DTYPES
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, parse_dtype
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
-TINY = 1e-8              # floor of a scale, so that an all-zero group decodes to zeros
+# floor of a scale (float16's smallest normal number), so that an all-zero group decodes to zeros
+TINY = torch.finfo(torch.float16).tiny
 
 
 def _words(t: torch.Tensor, axis: int) -> torch.Tensor:
@@ -63,6 +67,7 @@ class Codec:
     meta_dtype: torch.dtype = torch.float16
     pack = 1                 # numbers per stored element along head_dim
     splits_channels = False  # numbers() and per-channel scales hold the even channels, then the odd
+    per_token = False        # a token's numbers and scales depend on that token alone: quantized as written
 
     def meta_shape(self, block_size: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one (head, block)'s scales."""
@@ -84,9 +89,13 @@ class Codec:
         """The scales of gathered meta such that decode() = numbers() * scale + offset."""
         raise NotImplementedError
 
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        """Bytes of the numbers of one (head, block), without their scales."""
+        return block_size * head_dim // self.pack * self.storage_dtype.itemsize
+
     def bytes_per_block(self, block_size: int, head_dim: int) -> int:
         """Bytes of one (head, block): numbers and scales."""
-        numbers = block_size * head_dim // self.pack * self.storage_dtype.itemsize
+        numbers = self.page_bytes(block_size, head_dim)
         meta = self.meta_dtype.itemsize
         for n in self.meta_shape(block_size, head_dim):
             meta *= n
@@ -95,6 +104,8 @@ class Codec:
 
 class Int8PerToken(Codec):
     """Symmetric int8, one scale per token and head."""
+
+    per_token = True
 
     def meta_shape(self, block_size, head_dim):
         return (block_size,)
@@ -111,22 +122,22 @@ class Int8PerToken(Codec):
         return Affine(meta.float())
 
 
-class Fp8PerBlock(Codec):
-    """float8_e4m3fn numbers with one float32 scale per head and block, set from the block's
-    largest magnitude when it is quantized: no calibration pass, and no token saturates.
+class Fp8PerToken(Codec):
+    """float8_e4m3fn numbers with one float16 scale per token and head, set from the token's largest
+    magnitude as it is written: no calibration pass, and no number saturates.
 
     Stored as their bytes (uint8): index_copy and gathers do not take float8 on every device.
     """
 
     storage_dtype = torch.uint8
-    meta_dtype = torch.float32
+    per_token = True
 
     def meta_shape(self, block_size, head_dim):
-        return ()
+        return (block_size,)
 
     def encode(self, x):
-        scale = (x.abs().amax((-2, -1)) / FP8_MAX).clamp_min(TINY)
-        q = (x / scale[..., None, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(TINY).to(self.meta_dtype)
+        q = (x / scale.float()[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8), scale
 
     def numbers(self, q, dtype):
@@ -141,7 +152,7 @@ class Fp8PerBlock(Codec):
         return x.view(torch.bfloat16).mul_(2.0 ** 120).to(dtype)
 
     def affine(self, meta, block_size):
-        return Affine(meta.float()[..., None].repeat_interleave(block_size, -1))
+        return Affine(meta.float())
 
 
 class Int4(Codec):
@@ -191,6 +202,22 @@ class Int4(Codec):
         return group.to(dtype).unsqueeze(self.axis)
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The kv_cache_dtype of pages beside a model computing in `dtype`: `auto` where it names that dtype
+    (bfloat16, bf16, float16, fp16: full-precision pages hold the model's numbers), a quantized one
+    as it is. ValueError for a name of another dtype, or no kv_cache_dtype at all."""
+    if kv_cache_dtype == "auto" or kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+        return kv_cache_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    named, model = (str(t).removeprefix("torch.") for t in (parse_dtype(kv_cache_dtype), dtype))
+    if named != model:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} asks for {named} pages, but full-precision pages "
+                         f"hold the model's numbers ({model}): use auto, a quantized kv_cache_dtype "
+                         f"({', '.join(QUANTIZED_KV_CACHE_DTYPES)}) or dtype {kv_cache_dtype!r}")
+    return "auto"
+
+
 def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
     """The (K, V) codecs of a `kv_cache_dtype`; None for `auto` (the model's dtype)."""
     if kv_cache_dtype == "auto":
@@ -198,22 +225,28 @@ def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
     if kv_cache_dtype == "int8":
         return Int8PerToken(), Int8PerToken()
     if kv_cache_dtype == "fp8":
-        return Fp8PerBlock(), Fp8PerBlock()
+        return Fp8PerToken(), Fp8PerToken()
     if kv_cache_dtype == "int4":
         return Int4(axis=-2), Int4(axis=-1)
-    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(QUANTIZED_KV_CACHE_DTYPES)}, "
+                     f"got {kv_cache_dtype!r}")
 
 
 class QuantizedLayer:
-    """One layer's quantized pages, their scales, and the shared full-precision residual slots.
+    """One layer's quantized pages and their scales.
 
-    `residual_of[block]` is the residual slot holding a block that has not filled yet (-1 when the
-    block is quantized); it is shared by every layer and kept by KVStorage.
+    With codecs that quantize whole blocks (int4), a block still filling holds its exact K/V in the
+    model's dtype: for each K/V and head, its block_size x head_dim numbers lie end to end over the
+    pages of the blocks in `residual_of[block]` (the block itself first, then those it borrows, then
+    the block again where it has borrowed no more: places past its tokens; -1 once it is quantized),
+    read and written through `residual`, the pages seen as numbers of the model's dtype [2, KVH,
+    num_blocks * page_numbers]. residual_of is shared by every layer and kept by KVStorage. Codecs
+    that quantize each token as it is written keep nothing exact (residual None).
     """
 
     def __init__(self, codecs: tuple[Codec, Codec], num_kv_heads: int, num_blocks: int, block_size: int,
-                 head_dim: int, residual: torch.Tensor, residual_of: torch.Tensor):
-        dev = residual.device
+                 head_dim: int, dtype: torch.dtype, residual_of: torch.Tensor):
+        dev = residual_of.device
         self.k_codec, self.v_codec = k_codec, v_codec = codecs
         assert type(k_codec) is type(v_codec)        # K and V numbers share one tensor and decode alike
         # K and V numbers in one tensor, so that a gather indexes both at once; data[0], data[1] view it
@@ -222,11 +255,14 @@ class QuantizedLayer:
         self.data = list(self.pages)
         self.meta = [torch.zeros(num_kv_heads, num_blocks, *c.meta_shape(block_size, head_dim),
                                  dtype=c.meta_dtype, device=dev) for c in codecs]
-        self.residual = residual           # [2, KVH, slots, BS, D], model dtype
         self.residual_of = residual_of
-        self.dtype = residual.dtype
+        self.dtype = dtype
         self.shape = (2, num_kv_heads, num_blocks, block_size, head_dim)   # of the pages it stands for
         self.splits_channels = k_codec.splits_channels
+        self.per_token = k_codec.per_token and v_codec.per_token
+        self.page_numbers = k_codec.page_bytes(block_size, head_dim) // dtype.itemsize
+        self.residual = None if self.per_token else \
+            self.pages.view(torch.uint8).view(2, num_kv_heads, -1).view(dtype)
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype: the exact
@@ -239,11 +275,14 @@ class QuantizedLayer:
         return pages
 
     def filling(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the blocks still filling are in ids.flatten(), and their residual slots: the same
-        for every layer of a step (the slots are shared), so a step can work it out once."""
-        slots = self.residual_of[ids.flatten()]
-        where = (slots >= 0).nonzero().squeeze(1)
-        return where, slots[where]
+        """Where the blocks still filling are in ids.flatten(), and the blocks holding their exact K/V
+        ([n, pieces]): the same for every layer of a step (residual_of is shared), so a step can work
+        it out once."""
+        if self.residual is None:
+            return ids.new_empty(0), self.residual_of[:0]
+        pieces = self.residual_of[ids.flatten()]
+        where = (pieces[:, 0] >= 0).nonzero().squeeze(1)
+        return where, pieces[where]
 
     def gather_affine(self, ids: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor]
                       ) -> tuple[torch.Tensor, Affine, Affine]:
@@ -266,12 +305,28 @@ class QuantizedLayer:
     def _put_filling(self, pages: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor], split: bool = False):
         """Overwrite the gathered pages [2, KVH, *ids.shape, BS, D] of blocks still filling with their
         exact tokens."""
-        where, slots = filling
+        where, pieces = filling
         if len(where):
-            exact = take_blocks(self.residual, slots, 2)
+            exact = self.read_residual(pieces)
             if split:
                 exact = split_channels(exact)
             _words(pages.flatten(2, -3), 2).index_copy_(2, where, _words(exact, 2))
+
+    def read_residual(self, pieces: torch.Tensor) -> torch.Tensor:
+        """The exact K/V [2, KVH, n, BS, D] of n blocks still filling, from their pieces [n, P] (the
+        pieces may not reach a block's last place, which a block held exact never uses: read as 0)."""
+        _, kvh, _, bs, d = self.shape
+        numbers = take_blocks(self.residual.view(2, kvh, -1, self.page_numbers), pieces, 2).flatten(3)
+        return F.pad(numbers, (0, bs * d - numbers.shape[-1])).unflatten(-1, (bs, d))
+
+    def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantize the step's K and V [tokens, 2, KVH, D] into their slots (block * BS + offset), each
+        token on its own: for codecs whose scales cover one token (`per_token`)."""
+        _, kvh, nb, bs, _ = self.shape
+        numbers, scales = self.k_codec.encode(kv.permute(1, 2, 0, 3).float())    # [2, KVH, n, D / pack], [2, KVH, n]
+        self.pages.view(2, kvh, nb * bs, -1).index_copy_(2, slots, numbers)
+        for meta, scale in zip(self.meta, scales):
+            meta.view(kvh, nb * bs).index_copy_(1, slots, scale)
 
     def quantize(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode full pages [2, KVH, n, BS, D] into blocks `blocks`."""
@@ -290,35 +345,39 @@ class QuantizedLayer:
 class WritePlan:
     """Where one step's new K/V go in the quantized layers, worked out once for all of them.
 
-    Token indices are into the step's flat batch; residual indices are slot * block_size + offset.
+    Codecs that quantize each token as it is written need only the step's slot_mapping (every field
+    empty). Otherwise token indices are into the step's flat batch, and exact indices into a layer's
+    `residual` numbers (head_dim of them a token).
     """
 
-    before: tuple[torch.Tensor, torch.Tensor]   # (tokens, residual index): slots held before the step
-    after: tuple[torch.Tensor, torch.Tensor]    # (tokens, residual index): slots taken by this step
-    filled_slots: torch.Tensor                  # residual slots whose block fills: quantize them ...
-    filled_blocks: torch.Tensor                 # ... into these blocks
-    direct_tokens: torch.Tensor                 # whole blocks written by this step: quantize at once
+    exact: tuple[torch.Tensor, torch.Tensor]      # (tokens, residual numbers) of blocks left part full
+    filled_blocks: torch.Tensor                   # blocks that fill, quantized from their exact tokens ...
+    filled_pieces: torch.Tensor                   # ... held in these pieces [n, P] ...
+    filled_new: tuple[torch.Tensor, torch.Tensor]  # ... and the step's (tokens, places in [n * BS])
+    direct_tokens: torch.Tensor                   # whole blocks written by this step: quantized at once
     direct_blocks: torch.Tensor
 
-    def write(self, layer: QuantizedLayer, kv: torch.Tensor) -> None:
-        """Store the step's K/V [tokens, 2, KVH, D] in a layer: residual writes, then the blocks that
-        fill (from the slots they had, or straight from the step), then writes into slots taken now
-        (which may be ones just freed by a filled block)."""
-        residual = layer.residual.flatten(2, 3)             # [2, KVH, slots * BS, D]
-        _put(residual, kv, *self.before)
+    def write(self, layer: QuantizedLayer, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store the step's K/V [tokens, 2, KVH, D] in a layer: each token at its slot where the codecs
+        quantize tokens; else the tokens of blocks left part full join their exact ones, and the
+        blocks that fill (from their exact tokens and the step's, or straight from the step) are
+        quantized."""
+        if layer.per_token:
+            layer.write_tokens(kv, slot_mapping)
+            return
+        tokens, index = self.exact
+        if len(tokens):
+            layer.residual.index_copy_(2, index, kv[tokens].permute(1, 2, 0, 3).flatten(2))
         blocks, pages = [], []
+        _, kvh, _, bs, d = layer.shape
         if len(self.filled_blocks):
+            filled = layer.read_residual(self.filled_pieces).contiguous()     # [2, KVH, n, BS, D]
+            tokens, places = self.filled_new
+            filled.view(2, kvh, -1, d).index_copy_(2, places, kv[tokens].permute(1, 2, 0, 3))
             blocks.append(self.filled_blocks)
-            pages.append(layer.residual[:, :, self.filled_slots])
+            pages.append(filled)
         if len(self.direct_blocks):
-            bs = layer.shape[3]
             blocks.append(self.direct_blocks)
             pages.append(kv[self.direct_tokens].unflatten(0, (-1, bs)).permute(2, 3, 0, 1, 4))
         if blocks:
             layer.quantize(torch.cat(blocks), torch.cat(pages, 2))
-        _put(residual, kv, *self.after)
-
-
-def _put(residual: torch.Tensor, kv: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor) -> None:
-    if len(tokens):
-        residual.index_copy_(2, index, kv[tokens].permute(1, 2, 0, 3))
