@@ -120,13 +120,11 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
 
 /* Asks for the rows of block `block` of K and V, head h, ahead of their use: a block is a few KiB on
  * its own page, so the hardware prefetchers, which stop at page boundaries, never run ahead into
- * it, and each block would otherwise start with a wait on memory (1.6x slower measured here). Only
- * the first 16 KiB of a long block (cache_mode "contiguous"): the hardware runs ahead within it.
- * `next`: the block after the one attended to, asked for into L1; else the one after that, asked for
- * as non-temporal. The pair measured better than either kind alone, 1 to 3 blocks ahead (a 64-sequence
- * decode layer over pages out of cache: float32 0.49-0.51 -> 0.37-0.39 ms, bfloat16 0.38-0.41 ->
- * 0.25-0.29; L2 hints in place of non-temporal 0.42-0.43 and 0.32).
- * Always inlined: GCC drops calls to a function that only prefetches, as having no effect. */
+ * it, and each block would otherwise start with a wait on memory. Only the first 16 KiB of a long
+ * block (cache_mode "contiguous"): the hardware runs ahead within it. `next`: the block after the one
+ * attended to, asked for into L1; else the one after that, asked for as non-temporal, so that it does
+ * not evict what is being read. The pair measured better than either kind alone, and than L2 hints
+ * (docs/performance.md). Always inlined: GCC drops calls to a function that only prefetches, as having no effect. */
 static inline __attribute__((always_inline)) void prefetch_block(const Cache *c, int h, int64_t block,
                                                                  const int next) {
     const int quantized = c->kind > F16;
@@ -224,9 +222,8 @@ static inline __attribute__((always_inline)) __m512bh pairs32(const uint16_t *ro
 /* e[r][t] = scale * q[r] . k[t] for the query rows r < rows (bfloat16, d apart) and the keys t < n of a
  * block of bfloat16 rows, four rows and four keys at a time, so that each key's numbers are loaded once
  * for four rows and multiplied in pairs by AVX-512 BF16 (whose products of two bfloat16 numbers are
- * exact in float32, as the widened ones are). Against scores_of, which widens each key's numbers for
- * each row: a 64-sequence decode layer 0.252 -> 0.218 ms, a prefill layer (64 x 128 tokens) 7.96 ->
- * 6.31 ms. The scale multiplies the sums, not q, which is then the model's bfloat16 numbers as they are. */
+ * exact in float32, as the widened ones are), where scores_of widens each key's numbers again for each
+ * row. The scale multiplies the sums, not q, which is then the model's bfloat16 numbers as they are. */
 static void scores_bf16(const uint16_t *qb, int rows, const uint16_t *k, int n, int d, float scale, float *e,
                         int stride) {
     const int chunks = (d + 31) / 32;
@@ -386,8 +383,7 @@ static void add_weighted_rows(float *acc, const float *p, int p_stride, Rows row
 static inline int upto(int64_t v, int n) { return v <= 0 ? 0 : v < n ? (int)v : n; }
 
 /* Keys an online-softmax step takes (whole blocks; one where a block is longer): its per-step work
- * (maxima, rescaling the sums) over more keys. 64 against 16: a 64-sequence bfloat16 decode layer
- * 0.218 -> 0.199 ms, a prefill layer of 64 x 128 tokens 6.3 -> 5.6 ms. */
+ * (maxima, rescaling the sums) over more keys: 64 keys (four blocks of 16) against one block. */
 #define SEGMENT 64
 
 /* The query rows of a task (row r: token r / groups, head r % groups of q, `kind` F32 or BF16): as
@@ -468,10 +464,8 @@ static void score_block(const Queries *qs, Rows keys, int n, int d, int rows, co
  * scores as st[t][r] = q[r] . k[t], each key's numbers broadcast against the rows' packed numbers
  * (qt), so that a key's scores for sixteen rows are one vector, summed along d without reductions across
  * lanes; the softmax then runs down the lanes too, and the products with V go six rows at a time over
- * the step's keys (bfloat16: by pairs of keys). Against the rows' dot products with each key, the softmax
- * across lanes and four rows a block (attend_rows): a prefill layer of 64 x 128 tokens about 0.6x the time
- * in bfloat16 and 0.87x in float32 (4.15 -> 2.85 and 7.4 -> 7.15 ms, then 2.97 -> 2.59 and 7.02 -> 6.40 with
- * the correction and the output folded into the passes over the sums; the builds alternating in one process). */
+ * the step's keys (bfloat16: by pairs of keys). The rows' dot products with each key (attend_rows) need a
+ * reduction across lanes per key and row, and a softmax across lanes: tiles of many rows avoid both. */
 #define TILE_LANES 64
 
 /* st[t][r] for the n keys of a block (rows [n][d] of float32, or bfloat16 scored by pairs), four keys
