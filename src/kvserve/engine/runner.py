@@ -57,7 +57,7 @@ class ModelRunner:
             q_lens.append(n)
             # positions count every token (RoPE); the cache holds those not evicted
             evicted.append(seq.num_evicted_tokens)
-            ctx_lens.append(seq.num_cache_tokens + n)
+            ctx_lens.append(seq.num_tokens_in_cache + n)
             if seq.eviction is not None and seq.eviction.needs_scores:
                 scored = self._scored_queries(seq, n)
                 if scored:

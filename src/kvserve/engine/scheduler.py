@@ -85,13 +85,13 @@ class Scheduler:
         """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
         if self.kv is None:
             return True
-        while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_cache_tokens, n)) > self.kv.num_free_blocks:
+        while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_tokens_in_cache, n)) > self.kv.num_free_blocks:
             victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
             self.preempt(victim)
             if victim is seq:
                 return False
         if needed:       # most decode steps write into the last block, theirs alone: nothing to take
-            out.block_copies += self.kv.allocate(seq.seq_id, seq.num_cache_tokens, n)
+            out.block_copies += self.kv.allocate(seq.seq_id, seq.num_tokens_in_cache, n)
         self._cache_full_blocks(seq, seq.num_computed_tokens + n)
         return True
 
@@ -136,7 +136,7 @@ class Scheduler:
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += computed
         kv.share_prefix(seq.seq_id, hits)
-        seq.num_cached_blocks, seq.num_computed_tokens = len(hits), computed
+        seq.num_indexed_blocks, seq.num_computed_tokens = len(hits), computed
         out.block_copies += kv.allocate(seq.seq_id, computed, n)
         self._cache_full_blocks(seq, computed + n)
         return True
@@ -157,10 +157,10 @@ class Scheduler:
         them, since every layer writes the step's K/V before any sequence attends."""
         bs = self.kv.block_size
         # once a sequence evicted, its blocks no longer hold the tokens their keys name
-        if self.prefix_caching and not seq.num_evicted_tokens and num_tokens // bs > seq.num_cached_blocks:
+        if self.prefix_caching and not seq.num_evicted_tokens and num_tokens // bs > seq.num_indexed_blocks:
             keys = seq.full_block_keys(bs, num_tokens)
-            self.kv.cache_blocks(seq.seq_id, seq.num_cached_blocks, keys[seq.num_cached_blocks:])
-            seq.num_cached_blocks = len(keys)
+            self.kv.cache_blocks(seq.seq_id, seq.num_indexed_blocks, keys[seq.num_indexed_blocks:])
+            seq.num_indexed_blocks = len(keys)
 
     def forget_uncomputed(self, out: SchedulerOutput) -> None:
         """The step failed: drop from the prefix index the blocks it was to fill."""
@@ -171,31 +171,31 @@ class Scheduler:
             if seq.num_evicted_tokens:
                 continue
             computed = seq.num_computed_tokens // bs
-            if seq.num_cached_blocks > computed and seq.seq_id in self.kv.block_tables:
-                self.kv.uncache_blocks(seq.seq_id, computed, seq.block_keys[computed:seq.num_cached_blocks])
-                seq.num_cached_blocks = computed
+            if seq.num_indexed_blocks > computed and seq.seq_id in self.kv.block_tables:
+                self.kv.uncache_blocks(seq.seq_id, computed, seq.block_keys[computed:seq.num_indexed_blocks])
+                seq.num_indexed_blocks = computed
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the model ran: advance each sequence past the tokens it computed."""
         if self.kv is not None:
             for seq, n in zip(out.seqs, out.num_new_tokens):
-                self.kv.release_filled(seq.seq_id, seq.num_cache_tokens, n)
+                self.kv.release_filled(seq.seq_id, seq.num_tokens_in_cache, n)
                 seq.num_computed_tokens += n
 
     def reserve_ahead(self, out: SchedulerOutput, steps: int) -> bool:
         """Blocks for `steps` tokens of each of a step's decodes (the first already reserved), if the pool has
         them all free; else nothing changes."""
         kv = self.kv
-        if sum(kv.num_new_blocks(s.seq_id, s.num_cache_tokens, steps) for s in out.seqs) > kv.num_free_blocks:
+        if sum(kv.num_new_blocks(s.seq_id, s.num_tokens_in_cache, steps) for s in out.seqs) > kv.num_free_blocks:
             return False
         for seq in out.seqs:
-            out.block_copies += kv.allocate(seq.seq_id, seq.num_cache_tokens, steps)
+            out.block_copies += kv.allocate(seq.seq_id, seq.num_tokens_in_cache, steps)
         return True
 
     def advance(self, seq: Sequence) -> None:
         """A decode of several steps at once computed one more token (the last step's): as commit, and the
         blocks it filled indexed, as schedule indexes a step's."""
-        self.kv.release_filled(seq.seq_id, seq.num_cache_tokens, 1)
+        self.kv.release_filled(seq.seq_id, seq.num_tokens_in_cache, 1)
         seq.num_computed_tokens += 1
         self._cache_full_blocks(seq, seq.num_computed_tokens)
 
