@@ -5,6 +5,10 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import SchedulerConfig
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.sequence import Sequence
+from kvserve.kv import NoKVCacheManager
 from tiny_models import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -55,6 +59,26 @@ def test_batched_equals_alone(ckpt, alone, kwargs):
     stats = llm.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_with_no_cache_a_sequence_is_computed_whole_or_waits_and_nothing_stays_computed():
+    """cache_mode none's scheduling: no prompt chunks (long_prefill_token_threshold does not apply), a sequence
+    that does not fit what is left of the budget waits, and every step computes each sequence from its start."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=10,
+                             long_prefill_token_threshold=2)
+    sched = Scheduler(config, NoKVCacheManager())
+    a, b = (Sequence(i, str(i), None, list(range(3, 3 + n)), SamplingParams(), 4, 0.0) for i, n in enumerate((6, 5)))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [a] and out.num_new_tokens == [6] and out.num_decodes == 0 and list(sched.waiting) == [b]
+    sched.commit(out)
+    assert a.num_computed_tokens == 0
+    a.token_ids.append(7)
+    out = sched.schedule()
+    assert out.seqs == [a] and out.num_new_tokens == [7] and out.num_decodes == 0 and list(sched.waiting) == [b]
+    sched.finish(a, "stop")
+    assert sched.schedule().num_new_tokens == [5]
 
 
 def test_preemption_keeps_tokens_and_frees_everything(ckpt, alone):
