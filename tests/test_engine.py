@@ -8,7 +8,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import SchedulerConfig
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
-from kvserve.kv import NoKVCacheManager
+from kvserve.kv import KVCacheManager, NoKVCacheManager
+from kvserve.sampling import Logprob
 from tiny_models import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -79,6 +80,29 @@ def test_with_no_cache_a_sequence_is_computed_whole_or_waits_and_nothing_stays_c
     assert out.seqs == [a] and out.num_new_tokens == [7] and out.num_decodes == 0 and list(sched.waiting) == [b]
     sched.finish(a, "stop")
     assert sched.schedule().num_new_tokens == [5]
+
+
+def test_a_fork_runs_beside_its_parent_over_shared_blocks_with_its_own_lists():
+    """Sequence.fork copies the request's state but not its lists: what one sample appends (tokens, block keys,
+    logprobs) the other does not see, and the child starts its own detokenizer stream; Scheduler.fork runs it
+    over the parent's blocks."""
+    kv = KVCacheManager(8, 2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16), kv)
+    parent = Sequence(0, "r", None, [3, 4, 5, 6, 7], SamplingParams(n=2, logprobs=1), 4, 0.0)
+    sched.add(parent)
+    sched.commit(sched.schedule())
+    parent.full_block_keys(2, 5)
+    parent.detokenize_stream = object()
+    child = parent.fork(1, torch.Generator())
+    sched.fork(parent, child)
+    assert sched.running == [parent, child] and kv.block_tables[1] == kv.block_tables[0]
+    assert all(kv.pool.ref_counts[b] == 2 for b in kv.block_tables[0])
+    child.token_ids.append(9)
+    child.logprobs.append({9: Logprob(-0.5, 1)})
+    child.full_block_keys(2, 6)
+    assert parent.token_ids == [3, 4, 5, 6, 7] and parent.logprobs == [] and len(parent.block_keys) == 2
+    assert (child.seq_id, child.request_id, child.num_computed_tokens) == (1, "r", 5)
+    assert child.detokenize_stream is None and parent.detokenize_stream is not None
 
 
 def test_preemption_keeps_tokens_and_frees_everything(ckpt, alone):

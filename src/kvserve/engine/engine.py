@@ -1,7 +1,6 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out."""
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -329,13 +328,8 @@ class LLMEngine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         group = self.requests[parent.request_id]
         for index in range(1, parent.params.n):
-            child = copy.copy(parent)
-            child.seq_id, child.generator = next(self._seq_ids), self._generator(parent.params, index)
-            child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
-            child.logprobs = None if parent.logprobs is None else []
-            child.detokenize_stream = None
-            self.kv.fork(parent.seq_id, child.seq_id)
-            self.scheduler.running.append(child)
+            child = parent.fork(next(self._seq_ids), self._generator(parent.params, index))
+            self.scheduler.fork(parent, child)
             group.append(child)
         return group[1:]
 

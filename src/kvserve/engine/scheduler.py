@@ -206,6 +206,11 @@ class Scheduler:
         seq.num_computed_tokens += 1
         self._cache_full_blocks(seq, seq.num_computed_tokens)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child`, forked from the running `parent` (Sequence.fork), over the parent's blocks, shared."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        self.running.append(child)
+
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front, to be recomputed."""
         self.running.remove(seq)

@@ -1,6 +1,7 @@
 """Sequence: one request's tokens, progress through the cache, and output text."""
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,17 @@ class Sequence:
     def num_tokens_in_cache(self) -> int:
         """Tokens whose K/V the cache holds now: those computed less those evicted."""
         return self.num_computed_tokens - self.num_evicted_tokens
+
+    def fork(self, seq_id: int, generator: torch.Generator | None) -> Sequence:
+        """Another sample of the same request from this point: a copy of this sequence with its own token list,
+        block keys and logprobs (copies of these), drawing from `generator`; the detokenizer makes it its own
+        stream. Its blocks are the cache manager's to share (Scheduler.fork)."""
+        child = copy.copy(self)
+        child.seq_id, child.generator = seq_id, generator
+        child.token_ids, child.block_keys = list(self.token_ids), list(self.block_keys)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.detokenize_stream = None
+        return child
 
     def reset_cache_state(self) -> None:
         """Forget everything about the cache (a preempted sequence is recomputed from scratch)."""
