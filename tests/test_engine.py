@@ -5,6 +5,11 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import SchedulerConfig
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.sequence import Sequence
+from kvserve.kv import KVCacheManager, NoKVCacheManager
+from kvserve.sampling import Logprob
 from tiny_models import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -55,6 +60,49 @@ def test_batched_equals_alone(ckpt, alone, kwargs):
     stats = llm.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_with_no_cache_a_sequence_is_computed_whole_or_waits_and_nothing_stays_computed():
+    """cache_mode none's scheduling: no prompt chunks (long_prefill_token_threshold does not apply), a sequence
+    that does not fit what is left of the budget waits, and every step computes each sequence from its start."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=10,
+                             long_prefill_token_threshold=2)
+    sched = Scheduler(config, NoKVCacheManager())
+    a, b = (Sequence(i, str(i), None, list(range(3, 3 + n)), SamplingParams(), 4, 0.0) for i, n in enumerate((6, 5)))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [a] and out.num_new_tokens == [6] and out.num_decodes == 0 and list(sched.waiting) == [b]
+    sched.commit(out)
+    assert a.num_computed_tokens == 0
+    a.token_ids.append(7)
+    out = sched.schedule()
+    assert out.seqs == [a] and out.num_new_tokens == [7] and out.num_decodes == 0 and list(sched.waiting) == [b]
+    sched.finish(a, "stop")
+    assert sched.schedule().num_new_tokens == [5]
+
+
+def test_a_fork_runs_beside_its_parent_over_shared_blocks_with_its_own_lists():
+    """Sequence.fork copies the request's state but not its lists: what one sample appends (tokens, block keys,
+    logprobs) the other does not see, and the child starts its own detokenizer stream; Scheduler.fork runs it
+    over the parent's blocks."""
+    kv = KVCacheManager(8, 2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16), kv)
+    parent = Sequence(0, "r", None, [3, 4, 5, 6, 7], SamplingParams(n=2, logprobs=1), 4, 0.0)
+    sched.add(parent)
+    sched.commit(sched.schedule())
+    parent.full_block_keys(2, 5)
+    parent.detokenize_stream = object()
+    child = parent.fork(1, torch.Generator())
+    sched.fork(parent, child)
+    assert sched.running == [parent, child] and kv.block_tables[1] == kv.block_tables[0]
+    assert all(kv.pool.ref_counts[b] == 2 for b in kv.block_tables[0])
+    child.token_ids.append(9)
+    child.logprobs.append({9: Logprob(-0.5, 1)})
+    child.full_block_keys(2, 6)
+    assert parent.token_ids == [3, 4, 5, 6, 7] and parent.logprobs == [] and len(parent.block_keys) == 2
+    assert (child.seq_id, child.request_id, child.num_computed_tokens) == (1, "r", 5)
+    assert child.detokenize_stream is None and parent.detokenize_stream is not None
 
 
 def test_preemption_keeps_tokens_and_frees_everything(ckpt, alone):

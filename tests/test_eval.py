@@ -31,7 +31,7 @@ def test_perplexity_through_the_cache_equals_transformers(ckpt, kwargs):
     assert result.tokens == sum(len(w) - 1 for w in windows(ids, 40)) and result.windows == len(windows(ids, 40))
     assert result.nll == pytest.approx(ref, rel=1e-4)
     assert result.perplexity == pytest.approx(math.exp(ref), rel=1e-4)
-    if llm.engine.kv is not None:
+    if llm.engine.cache_config.cache_mode != "none":
         assert 0 < result.peak_kv_bytes <= result.windows * 10 * llm.engine.kv_spec.bytes_per_block
 
 

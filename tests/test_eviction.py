@@ -165,8 +165,8 @@ def test_scored_policies_hold_the_budget(ckpt, policy, bound):
     while engine.has_unfinished_requests():
         engine.step()
         if not seq.is_finished:
-            sizes.append(seq.num_cache_tokens)
-            assert len(engine.kv.block_tables[seq.seq_id]) == -(-seq.num_cache_tokens // 4)
+            sizes.append(seq.num_tokens_in_cache)
+            assert len(engine.kv.block_tables[seq.seq_id]) == -(-seq.num_tokens_in_cache // 4)
     if bound is None:                       # snapkv: the prompt is cut to the budget, then decoding grows it
         assert sizes[0] == 24 and sizes[-1] == 24 + len(sizes) - 1
     else:

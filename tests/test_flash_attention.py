@@ -7,7 +7,7 @@ import torch
 from attention_cases import make_case
 from kvserve.attention.flash import FlashBackend
 from kvserve.attention.native import NativeBackend
-from kvserve.attention.paged import SdpaBackend
+from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 
 CASES = [

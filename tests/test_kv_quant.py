@@ -8,7 +8,7 @@ from attention_cases import make_case, quantize_case
 from kvserve import LLM, SamplingParams
 from kvserve.attention.flash import FlashBackend
 from kvserve.attention.native import NativeBackend
-from kvserve.attention.paged import SdpaBackend
+from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.eval.perplexity import perplexity
 from kvserve.kv.manager import KVCacheManager

@@ -200,7 +200,7 @@ def ckpt(tmp_path_factory):
 def engine_books(engine) -> None:
     """The manager's books against the sequences the scheduler holds, and the storage's copy of them."""
     kv, bs = engine.kv, engine.kv.block_size
-    cached = {s.seq_id: s.num_cache_tokens for s in engine.scheduler.running if s.seq_id in kv.block_tables}
+    cached = {s.seq_id: s.num_tokens_in_cache for s in engine.scheduler.running if s.seq_id in kv.block_tables}
     check_books(kv, cached)          # int8, fp8: nothing held exact, nothing borrowed
     engine.storage.plan_writes([], [], [])                 # brings residual_of up to the manager's books
     held = set((engine.storage.residual_of[:, 0] >= 0).nonzero().flatten().tolist())

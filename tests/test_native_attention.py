@@ -13,7 +13,7 @@ from attention_cases import make_case, quantize_case
 from kvserve import kernels
 from kvserve.attention import native
 from kvserve.attention.native import NativeBackend, paged_decode
-from kvserve.attention.paged import SdpaBackend
+from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 
 

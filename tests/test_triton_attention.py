@@ -18,7 +18,7 @@ import torch
 from triton_setup import DEVICE, SMALL_TILES, TOL  # noqa: I001  (first: it sets TRITON_INTERPRET)
 
 from kvserve.attention.batch import AttentionBatch
-from kvserve.attention.paged import gather_context
+from kvserve.attention.gather import gather_context
 from kvserve.attention.textbook import TextbookBackend, attend
 from kvserve.attention.triton import TritonBackend, kernels, store_kv
 from kvserve.kv.storage import KVStorage

@@ -6,7 +6,7 @@ import torch
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
 from kvserve.attention.flash import FlashBackend
 from kvserve.attention.native import NativeBackend
-from kvserve.attention.paged import SdpaBackend
+from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 
 BACKENDS = {"sdpa": SdpaBackend, "native": NativeBackend, "flash": FlashBackend, "textbook": TextbookBackend}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.batch import AttentionBatch
-from kvserve.attention.paged import gather_context
+from kvserve.attention.gather import gather_context
 
 Q_CHUNK = 256
 

@@ -1,7 +1,8 @@
 """The `native` backend: attention by C kernels (`csrc/paged_decode.c`) that read the pages in place,
 dequantizing as they read: one query per sequence for decode steps, and causal tiles of a prompt's
-tokens for steps with prompts (the step's K/V are in the pages by then). Where no C compiler works
-(see kvserve.kernels), it runs as `sdpa` does; under KVSERVE_STRICT_KERNELS=1 that raises instead.
+tokens for steps with prompts (the step's K/V are in the pages by then). What they do not run goes to
+the `sdpa` backend: a step with no cache, and, as a fallback (an error under KVSERVE_STRICT_KERNELS=1),
+a cache they do not read or kernels that no C compiler could build (see kvserve.kernels).
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from collections import Counter
 
 import torch
 
-from kvserve.attention.batch import AttentionBatch
-from kvserve.attention.paged import SdpaBackend
+from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.attention.sdpa import SdpaBackend
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 from kvserve.kv.quant import Fp8PerToken, Int4, Int8PerToken, QuantizedLayer
 
@@ -98,28 +99,33 @@ def query_starts(batch: AttentionBatch) -> torch.Tensor:
     return starts
 
 
-class NativeBackend(SdpaBackend):
-    """Decode and prefill by the C kernels over the pages (sdpa's where they cannot run); `calls` counts the
-    kernels' calls (a call per layer of a step), by name."""
+class NativeBackend(AttentionBackend):
+    """Decode and prefill by the C kernels, reading the pages in place; `calls` counts the kernels' calls (a call
+    per layer of a step), by name.
+
+    What the kernels do not run goes to the `sdpa` backend it holds: a step with no cache (cache_mode none:
+    the kernels read pages, and there are none), and, through kvserve.kernels' fallback (an error under
+    KVSERVE_STRICT_KERNELS=1), a cache or query they do not read or kernels that could not be built."""
 
     name = "native"
 
     def __init__(self):
         kernel()     # built (or found in the cache) as an engine starts, not inside its first step
         self.calls: Counter[str] = Counter()
+        self.sdpa = SdpaBackend()
 
     def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        if kv_cache is not None and batch.num_prefills:
+        """A step with prompts by paged_prefill (its decodes too, as one-token queries), one of decodes only by
+        paged_decode; the rest by sdpa."""
+        if kv_cache is None:
+            return self.sdpa.forward(q, k, v, kv_cache, batch, scale)
+        if batch.num_prefills:
+            name = "paged_prefill"
             out = paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, query_starts(batch), scale)
-            if out is not None:
-                self.calls["paged_prefill"] += 1
-                return out
-        return super().forward(q, k, v, kv_cache, batch, scale)
-
-    def _decode(self, q, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        nd = batch.num_decodes
-        out = paged_decode(q, kv_cache, batch.block_tables[:nd], batch.context_lens[:nd], scale)
-        if out is None:
-            return SdpaBackend._decode(q, kv_cache, batch, scale)
-        self.calls["paged_decode"] += 1
+        else:
+            name = "paged_decode"
+            out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, scale)
+        if out is None:          # the kernel did not run: _attend has called fallback(...), saying why
+            return self.sdpa.forward(q, k, v, kv_cache, batch, scale)
+        self.calls[name] += 1
         return out

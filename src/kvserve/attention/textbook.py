@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
-from kvserve.attention.paged import gather_context
+from kvserve.attention.gather import gather_context
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -20,8 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.flash import FlashBackend
+from kvserve.attention.gather import gather_context
 from kvserve.attention.native import NativeBackend
-from kvserve.attention.paged import gather_context
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.bench import pyplot
 from kvserve.bench.common import print_table, write_json

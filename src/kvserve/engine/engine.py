@@ -1,7 +1,6 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out."""
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -22,7 +21,7 @@ from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import library
-from kvserve.kv import KVCacheManager, KVSpec, KVStorage
+from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
@@ -67,11 +66,10 @@ class LLMEngine:
         self._final_only: set[str] = set()              # requests reported only when finished
         executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
                                     self.scheduler, self._final_only, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.storage, self.kv.block_tables if self.kv else {},
-                                  self.backend, self.device, executors)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
-        self.evictor = Evictor(self.kv, self.storage, self.model) if self.kv is not None else None
+        self.evictor = Evictor(self.kv, self.storage, self.model)
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
         # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
         # need whole distributions (KL divergence), not just the logprobs a request returns
@@ -97,7 +95,7 @@ class LLMEngine:
         self.kv_spec = spec = KVSpec.from_model(mcfg, self.dtype, block_size, config.kv_cache_dtype,
                                                 config.kv_cache_dtype_skip_layers)
         if config.cache_mode == "none":
-            return CacheConfig(cache_mode="none"), None, None
+            return CacheConfig(cache_mode="none"), NoKVCacheManager(), NoKVStorage(spec.num_layers)
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
@@ -136,8 +134,6 @@ class LLMEngine:
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of the blocks that running sequences hold, and of those their blocks being filled borrow."""
-        if self.kv is None:
-            return 0
         held = {b for s in self.scheduler.running for b in self.kv.block_tables.get(s.seq_id, [])}
         borrowed = sum(len(self.kv.residuals.get(b, ())) for b in held)
         return (len(held) + borrowed) * self.kv_spec.bytes_per_block
@@ -171,7 +167,7 @@ class LLMEngine:
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
-        if policy is not None and self.kv is None:
+        if policy is not None and self.kv.recomputes:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
@@ -244,7 +240,7 @@ class LLMEngine:
                              f"exceeds max_model_len ({self.max_model_len})")
         # a chunk of a prompt may start and end in blocks being filled: both borrow blocks while it is written
         blocks += 2 * self.kv_spec.residual_blocks
-        if self.kv is not None and self.kv.blocks_for(held) + blocks > self.kv.num_blocks:
+        if self.kv.blocks_for(held) + blocks > self.kv.num_blocks:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
                              f"{self.kv.blocks_for(held) + blocks} KV blocks of {self.kv.block_size} tokens; "
                              f"the whole pool has {self.kv.num_blocks}")
@@ -282,8 +278,7 @@ class LLMEngine:
         self.scheduler.commit(sched)
         if out.tokens is not None:
             return self._append_steps(sched, out.tokens)
-        if self.evictor is not None:
-            self.evictor.after_step(sched.seqs, out.attention_mass)
+        self.evictor.after_step(sched.seqs, out.attention_mass)
         try:
             if out.prompt_spans:
                 self._score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
@@ -333,14 +328,8 @@ class LLMEngine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         group = self.requests[parent.request_id]
         for index in range(1, parent.params.n):
-            child = copy.copy(parent)
-            child.seq_id, child.generator = next(self._seq_ids), self._generator(parent.params, index)
-            child.token_ids, child.block_keys = list(parent.token_ids), list(parent.block_keys)
-            child.logprobs = None if parent.logprobs is None else []
-            child.detokenize_stream = None
-            if self.kv is not None:
-                self.kv.fork(parent.seq_id, child.seq_id)
-            self.scheduler.running.append(child)
+            child = parent.fork(next(self._seq_ids), self._generator(parent.params, index))
+            self.scheduler.fork(parent, child)
             group.append(child)
         return group[1:]
 
@@ -431,16 +420,16 @@ class LLMEngine:
         kv = self.kv
         return {
             "cache_mode": self.cache_config.cache_mode,
-            "kv_blocks_total": kv.num_blocks if kv else 0,
-            "kv_blocks_free": kv.num_free_blocks if kv else 0,
-            "kv_block_size": kv.block_size if kv else 0,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_block_size": kv.block_size,
             "kv_cache_dtype": self.kv_spec.kv_cache_dtype,
             "kv_bytes_per_token": self.kv_spec.bytes_per_token,
-            "kv_cache_bytes": self.storage.nbytes if kv else 0,
+            "kv_cache_bytes": self.storage.nbytes,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_evicted_tokens": self.evictor.num_evicted_tokens if self.evictor else 0,
+            "num_evicted_tokens": self.evictor.num_evicted_tokens,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,

@@ -60,8 +60,8 @@ class Evictor:
     def _token_scores(self, seq: Sequence) -> torch.Tensor:
         """Each cached token's score: its mass summed over layers and KV heads."""
         if seq.kv_scores is None:
-            return torch.zeros(seq.num_cache_tokens)
-        return self._scores(seq, seq.num_cache_tokens).sum(0)
+            return torch.zeros(seq.num_tokens_in_cache)
+        return self._scores(seq, seq.num_tokens_in_cache).sum(0)
 
     def _add_scores(self, seq: Sequence, mass: torch.Tensor) -> None:
         """Combine a step's mass [layers * KVH, context] into the sequence's, as its policy reduces."""
@@ -73,7 +73,7 @@ class Evictor:
 
     def _sink(self, seq: Sequence, policy: Sink) -> None:
         bs = self.kv.block_size
-        drop = policy.blocks_to_drop(seq.num_cache_tokens, bs)
+        drop = policy.blocks_to_drop(seq.num_tokens_in_cache, bs)
         if not drop:
             return
         sink_blocks = policy.sink_blocks(bs)
@@ -101,11 +101,11 @@ class Evictor:
 
     def _compact(self, seq: Sequence, keep: torch.Tensor) -> None:
         """Copy the kept tokens, in order, into fresh blocks; the old ones are let go of."""
-        scores = self._scores(seq, seq.num_cache_tokens)[:, keep] if seq.kv_scores is not None else None
+        scores = self._scores(seq, seq.num_tokens_in_cache)[:, keep] if seq.kv_scores is not None else None
         old = self.kv.rebuild(seq.seq_id, len(keep))
         self.storage.rewrite(old, keep.to(self.storage.device), self.kv.block_tables[seq.seq_id])
         self.kv.release(old)
-        evicted = seq.num_cache_tokens - len(keep)
+        evicted = seq.num_tokens_in_cache - len(keep)
         seq.num_evicted_tokens += evicted
         self.num_evicted_tokens += evicted
         seq.kv_scores = scores

@@ -30,7 +30,7 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.native_decode import DTYPES, NativeDecode
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.kernels import function
-from kvserve.kv import KVSpec, KVStorage
+from kvserve.kv import KVSpec, KVStorage, NoKVStorage
 from kvserve.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class Eager:
 
     name = "eager"
 
-    def __init__(self, model: CausalLM, backend, storage: KVStorage | None):
+    def __init__(self, model: CausalLM, backend, storage: KVStorage | NoKVStorage):
         self.model, self.backend, self.storage = model, backend, storage
 
     def supports(self, step: Step) -> bool:
@@ -216,15 +216,14 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
             and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
 
 
-def cuda_graphs_wanted(config: EngineConfig, device: torch.device, storage: KVStorage | None, spec: KVSpec,
-                       backend) -> bool:
+def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend) -> bool:
     """cuda_graphs: on CUDA unless enforce_eager, a paged, full-precision cache read by a backend that can be
     captured (and the capture succeeding: build_executors)."""
-    return (device.type == "cuda" and not config.enforce_eager and storage is not None
+    return (device.type == "cuda" and not config.enforce_eager and config.cache_mode != "none"
             and not spec.quantized_layers and backend.supports_cuda_graphs)
 
 
-def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | None, spec: KVSpec, backend,
+def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | NoKVStorage, spec: KVSpec, backend,
                     device: torch.device, scheduler: Scheduler, final_only: Container[str],
                     max_model_len: int) -> list[Executor]:
     """The engine's executors, in the order a step tries them; eager, last, takes what the others do not."""
@@ -235,7 +234,7 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
             executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,
                                              max_model_len))
         executors.append(NativeStep(native))
-    if cuda_graphs_wanted(config, device, storage, spec, backend):
+    if cuda_graphs_wanted(config, device, spec, backend):
         graphs = DecodeGraphs(model, storage, backend, config.max_num_seqs, max_model_len, device)
         try:
             graphs.capture_all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.batch import AttentionBatch
+from kvserve.kv.nocache import NoKVStorage
 from kvserve.model.decoder import CausalLM
 
 
@@ -20,7 +21,8 @@ def dummy_forward(model: CausalLM, backend, device: torch.device, num_tokens: in
                            context_lens=torch.tensor(lens, device=device), query_lens=lens,
                            context_lens_list=lens, has_prefix=False)
     model.ensure_rope(max(lens))
-    hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), positions, batch, backend, None)
+    storage = NoKVStorage(len(model.model.layers))
+    hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device), positions, batch, backend, storage)
     return model.compute_logits(hidden[:num_logits]).float()
 
 

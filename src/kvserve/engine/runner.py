@@ -11,7 +11,7 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.executor import CudaGraphs, Executor, NativeStep, Step, StepInputs, StepOutput
 from kvserve.engine.native_decode import NativeDecode
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.kv.storage import KVStorage
+from kvserve.kv import KVCacheManager, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.model.decoder import CausalLM
 
 
@@ -23,14 +23,14 @@ def index_tensor(values: list, device: torch.device) -> torch.Tensor:
 
 class ModelRunner:
     """Turns a scheduled step into flat tensors and runs it on the first of `executors` that supports it
-    (engine/executor.py); `steps` counts the steps each executor ran, by name. `block_tables` is the cache
-    manager's live map seq_id -> block ids (empty with no cache)."""
+    (engine/executor.py); `steps` counts the steps each executor ran, by name. `kv` is the cache manager whose
+    block tables place the step's tokens in `storage`."""
 
-    def __init__(self, model: CausalLM, storage: KVStorage | None, block_tables: dict[int, list[int]],
+    def __init__(self, model: CausalLM, storage: KVStorage | NoKVStorage, kv: KVCacheManager | NoKVCacheManager,
                  backend, device: torch.device, executors: list[Executor]):
         self.model = model
         self.storage = storage
-        self.block_tables = block_tables
+        self.kv = kv
         self.backend = backend
         self.device = device
         self.executors = executors
@@ -57,7 +57,7 @@ class ModelRunner:
             q_lens.append(n)
             # positions count every token (RoPE); the cache holds those not evicted
             evicted.append(seq.num_evicted_tokens)
-            ctx_lens.append(seq.num_cache_tokens + n)
+            ctx_lens.append(seq.num_tokens_in_cache + n)
             if seq.eviction is not None and seq.eviction.needs_scores:
                 scored = self._scored_queries(seq, n)
                 if scored:
@@ -76,9 +76,9 @@ class ModelRunner:
         self.model.ensure_rope(max(s + n for s, n in zip(starts, q_lens)))
         # the cache holds the tokens not evicted: their places there
         cache_starts = [s - e for s, e in zip(starts, evicted)]
-        tables = [self.block_tables[s.seq_id] for s in sched.seqs] if self.storage is not None else None
+        tables = None if self.kv.recomputes else [self.kv.block_tables[s.seq_id] for s in sched.seqs]
         positions, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, len(input_ids), tables)
-        kv_write = self.storage.plan_writes(tables, cache_starts, q_lens) if tables is not None else None
+        kv_write = self.storage.plan_writes(tables, cache_starts, q_lens)
         nd = sched.num_decodes
         batch = AttentionBatch(
             num_decodes=nd,
@@ -143,6 +143,5 @@ class ModelRunner:
 
     def _copy_and_prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's inputs, its copy-on-write blocks copied first (those of every block it reserved)."""
-        if self.storage is not None:
-            self.storage.copy_blocks(sched.block_copies)
+        self.storage.copy_blocks(sched.block_copies)
         return self.prepare(sched)

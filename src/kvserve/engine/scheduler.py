@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.nocache import NoKVCacheManager
 
 
 @dataclass
@@ -28,21 +29,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Holds the waiting queue and the running list; `kv` is None when the engine keeps no cache."""
+    """Holds the waiting queue and the running list, over the engine's KV cache manager (NoKVCacheManager
+    where the engine keeps no cache)."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | None, watermark: float = 0.01,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | NoKVCacheManager, watermark: float = 0.01,
                  enable_prefix_caching: bool = False):
         self.config = config
         self.kv = kv
-        self.prefix_caching = enable_prefix_caching and kv is not None
-        self.watermark_blocks = int(watermark * kv.num_blocks) if kv else 0
+        self.prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * kv.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # A prompt's tokens per step; with no cache a sequence is always computed whole.
-        self._chunk = config.long_prefill_token_threshold if kv is not None else config.max_model_len
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,8 +61,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:    # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk)
-            if self.kv is None and n < seq.num_tokens:       # no cache: a sequence runs whole or waits
+            n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            if not n:
                 continue
             if not self._reserve(seq, n, out):
                 preempted = True
@@ -78,20 +78,28 @@ class Scheduler:
         out.num_decodes = sum(is_decode)
         return out
 
-    def _is_decode(self, seq: Sequence, n: int) -> bool:
-        return self.kv is not None and n == 1 and seq.num_computed_tokens > 0
+    @staticmethod
+    def _is_decode(seq: Sequence, n: int) -> bool:
+        """One new token after computed ones (never where the cache keeps nothing: nothing stays computed)."""
+        return n == 1 and seq.num_computed_tokens > 0
+
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        """The tokens after the first num_computed that the sequence computes this step, within budget: at most
+        long_prefill_token_threshold; with a cache that keeps nothing, all of them or none (it waits)."""
+        n = seq.num_tokens - num_computed
+        if self.kv.recomputes:
+            return n if n <= budget else 0
+        return min(n, budget, self.config.long_prefill_token_threshold)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
-        if self.kv is None:
-            return True
-        while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_cache_tokens, n)) > self.kv.num_free_blocks:
+        while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_tokens_in_cache, n)) > self.kv.num_free_blocks:
             victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
             self.preempt(victim)
             if victim is seq:
                 return False
         if needed:       # most decode steps write into the last block, theirs alone: nothing to take
-            out.block_copies += self.kv.allocate(seq.seq_id, seq.num_cache_tokens, n)
+            out.block_copies += self.kv.allocate(seq.seq_id, seq.num_tokens_in_cache, n)
         self._cache_full_blocks(seq, seq.num_computed_tokens + n)
         return True
 
@@ -100,12 +108,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self._slots_in_use() + self._slots(seq) > self.config.max_num_seqs:
                 break
-            if self.kv is None:
-                if seq.num_tokens > budget:
-                    break
-            elif not self._allocate_for_admission(seq, budget, out):
+            n = self._allocate_for_admission(seq, budget, out)
+            if not n:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -120,26 +125,27 @@ class Scheduler:
     def _slots_in_use(self) -> int:
         return sum(self._slots(s) for s in self.running)
 
-    def _allocate_for_admission(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        """Share the cached prefix and allocate the first chunk's blocks, if they fit."""
+    def _allocate_for_admission(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Share the cached prefix and allocate the first chunk's blocks, if they fit: the chunk's tokens, or 0."""
         kv = self.kv
         hits = self._prefix_hits(seq)
         computed = len(hits) * kv.block_size
-        n = min(seq.num_tokens - computed, budget, self._chunk)
+        n = self._num_new_tokens(seq, computed, budget)
         needed = kv.blocks_for(computed + n) - len(hits) + kv.num_reclaimed(hits) + kv.residual_cost(computed + n)
         reserve = self.watermark_blocks if self.running else 0
-        if needed + reserve > kv.num_free_blocks:
-            return False
-        if not seq.prefix_queried:   # counted once: recomputation after preemption is no hit
+        if not n or needed + reserve > kv.num_free_blocks:
+            return 0
+        # counted once: recomputation after preemption is no hit; a cache that keeps nothing is not looked up
+        if not seq.prefix_queried and not kv.recomputes:
             seq.prefix_queried = True
             seq.num_cached_tokens = computed
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += computed
         kv.share_prefix(seq.seq_id, hits)
-        seq.num_cached_blocks, seq.num_computed_tokens = len(hits), computed
+        seq.num_indexed_blocks, seq.num_computed_tokens = len(hits), computed
         out.block_copies += kv.allocate(seq.seq_id, computed, n)
         self._cache_full_blocks(seq, computed + n)
-        return True
+        return n
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         if not self.prefix_caching:
@@ -157,10 +163,10 @@ class Scheduler:
         them, since every layer writes the step's K/V before any sequence attends."""
         bs = self.kv.block_size
         # once a sequence evicted, its blocks no longer hold the tokens their keys name
-        if self.prefix_caching and not seq.num_evicted_tokens and num_tokens // bs > seq.num_cached_blocks:
+        if self.prefix_caching and not seq.num_evicted_tokens and num_tokens // bs > seq.num_indexed_blocks:
             keys = seq.full_block_keys(bs, num_tokens)
-            self.kv.cache_blocks(seq.seq_id, seq.num_cached_blocks, keys[seq.num_cached_blocks:])
-            seq.num_cached_blocks = len(keys)
+            self.kv.cache_blocks(seq.seq_id, seq.num_indexed_blocks, keys[seq.num_indexed_blocks:])
+            seq.num_indexed_blocks = len(keys)
 
     def forget_uncomputed(self, out: SchedulerOutput) -> None:
         """The step failed: drop from the prefix index the blocks it was to fill."""
@@ -171,39 +177,44 @@ class Scheduler:
             if seq.num_evicted_tokens:
                 continue
             computed = seq.num_computed_tokens // bs
-            if seq.num_cached_blocks > computed and seq.seq_id in self.kv.block_tables:
-                self.kv.uncache_blocks(seq.seq_id, computed, seq.block_keys[computed:seq.num_cached_blocks])
-                seq.num_cached_blocks = computed
+            if seq.num_indexed_blocks > computed and seq.seq_id in self.kv.block_tables:
+                self.kv.uncache_blocks(seq.seq_id, computed, seq.block_keys[computed:seq.num_indexed_blocks])
+                seq.num_indexed_blocks = computed
 
     def commit(self, out: SchedulerOutput) -> None:
-        """After the model ran: advance each sequence past the tokens it computed."""
-        if self.kv is not None:
-            for seq, n in zip(out.seqs, out.num_new_tokens):
-                self.kv.release_filled(seq.seq_id, seq.num_cache_tokens, n)
-                seq.num_computed_tokens += n
+        """After the model ran: advance each sequence past the tokens it computed (where the cache keeps them)."""
+        if self.kv.recomputes:
+            return
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            self.kv.release_filled(seq.seq_id, seq.num_tokens_in_cache, n)
+            seq.num_computed_tokens += n
 
     def reserve_ahead(self, out: SchedulerOutput, steps: int) -> bool:
         """Blocks for `steps` tokens of each of a step's decodes (the first already reserved), if the pool has
         them all free; else nothing changes."""
         kv = self.kv
-        if sum(kv.num_new_blocks(s.seq_id, s.num_cache_tokens, steps) for s in out.seqs) > kv.num_free_blocks:
+        if sum(kv.num_new_blocks(s.seq_id, s.num_tokens_in_cache, steps) for s in out.seqs) > kv.num_free_blocks:
             return False
         for seq in out.seqs:
-            out.block_copies += kv.allocate(seq.seq_id, seq.num_cache_tokens, steps)
+            out.block_copies += kv.allocate(seq.seq_id, seq.num_tokens_in_cache, steps)
         return True
 
     def advance(self, seq: Sequence) -> None:
         """A decode of several steps at once computed one more token (the last step's): as commit, and the
         blocks it filled indexed, as schedule indexes a step's."""
-        self.kv.release_filled(seq.seq_id, seq.num_cache_tokens, 1)
+        self.kv.release_filled(seq.seq_id, seq.num_tokens_in_cache, 1)
         seq.num_computed_tokens += 1
         self._cache_full_blocks(seq, seq.num_computed_tokens)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child`, forked from the running `parent` (Sequence.fork), over the parent's blocks, shared."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        self.running.append(child)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front, to be recomputed."""
         self.running.remove(seq)
-        if self.kv is not None:
-            self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id)
         seq.reset_cache_state()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -215,7 +226,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        if self.kv is not None:
-            self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -1,6 +1,7 @@
 """Sequence: one request's tokens, progress through the cache, and output text."""
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,8 @@ class Sequence:
     arrival_time: float
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V are in the cache; the rest of token_ids is computed by the next steps.
+    # Leading tokens whose K/V have been computed (evicted ones included); the rest of token_ids is
+    # computed by the next steps.
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
@@ -45,8 +47,8 @@ class Sequence:
     # prefix caching
     cache_salt: str | None = None
     block_keys: list[BlockKey] = field(default_factory=list)   # of the full blocks seen so far
-    num_cached_blocks: int = 0        # leading blocks of the table already in the prefix index
-    num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
+    num_indexed_blocks: int = 0       # leading blocks of the table already in the prefix index
+    num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission (vLLM's)
     prefix_queried: bool = False
     # eviction: tokens dropped from the cache still count in positions (RoPE), not in cache slots
     eviction: EvictionPolicy | None = None
@@ -68,13 +70,24 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_cache_tokens(self) -> int:
-        """Tokens whose K/V the cache holds now."""
+    def num_tokens_in_cache(self) -> int:
+        """Tokens whose K/V the cache holds now: those computed less those evicted."""
         return self.num_computed_tokens - self.num_evicted_tokens
+
+    def fork(self, seq_id: int, generator: torch.Generator | None) -> Sequence:
+        """Another sample of the same request from this point: a copy of this sequence with its own token list,
+        block keys and logprobs (copies of these), drawing from `generator`; the detokenizer makes it its own
+        stream. Its blocks are the cache manager's to share (Scheduler.fork)."""
+        child = copy.copy(self)
+        child.seq_id, child.generator = seq_id, generator
+        child.token_ids, child.block_keys = list(self.token_ids), list(self.block_keys)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.detokenize_stream = None
+        return child
 
     def reset_cache_state(self) -> None:
         """Forget everything about the cache (a preempted sequence is recomputed from scratch)."""
-        self.num_computed_tokens = self.num_cached_blocks = self.num_evicted_tokens = 0
+        self.num_computed_tokens = self.num_indexed_blocks = self.num_evicted_tokens = 0
         self.kv_scores, self.prompt_compacted = None, False
 
     @property

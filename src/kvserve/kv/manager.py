@@ -18,6 +18,9 @@ class KVCacheManager:
     counts the blocks it borrows as blocks it takes, so that admission and preemption see them.
     """
 
+    # a sequence's computed tokens keep their K/V from one step to the next (kv/nocache.py: they do not)
+    recomputes = False
+
     def __init__(self, num_blocks: int, block_size: int, borrowed: tuple[int, ...] | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)

@@ -7,6 +7,7 @@ from torch import nn
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
+from kvserve.kv.nocache import NoKVStorage
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import Embedding, GateUpLinear, Linear, RMSNorm, RotaryEmbedding, apply_rope_
 
@@ -115,14 +116,13 @@ class CausalLM(nn.Module):
             self.init_rope(max(num_positions, 2 * size), self.rope.cos.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                backend, storage: KVStorage | None) -> torch.Tensor:
-        """Hidden states [tokens, hidden] of a flat batch; K/V of the new tokens go to `storage`."""
+                backend, storage: KVStorage | NoKVStorage) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of a flat batch; K/V of the new tokens go to `storage` (NoKVStorage: none)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            kv_cache = storage.layer(i) if storage is not None else None
-            x, residual = layer(x, residual, rope, batch, backend, kv_cache)
+            x, residual = layer(x, residual, rope, batch, backend, storage.layer(i))
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,13 @@
-"""The default CPU path: torch SDPA over padded batches, reading K/V through the block tables."""
+"""The `sdpa` backend: torch SDPA for prompts (padded per batch), batched matmuls for decodes, over K/V
+gathered through the block tables; `native` delegates to it what its C kernels do not run."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.attention.gather import gather_context
 from kvserve.kv.quant import Affine, QuantizedLayer, merge_channels, split_channels
-from kvserve.kv.storage import read_pages
-
-
-def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Pages [2, KVH, blocks, block_size, D] of each sequence as K and V [2, KVH, seqs, max_len, D]."""
-    block_size = kv_cache.shape[3]
-    num_blocks = -(-max_len // block_size)
-    pages = read_pages(kv_cache, block_tables[:, :num_blocks])  # [2, KVH, seqs, nb, bs, D]
-    return pages.flatten(3, 4)[:, :, :, :max_len]
 
 
 def _pad(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
