@@ -13,7 +13,8 @@ same weights: a decode step of B sequences, each `--context` tokens into its con
 
 Runs alternate (native, compiled, eager, native, ...) and each figure is the median of `--repeats` runs
 of `--steps` steps. The compiled step's logits are first checked against the native step's: where they
-differ, the two compute different steps and the suite fails.
+differ, the two compute different steps and the suite fails. float32 checks the step's math (a mask one
+position off fails it); bfloat16, whose rounding differs between the two, only a grossly different step.
 """
 from __future__ import annotations
 
@@ -43,8 +44,11 @@ NAME = "compile"
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("native", "compiled", "eager")
 # The compiled step matches the native one where no logit differs by more than this share of the largest
-# |logit|: both round where their dtype does, but in different places (bfloat16 keeps 8 bits).
-LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 2.0 ** -5}
+# |logit|. In float32 the two differ by the order of their sums alone. In bfloat16 they round in different
+# places (the C step keeps SwiGLU, RoPE and attention in float32 where torch's ops round each result), and
+# the layers carry each step's rounding on: both differ from the step computed in float32 by some percent,
+# growing with depth. A step that computes something else (a norm or a mask left out) differs by the whole.
+LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 2.0 ** -3}
 _BLOCK_SIZE = 16
 _WARMUP_STEPS = 2
 
