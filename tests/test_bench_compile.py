@@ -31,6 +31,8 @@ def test_bench_compile_json(tmp_path):
     assert (r["dtype"], r["batch"]) == ("float32", 3)
     assert set(r["tok_s"]) == {"native", "compiled", "eager"} and all(_positive(v) for v in r["tok_s"].values())
     assert all(len(runs) == 2 and all(_positive(s) for s in runs) for runs in r["runs_s"].values())
+    for name, runs in r["runs_s"].items():
+        assert r["best_tok_s"][name] == pytest.approx(3 / min(runs)) and r["best_tok_s"][name] >= r["tok_s"][name]
     assert r["compiled_over_native"] == pytest.approx(r["tok_s"]["compiled"] / r["tok_s"]["native"])
     assert r["eager_over_native"] == pytest.approx(r["tok_s"]["eager"] / r["tok_s"]["native"])
     # the compiled step computes the native step's logits
