@@ -46,7 +46,7 @@ DTYPES = ("float32", "bfloat16")
 RUNNERS = ("native", "compiled", "eager")
 # The compiled step matches the native one where no logit differs by more than this share of the largest
 # |logit|. In float32 the two differ by the order of their sums alone. In bfloat16 they round in different
-# places (the C step keeps SwiGLU, RoPE and attention in float32 where torch's ops round each result), and
+# places (the C step fuses what torch's ops round one by one, such as SwiGLU into the GEMM's output), and
 # the layers carry each step's rounding on: both differ from the step computed in float32 by some percent,
 # growing with depth. A step that computes something else (a norm or a mask left out) differs by the whole.
 LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 2.0 ** -3}
@@ -140,6 +140,7 @@ class TorchDecode(torch.nn.Module):
 
 
 def seconds_per_step(fn: Callable[[], object], steps: int) -> float:
+    """Mean seconds of `steps` calls of fn."""
     start = time.perf_counter()
     for _ in range(steps):
         fn()
@@ -233,6 +234,7 @@ def report(results: list[dict]) -> None:
 
 @contextmanager
 def torch_threads(n: int):
+    """torch's threads set to n inside the block, and back after it."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -250,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(args) if args.random_model else None
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp, torch_threads(w.threads):
         path = make_checkpoint(Path(tmp), shape, w.context + 1) if shape else resolve_model(args.model)
-        model = describe_shape(shape) if shape else str(path.name)
+        model = describe_shape(shape) if shape else path.name
         print(f"compile: decode step of B sequences at context {w.context}, {model}; median of {w.repeats} "
               f"alternating runs of {w.steps} steps; {w.threads} threads")
         results = [measure(path, dtype, batch, w) for dtype in w.dtypes for batch in w.batches]
