@@ -6,6 +6,7 @@ import json
 import logging
 import socket
 
+import fastapi.routing
 import httpx
 import pytest
 
@@ -107,6 +108,21 @@ def test_a_long_tokenize_does_not_hold_the_other_endpoints(served, url):
         status, _, body = read_response(sock)
     tokens = json.loads(body)
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
+
+
+def test_json_bodies_are_not_encoded_item_by_item_on_the_event_loop(in_thread, monkeypatch):
+    """FastAPI encodes a returned dict by visiting every item (jsonable_encoder) on the event loop:
+    the million token ids of a long /tokenize held every other request for a second. The endpoints
+    return finished responses, which FastAPI passes through."""
+    def item_by_item(*args, **kwargs):
+        raise AssertionError("FastAPI encoded a response item by item")
+    monkeypatch.setattr(fastapi.routing, "serialize_response", item_by_item)
+    base = f"http://127.0.0.1:{in_thread[1].port}"
+    for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [5, 6]}),
+                       ("/v1/completions", {"prompt": "a", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = httpx.post(f"{base}{path}", json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(url):

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from kvserve.config import EngineConfig, ServerConfig
@@ -125,7 +125,10 @@ def _param(loc: tuple) -> str | None:
 
 
 class _Handlers:
-    """The endpoints that run requests through the engine."""
+    """The endpoints that run requests through the engine. Each returns its JSON as a Response:
+    a plain dict FastAPI would walk item by item (jsonable_encoder) on the event loop, and a million
+    token ids (a long /tokenize) or a large batch with logprobs would hold every other request for
+    that long."""
 
     def __init__(self, server: AsyncEngine, tokenizer: ServerTokenizer, model_name: str, config: ServerConfig):
         self.server = server
@@ -224,13 +227,13 @@ class _Handlers:
             tokens = await self.tokenizer.encode(text, False, "messages")
         else:
             tokens = await self.tokenizer.encode(req.prompt, req.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len})
 
     async def detokenize(self, req: DetokenizeRequest):
         self._check_model(req.model)
         if req.tokens and max(req.tokens) >= self.vocab_size:
             raise APIError(400, f"tokens: token ids must be in [0, {self.vocab_size})", "tokens")
-        return {"prompt": await self.tokenizer.decode(req.tokens)}
+        return JSONResponse({"prompt": await self.tokenizer.decode(req.tokens)})
 
     async def _submit(self, rid: str, prompts: list, params, cache_salt) -> list[AsyncIterator[RequestOutput]]:
         streams = []
@@ -253,7 +256,7 @@ class _Handlers:
             return StreamingResponse(_sse(fmt, _merge(streams), include_usage, hold),
                                      media_type="text/event-stream")
         finals = await _until_disconnect(raw, _last_outputs(streams))
-        return fmt.response(finals)
+        return JSONResponse(fmt.response(finals))
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
