@@ -201,17 +201,34 @@ def test_load_chat_template_takes_a_file_or_the_template_itself(tmp_path):
 
 # ---- no tokenizer ----------------------------------------------------------------------
 
-def test_without_a_tokenizer_token_ids_in_token_ids_out(ckpt):
+@pytest.fixture(scope="module")
+def no_tokenizer(ckpt):
+    """Served as `kvserve serve --skip-tokenizer-init` serves it."""
     config = EngineConfig(model=str(ckpt), skip_tokenizer_init=True, **ENGINE_ARGS)
     with ServerThread(build_app(config, MODEL)) as base:
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1,
-                                                       "temperature": 0}, timeout=60)
-        assert r.status_code == 200
-        choice = r.json()["choices"][0]
-        assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"] == [5, 6, 7]
-        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
-        for path, body in (("/v1/completions", {"prompt": "text"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                           ("/tokenize", {"prompt": "text"}), ("/detokenize", {"tokens": [5]})):
-            r = httpx.post(f"{base}{path}", json=body, timeout=60)
-            assert r.status_code == 400 and "--skip-tokenizer-init" in r.json()["error"]["message"]
+        yield base
+
+
+def test_without_a_tokenizer_token_ids_in_token_ids_out(no_tokenizer):
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1, "temperature": 0}
+    r = httpx.post(f"{no_tokenizer}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"] == [5, 6, 7]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for path, body in (("/v1/completions", {"prompt": "text"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/tokenize", {"prompt": "text"}), ("/detokenize", {"tokens": [5]})):
+        r = httpx.post(f"{no_tokenizer}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and "--skip-tokenizer-init" in r.json()["error"]["message"]
+
+
+def test_echo_without_a_tokenizer_has_no_text_and_token_id_logprobs(no_tokenizer):
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 1, "echo": True, "temperature": 0}
+    r = httpx.post(f"{no_tokenizer}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "" and choice["prompt_token_ids"] == [5, 6, 7]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in [5, 6, 7, *choice["token_ids"]]]
+    assert logprobs["token_logprobs"][0] is None and None not in logprobs["token_logprobs"][1:]

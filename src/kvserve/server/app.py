@@ -160,8 +160,7 @@ class _Handlers:
                                      prompt_logprobs=req.logprobs if req.echo else None)
         prompts = await asyncio.gather(*(self._prompt(p, True, "prompt") for p in texts))
         self._check_kv(prompts, params)
-        echo = [p["prompt"] if p["prompt"] is not None else await self.tokenizer.decode(p["prompt_token_ids"])
-                for p in prompts] if req.echo else None
+        echo = [await self._echo_text(p) for p in prompts] if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, prompts, params, req.cache_salt)
         fmt = _CompletionFormat(rid, self.model_name, self._token_ids_too(req), self.tokenizer.tokenizer,
@@ -182,6 +181,15 @@ class _Handlers:
         streams = await self._submit(rid, [prompt], params, req.cache_salt)
         fmt = _ChatFormat(rid, self.model_name, self._token_ids_too(req), top)
         return await self._respond(req, raw, streams, fmt, params)
+
+    async def _echo_text(self, prompt: dict) -> str:
+        """The text echo puts before a prompt's completions: the prompt as sent, or its token ids
+        decoded; none without a tokenizer, whose outputs are token ids (prompt_token_ids among them)."""
+        if prompt["prompt"] is not None:
+            return prompt["prompt"]
+        if self.tokenizer.tokenizer is None:
+            return ""
+        return await self.tokenizer.decode(prompt["prompt_token_ids"])
 
     def _token_ids_too(self, req) -> bool:
         """Token ids in the response: asked for, or the only output there is (no tokenizer, no text)."""
