@@ -334,12 +334,12 @@ async def _sse(fmt, merged: AsyncIterator[tuple[int, RequestOutput]], include_us
                 yield _event(fmt.chunk(i, out, c, chars, end, tokens, first=tokens == 0))
         if include_usage:
             yield _event(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
-        yield "data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001
-        # the status is sent: report the failure in the stream
+        # the status is sent: report the failure in the stream, which ends as any other (as vLLM's does)
         yield _event({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
     finally:
         await merged.aclose()      # a disconnect aborts the requests now, not at garbage collection
+    yield "data: [DONE]\n\n"
 
 
 def _event(data: dict) -> str:
