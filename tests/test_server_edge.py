@@ -206,6 +206,21 @@ def test_every_error_has_openai_s_shape(url, method, path, body, status):
     assert error["param"] is None                 # a byte offset into bad JSON is no field
 
 
+@pytest.mark.parametrize("body, content_type, text", [
+    (b'{"prompt": "\xff\xfe"}', "application/json", "not valid UTF-8"),
+    (b"[" * 50_000 + b"]" * 50_000, "application/json", "RecursionError"),
+    (b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", "digits"),
+    (b"", "application/json", "no body"),
+    (b"[1, 2]", "application/json", "a JSON object, not an array"),
+    (b"null", "application/json", "a JSON object, not null"),
+    (b'{"prompt": "a"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
+], ids=["not-utf8", "too-deep", "long-number", "empty", "array", "null", "form-encoded"])
+def test_a_body_that_is_no_json_object_says_why(url, body, content_type, text):
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={**AUTH, "Content-Type": content_type})
+    error = openai_error(r.content, 400)
+    assert r.status_code == 400 and text in error["message"] and error["param"] is None
+
+
 def test_an_unexpected_error_is_a_json_500_logged_on_a_connection_that_stays_open(in_thread, monkeypatch, caplog):
     engine, server = in_thread
 

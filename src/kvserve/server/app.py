@@ -86,13 +86,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":     # its loc is a byte offset, not a field
             return error_response(APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error')}"))
+        if tuple(first.get("loc", ())) == ("body",):     # the body as a whole: no field to name
+            return error_response(APIError(400, _whole_body_error(first, e.body)))
         param = _param(first.get("loc", ()))
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         return error_response(APIError(400, f"{param}: {message}" if param else message, param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):
-        # FastAPI's and Starlette's own: 404, 405, a body it cannot parse (invalid UTF-8, say)
+        # FastAPI's and Starlette's own: 404, 405, and a body FastAPI cannot parse, whose reason
+        # (invalid UTF-8, nesting too deep, a number too long) is the exception's cause
+        if e.status_code == 400 and e.__cause__ is not None:
+            cause = e.__cause__
+            what = "not valid UTF-8" if isinstance(cause, UnicodeDecodeError) else "not JSON kvserve can read"
+            return error_response(APIError(400, f"the body is {what}: {type(cause).__name__}: {cause}"))
         return error_response(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(QueueFullError)
@@ -107,6 +114,20 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def engine_failure(_req, e: EngineError):
         # the engine failed while running the request (it serves on, or is restarted)
         return error_response(APIError(500, str(e)))
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _whole_body_error(error: dict, body) -> str:
+    """What is wrong with a body that is no JSON object: none sent, one FastAPI did not read as
+    JSON (a Content-Type other than JSON's, as `curl -d` sends), or JSON of another type."""
+    if error.get("type") == "missing":
+        return "the request has no body: send a JSON object (Content-Type: application/json)"
+    if isinstance(body, bytes):
+        return "the body was not read as JSON: send it with Content-Type: application/json"
+    return f"the body must be a JSON object, not {_JSON_TYPES.get(type(body), type(body).__name__)}"
 
 
 # the names pydantic gives the members of a union in an error's location
