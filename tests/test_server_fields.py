@@ -96,6 +96,10 @@ def test_top_k_of_minus_one_is_off(url):
     ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"presence_penalty": 0.0, "frequency_penalty": 0}, 200, None),
+    ({"eviction": {"policy": []}}, 400, "eviction"),
+    ({"eviction": {"policy": "sink", "sinks": 1e300}}, 400, "eviction"),
+    ({"seed": 2**63}, 400, "seed"),
+    ({"prompt": [5, 10**6]}, 400, "prompt"),
 ])
 def test_known_completion_fields_are_honoured_or_refused_by_name(url, body, status, param):
     r = complete(url, max_tokens=2, **body)

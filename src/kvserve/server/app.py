@@ -226,6 +226,8 @@ class _Handlers:
         max_model_len = self.engine.max_model_len
         if not ids:
             raise APIError(400, f"{param}: the prompt is empty (as token ids)", param)
+        if text is None and max(ids) >= self.vocab_size:
+            raise APIError(400, f"{param}: token id {max(ids)} is out of range [0, {self.vocab_size})", param)
         if len(ids) >= max_model_len:
             raise APIError(400, f"{param}: the prompt is {len(ids)} tokens; with one to generate it exceeds "
                                 f"max_model_len ({max_model_len})", param)
