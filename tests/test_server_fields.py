@@ -13,7 +13,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.cli import build_parser
 from kvserve.config import EngineConfig
 from kvserve.server.app import ServerConfig, build_app
-from kvserve.server.tokenization import load_chat_template
+from kvserve.model.loader import load_tokenizer
+from kvserve.server.tokenization import ServerTokenizer, load_chat_template
 from test_server import ENGINE_ARGS, MODEL, ServerThread
 from tiny_models import make_checkpoint
 
@@ -201,6 +202,14 @@ def test_load_chat_template_takes_a_file_or_the_template_itself(tmp_path):
     assert load_chat_template("{% for m in messages %}{{ m['content'] }}\\n{% endfor %}").endswith("}\n{% endfor %}")
     with pytest.raises(ValueError, match="looks like a file path"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_chat_template_that_does_not_parse_stops_the_server_at_start(ckpt):
+    tokenizer = load_tokenizer(ckpt)
+    with pytest.raises(ValueError, match="--chat-template is not a valid jinja template"):
+        ServerTokenizer(tokenizer, 128, "{% for m in messages %}{{ m['content'] }")
+    # one that parses but refuses some conversations is the requests' business
+    ServerTokenizer(tokenizer, 128, "{{ raise_exception('a system message first') }}").close()
 
 
 # ---- no tokenizer ----------------------------------------------------------------------
