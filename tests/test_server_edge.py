@@ -13,6 +13,7 @@ import pytest
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import ServerConfig, build_app
+from kvserve.server.http import MAX_HEAD_BYTES
 from test_server import ENGINE_ARGS, KEY, MODEL, ServerThread, wait_for
 from tiny_models import make_checkpoint
 
@@ -152,6 +153,20 @@ def test_a_request_body_that_never_completes_is_timed_out(served):
         assert status == 408 and headers["connection"] == "close"
         assert "body" in openai_error(body, 408)["message"]
         assert closed(sock)
+
+
+def test_a_request_head_past_the_size_limit_is_refused(served):
+    many_headers = "".join(f"X-Header-{i}: {'v' * 20}\r\n" for i in range(MAX_HEAD_BYTES // 16))
+    with connect(served.port) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: test\r\n{many_headers}\r\n".encode())
+        status, headers, body = read_response(sock)
+        assert status == 431 and headers["connection"] == "close"
+        assert str(MAX_HEAD_BYTES) in openai_error(body, 431)["message"]
+    # a small head and a large body in one write: only the head counts
+    body = json.dumps({"prompt": "y" * (4 * MAX_HEAD_BYTES)}).encode()
+    with connect(served.port) as sock:
+        sock.sendall(request("POST", "/tokenize", body, {**AUTH, "Content-Type": "application/json"}))
+        assert read_response(sock)[0] == 200
 
 
 def test_connections_past_the_limit_are_refused_at_once(in_thread):
