@@ -29,7 +29,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.native_decode import DTYPES, NativeDecode
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
-from kvserve.kernels import function
+from kvserve.kernels import fallback, function
 from kvserve.kv import KVSpec, KVStorage, NoKVStorage
 from kvserve.model.decoder import CausalLM
 
@@ -240,6 +240,7 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
             graphs.capture_all()
             executors.append(CudaGraphs(graphs, model))
         except Exception as e:  # noqa: BLE001  (a driver or kernel that cannot be captured: serve eagerly)
+            fallback("CUDA graph capture", f"{type(e).__name__}: {e}")
             log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
     executors.append(Eager(model, backend, storage))
     return executors
