@@ -38,7 +38,8 @@ class _Proj(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
-                *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv"))]
+                *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv")),
+                ("window", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -132,7 +133,7 @@ class NativeDecode:
                      attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                      storage.layer(index)]
             layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                                 *map(_address, norms)))
+                                 *map(_address, norms), 0))
         self._layers = (_Layer * len(layers))(*layers)
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
