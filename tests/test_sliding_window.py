@@ -153,6 +153,15 @@ def test_eviction_that_would_cut_a_window_is_refused(tmp_path, eviction):
     assert not llm.engine.requests
 
 
+def test_a_window_past_max_model_len_leaves_eviction_free(tmp_path):
+    """Phi-3-128k's window (262144) exceeds its context: no cache reaches it, so every policy may run."""
+    path = make_checkpoint(tmp_path, "phi3", sliding_window=1024)       # the tiny model's context: 512
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=2, eviction="h2o:budget=16,recent=4")
+    out = llm.generate({"prompt_token_ids": prompt(20)}, params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 

@@ -167,9 +167,10 @@ class LLMEngine:
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
         if policy is not None and self.kv.recomputes:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
-        windows = [w for w in self.model_config.sliding_windows if w is not None]
+        # a sliding layer attends to the last W cached tokens, which must be the last W positions (a window
+        # of max_model_len or more never binds: no cache holds more, sink's included)
+        windows = [w for w in self.model_config.sliding_windows if w is not None and w < self.max_model_len]
         if policy is not None and windows and not (isinstance(policy, Sink) and policy.window >= max(windows)):
-            # a sliding layer attends to the last W cached tokens: they must be the last W positions
             raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {max(windows)}): only "
                              f"sink with a window of at least {max(windows)} tokens keeps each such layer's window "
                              f"whole")
