@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvserve.cli import build_parser
+from kvserve.cli import build_parser, main
 from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine import kv_state
 from kvserve.engine.engine import LLMEngine
@@ -22,6 +22,7 @@ from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.dashboard import KVStateView
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.tokenization import ServerTokenizer
+from kvserve.server.top import grid_cells
 from test_server import ServerThread
 
 MODEL = "tiny-llama"
@@ -283,3 +284,18 @@ def test_pollers_share_one_snapshot_a_period(tiny_llama, monkeypatch):
         server.shutdown()
     assert len(taken) == 1 and set(first) == {again}
     assert json.loads(again)["num_blocks"] == 16
+
+
+def test_top_prints_the_state_and_needs_the_key(url, capsys):
+    assert main(["top", "--url", url, "--api-key", KEY, "--once"]) == 0
+    out = capsys.readouterr().out
+    state = httpx.get(f"{url}/v1/kv/state", headers=AUTH).json()     # idle: the same counts
+    assert f"{state['num_blocks']} blocks × 4 tokens" in out
+    assert all(f"{name} {state['counts'][name]}" in out for name in ("free", "cached", "used", "shared"))
+    assert main(["top", "--url", url, "--once"]) == 2
+    assert "401 invalid or missing API key" in capsys.readouterr().err
+
+
+def test_top_shows_the_most_telling_state_of_the_blocks_a_cell_stands_for():
+    assert grid_cells("..uus.cc", 8) == ["free", "free", "used", "used", "shared", "free", "cached", "cached"]
+    assert grid_cells("..uus.cc", 3) == ["used", "shared", "cached"]

@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate | serve | plan | eval | bench."""
+"""The `kvserve` command: generate | serve | plan | eval | bench | top."""
 from __future__ import annotations
 
 import argparse
@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub, add_engine_args, engine_kwargs)
     from kvserve.bench import add_bench_parser
     add_bench_parser(sub)
+    from kvserve.server.top import add_top_parser
+    add_top_parser(sub)
     return parser
 
 
