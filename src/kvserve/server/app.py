@@ -18,6 +18,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineError, EngineUnavailableError, QueueFullError
+from kvserve.server.dashboard import KVStateView, add_dashboard_routes
 from kvserve.server.errors import APIError, error_response
 from kvserve.server.http import APIKeyCheck, RequestBody, UnexpectedErrors
 from kvserve.server.metrics import ServerMetrics
@@ -47,7 +48,8 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
     # the last added runs first: unexpected errors caught around everything, the key checked before the body is read
     app.add_middleware(RequestBody, max_bytes=config.max_body_bytes, timeout=config.request_read_timeout)
     if config.api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=config.api_key)
+        # the dashboard's page holds no data (server/dashboard.py): its state needs the key
+        app.add_middleware(APIKeyCheck, api_key=config.api_key, open_paths=frozenset({"/health", "/dashboard"}))
     app.add_middleware(UnexpectedErrors)
     app.state.async_engine = server
     _add_error_handlers(app)
@@ -68,6 +70,8 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
                                             "max_model_len": server.engine.max_model_len}]}
 
+    if config.kv_dashboard:
+        add_dashboard_routes(app, KVStateView(server, tokenizer, metrics, model_name))
     app.post("/v1/completions")(handlers.completions)
     app.post("/v1/chat/completions")(handlers.chat)
     app.post("/tokenize")(handlers.tokenize)
