@@ -46,12 +46,16 @@ def url():
 
 
 def stream_until(url: str, body: dict, started: threading.Event, stop: threading.Event) -> None:
-    """Stream a completion until told to stop; leaving the stream aborts the request."""
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120) as r:
-        for _ in r.iter_lines():
-            started.set()
-            if stop.is_set():
-                return
+    """Stream completions one after another until told to stop; leaving a stream aborts its request.
+
+    One request on the demo model may finish between two polls of the page, so the page is given
+    request after request until it has seen one."""
+    while not stop.is_set():
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    return
 
 
 def test_the_page_shows_blocks_taken_and_returned(url, tmp_path):
