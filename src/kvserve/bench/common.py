@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -131,24 +132,28 @@ def step_times(engine, prompt: list[int], tokens: int, request_id: str = "bench"
     return times
 
 
-def decode_seconds(llm, prompts: list[list[int]], tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start
-
-
 def decode_rate(llm, prompts: list[list[int]], tokens: int, repeats: int = 3) -> float:
-    """Decode tokens/s of the batch: a long and a short generation differ by `tokens` decode steps
-    per sequence, and by nothing else (the prompts are computed alike in both: `llm` must not cache
-    prefixes). Each is timed `repeats` times and the fastest taken: on a busy machine one slow short
-    run would otherwise swallow the difference of a few steps."""
-    long = min(decode_seconds(llm, prompts, tokens + 2) for _ in range(repeats))
-    short = min(decode_seconds(llm, prompts, 2) for _ in range(repeats))
-    if long <= short:
-        raise RuntimeError(f"{tokens} decode steps took no measurable time ({long:.6f} s against {short:.6f} s "
-                           f"without them): time more tokens")
-    return len(prompts) * tokens / (long - short)
+    """Decode tokens/s of the batch: once every prompt has its first token, the engine steps that
+    generate the next `tokens` of each are timed, and the tokens they made counted. The fastest of
+    `repeats` runs is taken: on a busy machine a run that another job slowed says nothing of the engine."""
+    return max(_timed_decode(llm.engine, prompts, tokens) for _ in range(repeats))
+
+
+def _timed_decode(engine, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
+    # final-only, as LLM.generate adds them: the engine may run several decode steps a call
+    seqs = [engine.add_request(f"decode-rate-{next(_decode_runs)}", {"prompt_token_ids": p}, params,
+                               final_only=True) for p in prompts]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    before = sum(s.num_output_tokens for s in seqs)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (sum(s.num_output_tokens for s in seqs) - before) / (time.perf_counter() - start)
+
+
+_decode_runs = itertools.count()
 
 
 def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
