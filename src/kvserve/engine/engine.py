@@ -118,7 +118,6 @@ class LLMEngine:
         return config.max_model_len
 
     def _init_cache(self, config: EngineConfig):
-        mcfg = self.model_config
         # contiguous: the same pool, with one block holding a whole max_model_len context
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
         # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
@@ -143,9 +142,10 @@ class LLMEngine:
         # blocks being filled borrow their exact tokens' room from the same pool, only while they fill
         kv = KVCacheManager(num_blocks, block_size, spec.borrowed_blocks)
         storage = KVStorage(spec, num_blocks, self.device, kv.residuals)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB); maximum concurrency at "
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB%s); maximum concurrency at "
                  "max_model_len %d: %.2fx", num_blocks, block_size, num_blocks * block_size, config.kv_cache_dtype,
-                 storage.nbytes / 2**20, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
+                 storage.nbytes / 2**20, " per rank" if config.tensor_parallel_size > 1 else "",
+                 self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
         return cache, kv, storage
 
     def _gpu_kv_memory(self, config: EngineConfig) -> int:
@@ -199,6 +199,9 @@ class LLMEngine:
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
         if policy is not None and self.kv.recomputes:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
+        if policy is not None and self.workers is not None:
+            raise ValueError(f"eviction {policy.spec()!r} is not supported under tensor parallelism yet "
+                             f"(tensor_parallel_size {self.config.tensor_parallel_size})")
         # a sliding layer attends to the last W cached tokens, which must be the last W positions (a window
         # of max_model_len or more never binds: no cache holds more, sink's included)
         windows = [w for w in self.model_config.sliding_windows if w is not None and w < self.max_model_len]

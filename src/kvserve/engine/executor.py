@@ -241,11 +241,12 @@ class TensorParallelEager(Eager):
 
 def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend,
                          model_config: ModelConfig) -> bool:
-    """The native executors: on the CPU unless enforce_eager, a float32 or bfloat16 model that the C step
-    computes exactly (the Llama family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping
-    and scaled embeddings, nor partial RoPE: native_decode.lacks), whose attention the native backend runs over a
-    full-precision cache, and the kernels built; not under tensor parallelism. (Asked before the model loads, whose weights are then prepared
-    for the C step: native_decode.prepare_weights.)"""
+    """The native executors: on the CPU unless enforce_eager, not under tensor parallelism (the C step runs whole
+    layers, with no all-reduce between), a float32 or bfloat16 model that the C step computes exactly (the Llama
+    family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping and scaled embeddings, nor
+    partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache, and
+    the kernels built. (Asked before the model loads, whose weights are then prepared for the C step:
+    native_decode.prepare_weights.)"""
     return (device.type == "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1
             and dtype in DTYPES and not lacks(model_config)
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
