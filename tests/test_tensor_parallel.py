@@ -137,3 +137,39 @@ def _raw(path) -> dict:
     import json
 
     return json.loads((path / "config.json").read_text())
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_the_server_with_two_ranks_serves_fails_a_dead_workers_requests_and_leaves_no_process(tiny_llama):
+    """Rank 0 serves HTTP from the engine process: completions and streams; a killed worker fails its request
+    with a 500 naming it, the engine process stops and a new one (with new workers) is started; nothing is left
+    after shutdown."""
+    import httpx
+
+    from kvserve.server.app import build_app
+    from test_server import ENGINE_ARGS, MODEL, ServerThread, wait_for
+
+    app = build_app(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, **ENGINE_ARGS), MODEL)
+    server = app.state.async_engine
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    with ServerThread(app) as base:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        engine, workers = server._core, _children(server._core.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "worker rank 1" in r.json()["error"]["message"]
+        wait_for(lambda: not engine.is_alive() and httpx.get(f"{base}/health").status_code == 200,
+                 "a new engine is started")
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        engine, workers = server._core, _children(server._core.pid)
+        assert len(workers) == 1
+    assert not any(_alive(p) for p in [engine.pid, *workers])

@@ -7,7 +7,7 @@ being filled); then all ranks run the forward together, their collectives meetin
 A message is torch.save'd, so that a worker on another CUDA device loads the tensors onto its own.
 
 A worker that fails says why over its pipe, then exits; a worker that dies closes its connections, which
-fails rank 0's next collective at once: either way rank 0 raises a RuntimeError naming the rank (never a
+fails rank 0's next collective at once: either way rank 0 raises a WorkerFailure naming the rank (never a
 hang). Workers exit when told to, when rank 0's pipe closes, and with the engine's process (daemons).
 """
 from __future__ import annotations
@@ -33,6 +33,10 @@ from kvserve.kv import KVSpec, KVStorage, NoKVStorage
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0        # seconds a worker may take to load its shard
 _POLL = 0.05
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or failed: the engine cannot step again (a server starts a new one)."""
 
 
 @dataclass
@@ -106,26 +110,26 @@ class Workers:
         self._expect("ready", START_TIMEOUT)
 
     def _expect(self, what: str, timeout: float) -> None:
-        """Wait for every worker's `what`; RuntimeError at once if one fails or dies first."""
+        """Wait for every worker's `what`; WorkerFailure at once if one fails or dies first."""
         deadline = time.monotonic() + timeout
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             while not conn.poll(_POLL):
                 self._check(rank, proc)
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor parallel worker rank {rank} did not get {what} in {timeout:.0f} s")
+                    raise WorkerFailure(f"tensor parallel worker rank {rank} did not get {what} in {timeout:.0f} s")
             reply = self._recv(rank, proc, conn)
             if reply != what:
-                raise RuntimeError(f"tensor parallel worker rank {rank}: expected {what!r}, got {reply!r}")
+                raise WorkerFailure(f"tensor parallel worker rank {rank}: expected {what!r}, got {reply!r}")
 
     def _recv(self, rank: int, proc, conn: Connection):
         try:
             kind, detail = _loads(conn.recv_bytes(), torch.device("cpu"))
         except (EOFError, OSError):
             proc.join(1.0)
-            raise RuntimeError(f"tensor parallel worker rank {rank} (pid {proc.pid}) died "
+            raise WorkerFailure(f"tensor parallel worker rank {rank} (pid {proc.pid}) died "
                                f"(exit code {proc.exitcode})") from None
         if kind == "error":
-            raise RuntimeError(f"tensor parallel worker rank {rank} failed:\n{detail}")
+            raise WorkerFailure(f"tensor parallel worker rank {rank} failed:\n{detail}")
         return kind
 
     def _check(self, rank: int, proc) -> None:
@@ -133,11 +137,11 @@ class Workers:
             conn = self.conns[rank - 1]
             if conn.poll(0):
                 self._recv(rank, proc, conn)          # its own account of why
-            raise RuntimeError(f"tensor parallel worker rank {rank} (pid {proc.pid}) died "
+            raise WorkerFailure(f"tensor parallel worker rank {rank} (pid {proc.pid}) died "
                                f"(exit code {proc.exitcode})")
 
     def check_alive(self) -> None:
-        """RuntimeError naming the first worker that is dead or has reported a failure."""
+        """WorkerFailure naming the first worker that is dead or has reported a failure."""
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             self._check(rank, proc)
             if conn.poll(0):
@@ -158,14 +162,14 @@ class Workers:
                 self._check(rank, proc)
                 raise
 
-    def failure(self, error: BaseException) -> RuntimeError | None:
+    def failure(self, error: BaseException) -> WorkerFailure | None:
         """Why a step failed on rank 0 if a worker is to blame (a collective fails when a rank dies), after
         giving a dying worker a moment to exit; None if every worker lives."""
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             try:
                 self.check_alive()
-            except RuntimeError as e:
+            except WorkerFailure as e:
                 return e
             time.sleep(_POLL)
         return None
