@@ -13,6 +13,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.distributed import check_tensor_parallel
 from kvserve.engine.workers import WorkerArgs, Workers
 from kvserve.kv import KVSpec
+from kvserve.planner import num_blocks
 from tiny_models import make_checkpoint
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], list(range(8, 30)), [5, 17, 33, 2, 99, 100, 7, 61, 62]]
@@ -85,9 +86,12 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_dead_worker_fails_the_step_and_shutdown_leaves_no_process(tiny_llama):
-    llm = LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32")
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32", kv_cache_memory="1MiB")
     pids = llm.engine.workers.pids
     try:
+        # kv_cache_memory is per rank: kvserve plan's arithmetic gives the same pool
+        assert llm.stats()["kv_blocks_total"] == num_blocks(str(tiny_llama), "1MiB", 16, "float32", "auto", 2) \
+            == 2 * num_blocks(str(tiny_llama), "1MiB", 16, "float32", "auto", 1)
         assert len(pids) == 1 and _alive(pids[0])
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
         with pytest.raises(ValueError, match="eviction 'h2o.*tensor parallelism"):

@@ -42,6 +42,19 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({cfg.intermediate_size})")
 
 
+def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
+    """KV heads each of `size` ranks holds: its share, or one (replicated) where there are fewer than ranks."""
+    return max(1, cfg.num_kv_heads // size)
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The shape of one rank's shard (the same on every rank): its heads, its share of the intermediate size
+    and of the vocabulary (ceil(vocab / size) rows, the last rank's padded)."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=kv_heads_per_rank(cfg, size),
+                               intermediate_size=cfg.intermediate_size // size,
+                               vocab_size=-(-cfg.vocab_size // size))
+
+
 @dataclass
 class TensorParallel:
     """One rank of a tensor-parallel group: its place, its process group, and the shard of a model it holds."""
@@ -72,21 +85,8 @@ class TensorParallel:
     def local_kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """(first, count) of the global KV heads this rank holds: its share, or the one head its query heads
         use where there are fewer KV heads than ranks (replicated)."""
-        kvh = cfg.num_kv_heads
-        if kvh >= self.size:
-            return self.rank * (kvh // self.size), kvh // self.size
-        return self.rank // (self.size // kvh), 1
-
-    def vocab_rows(self, vocab_size: int) -> int:
-        """Rows of the embedding and lm_head on each rank (the last rank's padded past the vocabulary)."""
-        return -(-vocab_size // self.size)
-
-    def shard_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The shape of this rank's shard: its heads, its share of the intermediate size and of the vocabulary."""
-        return dataclasses.replace(cfg, num_heads=cfg.num_heads // self.size,
-                                   num_kv_heads=self.local_kv_heads(cfg)[1],
-                                   intermediate_size=cfg.intermediate_size // self.size,
-                                   vocab_size=self.vocab_rows(cfg.vocab_size))
+        kvh, count = cfg.num_kv_heads, kv_heads_per_rank(cfg, self.size)
+        return (self.rank * count if kvh >= self.size else self.rank // (self.size // kvh)), count
 
     def shard(self, name: str, shard: int | None, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         """This rank's part of checkpoint tensor `tensor` for parameter `name` (shard: its index within a merged
@@ -106,7 +106,7 @@ class TensorParallel:
                 return tensor if self.rank == 0 else torch.zeros_like(tensor)
             return self._split(tensor, 1)
         if module in ("embed_tokens", "lm_head"):
-            rows = self.vocab_rows(cfg.vocab_size)
+            rows = shard_config(cfg, self.size).vocab_size
             part = tensor[self.rank * rows:(self.rank + 1) * rows]
             return torch.cat((part, part.new_zeros(rows - len(part), *part.shape[1:])))
         return tensor

@@ -142,10 +142,11 @@ class LLMEngine:
         # blocks being filled borrow their exact tokens' room from the same pool, only while they fill
         kv = KVCacheManager(num_blocks, block_size, spec.borrowed_blocks)
         storage = KVStorage(spec, num_blocks, self.device, kv.residuals)
+        size = config.tensor_parallel_size
+        ranks = f" per rank, {size * storage.nbytes / 2**20:.1f} MiB over {size} ranks" if size > 1 else ""
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB%s); maximum concurrency at "
                  "max_model_len %d: %.2fx", num_blocks, block_size, num_blocks * block_size, config.kv_cache_dtype,
-                 storage.nbytes / 2**20, " per rank" if config.tensor_parallel_size > 1 else "",
-                 self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
+                 storage.nbytes / 2**20, ranks, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
         return cache, kv, storage
 
     def _gpu_kv_memory(self, config: EngineConfig) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
-from kvserve.distributed import TensorParallel
+from kvserve.distributed import TensorParallel, shard_config
 from kvserve.kv.nocache import NoKVStorage
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import (Embedding, GateUpLinear, GeluGateUpLinear, GemmaRMSNorm, Linear, RMSNorm,
@@ -111,7 +111,7 @@ class DecoderModel(nn.Module):
 
 
 class VocabParallelEmbedding(Embedding):
-    """A tensor-parallel rank's rows of the embedding (vocab_rows of them, from rank * vocab_rows): the ranks'
+    """A tensor-parallel rank's rows of the embedding (num_rows of them, from rank * num_rows): the ranks'
     lookups, each zero where another rank holds the token, summed."""
 
     def __init__(self, num_rows: int, dim: int, tp: TensorParallel):
@@ -139,7 +139,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.shard_config = local = cfg if tp is None else tp.shard_config(cfg)
+        self.shard_config = local = cfg if tp is None else shard_config(cfg, tp.size)
         self.model = DecoderModel(local, tp)
         self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
