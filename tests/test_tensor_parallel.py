@@ -177,3 +177,20 @@ def test_the_server_with_two_ranks_serves_fails_a_dead_workers_requests_and_leav
         engine, workers = server._core, _children(server._core.pid)
         assert len(workers) == 1
     assert not any(_alive(p) for p in [engine.pid, *workers])
+
+
+def test_bench_tp_counts_each_steps_collectives(tmp_path):
+    """`kvserve bench tp`: two all-reduces per layer and one for the embedding in each TP=2 decode step, none
+    at TP=1, and rank 0's time in them reported."""
+    import json
+
+    from kvserve.cli import main
+
+    out = tmp_path / "tp.json"
+    assert main(["bench", "tp", "--quick", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2",
+                 "--num-heads", "4", "--num-kv-heads", "2", "--vocab-size", "384", "--batch-sizes", "1,2",
+                 "--steps", "1", "--dtype", "float32", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["all_reduces_per_step"] for r in runs["tp2"].values()} == {2 * 2 + 1}
+    assert all(r["comm_ms"] > 0 for r in runs["tp2"].values())
+    assert all(r["all_reduces_per_step"] == 0 and r["comm_ms"] == 0 for r in runs["tp1"].values())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +64,13 @@ class TensorParallel:
     size: int
     group: dist.ProcessGroup
     num_all_reduces: int = 0          # all-reduces this rank has run (two per layer and one per embedding)
+    comm_seconds: float = 0.0         # time in collectives (waiting for slower ranks included): `bench tp`
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place."""
+        start = time.perf_counter()
         self.group.allreduce([x]).wait()
+        self.comm_seconds += time.perf_counter() - start
         self.num_all_reduces += 1
         return x
 
@@ -77,7 +81,9 @@ class TensorParallel:
         opts.rootRank = 0
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else []
+        start = time.perf_counter()
         self.group.gather([parts] if self.rank == 0 else [], [logits], opts).wait()
+        self.comm_seconds += time.perf_counter() - start
         return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else None
 
     # ---- the shard ----------------------------------------------------------------------------

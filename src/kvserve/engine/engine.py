@@ -54,6 +54,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg)
+        self._threads: int | None = None                # torch's threads before rank 0 took its share
         self.workers = self._start_workers(config, mcfg)
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
                                 pack_weights=not native, tp=self.workers and self.workers.tp)
@@ -93,8 +94,9 @@ class LLMEngine:
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None:
             raise ValueError(f"tensor_parallel_size {size} on CUDA needs kv_cache_memory (per rank) or "
                              f"num_kv_blocks: the KV pool is not sized by profiling one rank's step")
-        if self.device.type == "cpu":
-            torch.set_num_threads(min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // size)))
+        if self.device.type == "cpu":     # this process is rank 0: its share of the cores, until shutdown
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(min(self._threads, max(1, (os.cpu_count() or 1) // size)))
         log.info("tensor parallel: %d ranks (%s); decoding op by op (eager_tp): the native C step and CUDA graphs "
                  "do not run under tensor parallelism", size, "NCCL" if self.device.type == "cuda" else "gloo")
         args = WorkerArgs(self.model_path, mcfg, self.dtype, self.device.type, self.max_model_len,
@@ -106,6 +108,9 @@ class LLMEngine:
         after it."""
         if self.workers is not None:
             self.workers.close()
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)
+                self._threads = None
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
