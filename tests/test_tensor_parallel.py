@@ -194,3 +194,24 @@ def test_bench_tp_counts_each_steps_collectives(tmp_path):
     assert {r["all_reduces_per_step"] for r in runs["tp2"].values()} == {2 * 2 + 1}
     assert all(r["comm_ms"] > 0 for r in runs["tp2"].values())
     assert all(r["all_reduces_per_step"] == 0 and r["comm_ms"] == 0 for r in runs["tp1"].values())
+
+
+def test_torchrun_launches_the_ranks(tiny_llama, capsys):
+    """`torchrun --nproc-per-node 2 -m kvserve generate ... --tensor-parallel-size 2`: env:// rendezvous, rank 0
+    runs the command and rank 1 the worker loop; the same text as one rank, and both processes exit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvserve.cli import main
+
+    command = ["generate", "def fib", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "6"]
+    assert main(command) == 0
+    expected = capsys.readouterr().out.strip()
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kvserve",
+                           *command, "--tensor-parallel-size", "2"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected

@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        from kvserve.engine.workers import torchrun_env, torchrun_worker
+
+        if (torchrun_env() or (0,))[0] > 0:
+            torchrun_worker()      # torchrun's other ranks hold the shards of rank 0's engine
+            return 0
     if args.command == "bench":
         # the suites build their engines themselves: they measure them as the command runs them
         reuse_freed_memory()

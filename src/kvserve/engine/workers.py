@@ -9,6 +9,11 @@ A message is torch.save'd, so that a worker on another CUDA device loads the ten
 A worker that fails says why over its pipe, then exits; a worker that dies closes its connections, which
 fails rank 0's next collective at once: either way rank 0 raises a WorkerFailure naming the rank (never a
 hang). Workers exit when told to, when rank 0's pipe closes, and with the engine's process (daemons).
+
+Under torchrun (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) nothing is spawned: the
+launcher's ranks 1..N-1 run `kvserve` too and become the workers (torchrun_worker), rank 0 is the
+engine, and their messages go through torchrun's TCPStore (StoreConnection) instead of pipes. A dead
+rank is then seen by the collective it fails, and torchrun stops the others.
 """
 from __future__ import annotations
 
@@ -75,30 +80,42 @@ class Workers:
     """Rank 0's handle on the worker processes: start them, send them steps, see that they live, stop them."""
 
     def __init__(self, size: int, args: WorkerArgs, device: torch.device):
-        """Spawn ranks 1..size-1 and join the group with them (`tp`, rank 0's). The workers then load their
-        shards while rank 0 loads its own: wait_ready before the first step."""
+        """Start ranks 1..size-1 (spawned, or torchrun's: torchrun_env) and join the group with them (`tp`, rank
+        0's). The workers then load their shards while rank 0 loads its own: init_cache before the first step."""
         self.size, self.device = size, device
-        host = "127.0.0.1"
-        store = dist.TCPStore(host, 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
-        ctx = multiprocessing.get_context("spawn")
-        self.procs, self.conns = [], []
-        for rank in range(1, size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, size, host, store.port, args, theirs),
-                               name=f"kvserve-tp-rank{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            self.procs.append(proc)
-            self.conns.append(ours)
+        launched = torchrun_env()
+        if launched is not None:
+            store = _torchrun_store(*launched[1:], size)
+            store.set("args", _dumps(args))
+            self.procs = [_TorchrunRank(rank) for rank in range(1, size)]
+            self.conns = [StoreConnection(store, rank, 0) for rank in range(1, size)]
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                                  wait_for_workers=False)
+            self.procs, self.conns = self._spawn(size, args, store.port)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         try:
             self._expect("started", START_TIMEOUT)    # before rank 0 waits in the group for them
-            self.tp: TensorParallel = init_group(0, size, host, store.port, device, store)
+            self.tp: TensorParallel = init_group(0, size, "", 0, device, store)
         except BaseException:
             self.close()
             raise
         self._store = store
         self.residuals: dict[int, list[int]] | None = None
+
+    @staticmethod
+    def _spawn(size: int, args: WorkerArgs, port: int) -> tuple[list, list[Connection]]:
+        ctx = multiprocessing.get_context("spawn")
+        procs, conns = [], []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(rank, size, ("127.0.0.1", port), args, theirs),
+                               name=f"kvserve-tp-rank{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            procs.append(proc)
+            conns.append(ours)
+        return procs, conns
 
     def init_cache(self, spec: KVSpec, num_blocks: int | None, residuals: dict[int, list[int]] | None) -> None:
         """Have every worker build its KV pool: `spec` is the shard's (its KV heads), num_blocks rank 0's (None:
@@ -204,22 +221,23 @@ def _stop(procs: list, conns: list[Connection]) -> None:
 # ---- the worker process ---------------------------------------------------------------------------
 
 
-def worker_main(rank: int, size: int, host: str, port: int, args: WorkerArgs, conn: Connection) -> None:
-    """A worker's process: join the group, load the shard, build the pool when told, then run steps until told
-    to stop or rank 0 goes away. A failure is reported over the pipe before the process exits."""
+def worker_main(rank: int, size: int, address: tuple[str, int] | dist.Store, args: WorkerArgs, conn) -> None:
+    """A worker's process: join the group (its store at `address`, or the store itself), load the shard, build
+    the pool when told, then run steps until told to stop or rank 0 goes away. A failure is reported to rank 0
+    before the process exits."""
     try:
-        _serve(rank, size, host, port, args, conn)
+        _serve(rank, size, address, args, conn)
     except (EOFError, KeyboardInterrupt):
         pass                                       # rank 0 is gone
     except BaseException:  # noqa: BLE001  (told to rank 0, which raises it)
         try:
             conn.send_bytes(_dumps(("error", traceback.format_exc())))
-        except OSError:
+        except (OSError, RuntimeError):
             pass
         os._exit(1)
 
 
-def _serve(rank: int, size: int, host: str, port: int, args: WorkerArgs, conn: Connection) -> None:
+def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: WorkerArgs, conn) -> None:
     from kvserve.attention import get_backend
     from kvserve.engine.cpu_memory import reuse_freed_memory
     from kvserve.kernels import library
@@ -235,7 +253,10 @@ def _serve(rank: int, size: int, host: str, port: int, args: WorkerArgs, conn: C
             reuse_freed_memory()
         library()
     conn.send_bytes(_dumps(("started", None)))
-    tp = init_group(rank, size, host, port, device)
+    if isinstance(address, dist.Store):
+        tp = init_group(rank, size, "", 0, device, address)
+    else:
+        tp = init_group(rank, size, *address, device)
     model = load_model(args.model_path, args.model_config, args.dtype, device, args.max_model_len, tp=tp)
     backend = get_backend(args.attention_backend, device)
     kind, spec, num_blocks = _loads(conn.recv_bytes(), device)
@@ -250,6 +271,105 @@ def _serve(rank: int, size: int, host: str, port: int, args: WorkerArgs, conn: C
         if msg.residuals is not None:
             lists = _sync_residuals(residuals, msg.residuals, lists)
         _run_step(model, backend, storage, msg)
+
+
+# ---- torchrun --------------------------------------------------------------------------------------
+
+
+def torchrun_env() -> tuple[int, str, int] | None:
+    """(rank, MASTER_ADDR, MASTER_PORT) where torchrun (or another env:// launcher) started this process with more
+    than one rank, else None."""
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) < 2 or "RANK" not in env or "MASTER_ADDR" not in env:
+        return None
+    return int(env["RANK"]), env["MASTER_ADDR"], int(env["MASTER_PORT"])
+
+
+def _torchrun_store(host: str, port: int, size: int) -> dist.Store:
+    """Our keys in torchrun's store: its agent serves it (TORCHELASTIC_USE_AGENT_STORE), else rank 0 does."""
+    env = os.environ
+    if int(env["WORLD_SIZE"]) != size:
+        raise ValueError(f"tensor_parallel_size {size} must equal torchrun's WORLD_SIZE ({env['WORLD_SIZE']}): "
+                         f"every launched rank holds a shard")
+    host_it = int(env["RANK"]) == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(host, port, size, is_master=host_it, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    return dist.PrefixStore("kvserve", store)
+
+
+def torchrun_worker() -> None:
+    """Rank 1..N-1 under torchrun: wait for rank 0's engine to say what to load, then serve it as a spawned worker
+    would."""
+    rank, host, port = torchrun_env()
+    size = int(os.environ["WORLD_SIZE"])
+    store = _torchrun_store(host, port, size)
+    conn = StoreConnection(store, rank, rank)
+    args = _loads(_wait_get(store, "args"), torch.device("cpu"))
+    worker_main(rank, size, store, args, conn)
+
+
+def _wait_get(store: dist.Store, key: str) -> bytes:
+    """The value of `key` once it is set, however long that takes (rank 0 may be loading, or idle)."""
+    while True:
+        try:
+            store.wait([key], COLLECTIVE_TIMEOUT)
+            return store.get(key)
+        except dist.DistStoreError as e:
+            if "timeout" not in str(e).lower():
+                raise EOFError(f"the store went away: {e}") from None
+
+
+class StoreConnection:
+    """A pipe between rank 0 and worker `rank` made of store keys (what torchrun's ranks share): the same
+    send_bytes, recv_bytes, poll and close as a multiprocessing Connection, seen from rank `me`."""
+
+    def __init__(self, store: dist.Store, rank: int, me: int):
+        self.store = store
+        self.out, self.into = (f"to{rank}", f"from{rank}") if me == 0 else (f"from{rank}", f"to{rank}")
+        self.sent = self.received = 0
+
+    def send_bytes(self, data: bytes) -> None:
+        self.store.set(f"{self.out}/{self.sent}", data)
+        self.sent += 1
+
+    def _next(self) -> str:
+        return f"{self.into}/{self.received}"
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.store.check([self._next()]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(_POLL, timeout))
+        return True
+
+    def recv_bytes(self) -> bytes:
+        key = self._next()
+        data = _wait_get(self.store, key)
+        self.store.delete_key(key)
+        self.received += 1
+        return data
+
+    def close(self) -> None:
+        pass
+
+
+class _TorchrunRank:
+    """A rank torchrun started: not this process's child, so alive as far as it can tell (its death fails the
+    next collective instead)."""
+
+    exitcode = None
+
+    def __init__(self, rank: int):
+        self.pid = None
+        self.rank = rank
+
+    def is_alive(self) -> bool:
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    terminate = kill = join          # torchrun stops its ranks
 
 
 def _sync_residuals(residuals: dict[int, list[int]], sent: dict[int, tuple[int, list[int]]],
