@@ -56,22 +56,11 @@ class LLMEngine:
         native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg)
         self._threads: int | None = None                # torch's threads before rank 0 took its share
         self.workers = self._start_workers(config, mcfg)
-        self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
-                                pack_weights=not native, tp=self.workers and self.workers.tp)
-        if native:
-            prepare_weights(self.model)
-        batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
-        if config.cache_mode == "none":
-            batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
-        self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
-                                                config.long_prefill_token_threshold)
-        self.cache_config, self.kv, self.storage = self._init_cache(config)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
-                                   config.enable_prefix_caching and config.cache_mode == "paged")
-        self._final_only: set[str] = set()              # requests reported only when finished
-        if self.workers is not None:
-            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks,
-                                    getattr(self.kv, "residuals", None))
+        try:
+            self._load(config, mcfg, native)
+        except BaseException:
+            self.shutdown()       # no worker outlives an engine that could not start
+            raise
         executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
                                     self.scheduler, self._final_only, self.max_model_len, self.workers)
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
@@ -102,6 +91,25 @@ class LLMEngine:
         args = WorkerArgs(self.model_path, mcfg, self.dtype, self.device.type, self.max_model_len,
                           config.attention_backend, config.cpu_allocator_tuning)
         return Workers(size, args, self.device)
+
+    def _load(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> None:
+        """The model (this rank's shard), the scheduler and the KV cache; the workers build theirs."""
+        self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
+                                pack_weights=not native, tp=self.workers and self.workers.tp)
+        if native:
+            prepare_weights(self.model)
+        batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
+        if config.cache_mode == "none":
+            batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
+        self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
+                                                config.long_prefill_token_threshold)
+        self.cache_config, self.kv, self.storage = self._init_cache(config)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
+                                   config.enable_prefix_caching and config.cache_mode == "paged")
+        self._final_only: set[str] = set()              # requests reported only when finished
+        if self.workers is not None:
+            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks,
+                                    getattr(self.kv, "residuals", None))
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel); none is left running. The engine cannot step
