@@ -76,6 +76,20 @@ def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cach
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])
+def test_eviction_policies_choose_as_one_rank(tmp_path, kv_heads):
+    """h2o and snapkv score tokens by every KV head's attention mass (gathered to rank 0, a replicated head's
+    shares combined), and their compactions and sink's rotations are made on every rank: as one rank."""
+    path = make_checkpoint(tmp_path, "llama", num_key_value_heads=kv_heads)
+    prompts = [list(range(8, 40)), list(range(40, 70)), list(range(70, 96))]
+    policies = ["h2o:budget=16,recent=4", "snapkv:budget=12,window=4", "sink:sinks=4,window=12"]
+    params = [SamplingParams(max_tokens=20, temperature=0, logprobs=2, eviction=e) for e in policies]
+    kw = dict(block_size=4, num_kv_blocks=96, max_model_len=64)
+    one, two = _run(path, 1, params, (prompts,), **kw), _run(path, 2, params, (prompts,), **kw)
+    _assert_same(one, two)
+    assert two[2]["num_evicted_tokens"] == one[2]["num_evicted_tokens"] > 0
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -94,8 +108,6 @@ def test_a_dead_worker_fails_the_step_and_shutdown_leaves_no_process(tiny_llama)
             == 2 * num_blocks(str(tiny_llama), "1MiB", 16, "float32", "auto", 1)
         assert len(pids) == 1 and _alive(pids[0])
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-        with pytest.raises(ValueError, match="eviction 'h2o.*tensor parallelism"):
-            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, eviction="h2o:budget=64,recent=8"), use_tqdm=False)
         os.kill(pids[0], signal.SIGKILL)
         with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -122,7 +134,7 @@ def test_a_worker_that_fails_to_start_says_why(tmp_path, tiny_llama):
     assert not _alive(workers.pids[0])
 
 
-def test_shapes_that_do_not_split_and_eviction_are_refused(tiny_llama):
+def test_shapes_that_do_not_split_are_refused(tiny_llama):
     cfg = ModelConfig.from_path(tiny_llama)          # 4 heads, 2 KV heads, intermediate 128
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads"):
         check_tensor_parallel(cfg, 3)
@@ -131,8 +143,6 @@ def test_shapes_that_do_not_split_and_eviction_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="num_key_value_heads"):
         check_tensor_parallel(ModelConfig.from_dict({**_raw(tiny_llama), "num_attention_heads": 12,
                                                      "num_key_value_heads": 3}), 4)
-    with pytest.raises(ValueError, match="eviction"):
-        EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, eviction="h2o:budget=64,recent=8")
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
 

@@ -337,10 +337,6 @@ class EngineConfig:
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.eviction is not None:
-            raise ValueError(f"eviction {self.eviction!r} with tensor_parallel_size {self.tensor_parallel_size}: "
-                             f"eviction is not supported under tensor parallelism yet (h2o/snapkv would need their "
-                             f"scores reduced across ranks, sink its rotations run on every rank)")
 
 
 @dataclass

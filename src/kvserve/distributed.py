@@ -86,6 +86,34 @@ class TensorParallel:
         self.comm_seconds += time.perf_counter() - start
         return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else None
 
+    def gather_mass(self, mass: dict[int, torch.Tensor], reduces: dict[int, str],
+                    cfg: ModelConfig) -> dict[int, torch.Tensor] | None:
+        """The ranks' attention mass (row -> [layers * their KV heads, context], what h2o and snapkv score tokens
+        by) joined on rank 0 into every KV head's, [layers * KV heads, context] as one rank computes it: a KV head
+        replicated on several ranks combines their query heads' shares by the row's reduce ("sum" or "max").
+        None on the other ranks."""
+        rows = sorted(mass)
+        flat = torch.cat([mass[r].flatten() for r in rows]) if rows else torch.empty(0)
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        parts = [torch.empty_like(flat) for _ in range(self.size)] if self.rank == 0 else []
+        start = time.perf_counter()
+        self.group.gather([parts] if self.rank == 0 else [], [flat], opts).wait()
+        self.comm_seconds += time.perf_counter() - start
+        if self.rank > 0:
+            return None
+        layers, per_rank = cfg.num_layers, kv_heads_per_rank(cfg, self.size)
+        replicas = max(1, self.size // cfg.num_kv_heads)         # ranks holding each KV head
+        joined, offset = {}, 0
+        for r in rows:
+            shape, n = mass[r].shape, mass[r].numel()
+            ranks = torch.stack([p[offset:offset + n].view(layers, per_rank, shape[1]) for p in parts])
+            offset += n
+            ranks = ranks.view(-1, replicas, layers, per_rank, shape[1])    # [KV head groups, replicas, ...]
+            combined = ranks.amax(1) if reduces[r] == "max" else ranks.sum(1)
+            joined[r] = combined.permute(1, 0, 2, 3).reshape(-1, shape[1])    # layer-major, as one rank's
+        return joined
+
     # ---- the shard ----------------------------------------------------------------------------
 
     def local_kv_heads(self, cfg: ModelConfig) -> tuple[int, int]:

@@ -220,8 +220,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel > 1:
         blocks = num_blocks(args.model, result.kv_memory, args.block_size, args.dtype, args.kv_dtype,
                             args.tensor_parallel)
-        print(f"per rank: --kv-cache-memory {result.kv_memory} --tensor-parallel-size {args.tensor_parallel} gives each "
-              f"rank {blocks:,} blocks of {args.block_size} tokens ({args.kv_dtype} pages)")
+        print(f"per rank: --kv-cache-memory {result.kv_memory} --tensor-parallel-size {args.tensor_parallel} gives "
+              f"each rank {blocks:,} blocks of {args.block_size} tokens ({args.kv_dtype} pages)")
     print(f"concurrent users: requests of the length mix (mean {result.mean_tokens_held:.0f} tokens held, "
           f"{result.mean_tokens_held_sink_window:.0f} with sink+window), and every request at {args.context} tokens")
     rows = {"contiguous": "contiguous max-length reservation", "paged": f"paged, {spec.kv_cache_dtype} pages",

@@ -22,7 +22,7 @@ from kvserve.engine.native_decode import prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
-from kvserve.engine.workers import WorkerArgs, Workers
+from kvserve.engine.workers import ForwardedStorage, WorkerArgs, Workers
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
@@ -66,7 +66,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
-        self.evictor = Evictor(self.kv, self.storage, self.model)
+        # under tensor parallelism the evictor's changes to the pool are made on every rank
+        self.evictor = Evictor(self.kv, self.storage if self.workers is None else ForwardedStorage(self.storage,
+                               self.workers), self.model)
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
         # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
         # need whole distributions (KL divergence), not just the logprobs a request returns
@@ -213,9 +215,6 @@ class LLMEngine:
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
         if policy is not None and self.kv.recomputes:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
-        if policy is not None and self.workers is not None:
-            raise ValueError(f"eviction {policy.spec()!r} is not supported under tensor parallelism yet "
-                             f"(tensor_parallel_size {self.config.tensor_parallel_size})")
         # a sliding layer attends to the last W cached tokens, which must be the last W positions (a window
         # of max_model_len or more never binds: no cache holds more, sink's included)
         windows = [w for w in self.model_config.sliding_windows if w is not None and w < self.max_model_len]

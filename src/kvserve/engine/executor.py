@@ -231,7 +231,11 @@ class TensorParallelEager(Eager):
         inputs = step.inputs
         try:
             self.workers.send_step(step.sched.block_copies, inputs)
-            return super().run(step)
+            out = super().run(step)
+            if inputs.batch.mass_requests:      # every KV head's mass, for eviction to choose as one rank would
+                reduces = {row: reduce for row, _, _, reduce in inputs.batch.mass_requests}
+                out.attention_mass = self.model.tp.gather_mass(out.attention_mass, reduces, self.model.config)
+            return out
         except (RuntimeError, OSError) as e:
             cause = self.workers.failure(e)
             if cause is not None and cause is not e:

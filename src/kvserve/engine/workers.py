@@ -59,11 +59,35 @@ class WorkerArgs:
 
 @dataclass
 class StepMessage:
-    """One step, as a worker runs it."""
+    """One step, as a worker runs it: first the changes rank 0's evictor made to the pool since the last step
+    (each with the blocks being filled as they were then), then the step's block copies and forward."""
 
     block_copies: list[tuple[int, int]]
     inputs: object                                   # executor.StepInputs
     residuals: dict[int, tuple[int, list[int]]] | None   # quantized pool: block -> (its list's id on rank 0, blocks)
+    storage_ops: list[tuple[str, tuple, dict | None]]    # (KVStorage method, its arguments, residuals then)
+
+
+class ForwardedStorage:
+    """Rank 0's KV storage as its evictor sees it: each change (a compaction's rewrite, a sink's rotation) is
+    made here and queued for the workers, which make it to their heads' pages before their next step."""
+
+    def __init__(self, storage: KVStorage, workers: Workers):
+        self.storage, self.workers = storage, workers
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    def rewrite(self, old_table: list[int], keep: torch.Tensor, new_table: list[int]) -> None:
+        """KVStorage.rewrite, here and on every worker."""
+        self.workers.queue("rewrite", (list(old_table), keep.cpu(), list(new_table)))
+        self.storage.rewrite(old_table, keep, new_table)
+
+    def rotate_keys(self, src: list[int], dst: list[int], rotate) -> None:
+        """KVStorage.rotate_keys, here and on every worker (`rotate` is sent: a picklable callable)."""
+        self.workers.queue("rotate_keys", (list(src), list(dst), rotate))
+        self.storage.rotate_keys(src, dst, rotate)
 
 
 def _dumps(obj) -> bytes:
@@ -102,6 +126,7 @@ class Workers:
             raise
         self._store = store
         self.residuals: dict[int, list[int]] | None = None
+        self._storage_ops: list[tuple[str, tuple, dict | None]] = []
 
     @staticmethod
     def _spawn(size: int, args: WorkerArgs, port: int) -> tuple[list, list[Connection]]:
@@ -164,14 +189,22 @@ class Workers:
             if conn.poll(0):
                 self._recv(rank, proc, conn)
 
+    def _residuals_now(self) -> dict[int, tuple[int, list[int]]] | None:
+        """The blocks being filled, with their lists' identities on rank 0 (the pool re-zeroes a block's pages
+        when its list is new); None where the pool has none."""
+        if self.residuals is None:
+            return None
+        return {b: (id(blocks), list(blocks)) for b, blocks in self.residuals.items()}
+
+    def queue(self, method: str, args: tuple) -> None:
+        """A change to the pool for the workers to make before their next step (ForwardedStorage)."""
+        self._storage_ops.append((method, args, self._residuals_now()))
+
     def send_step(self, block_copies: list[tuple[int, int]], inputs) -> None:
         """Send a step to every worker (after check_alive): they run it as soon as it arrives."""
         self.check_alive()
-        residuals = None
-        if self.residuals is not None:
-            # the lists' identities on rank 0 too: the pool re-zeroes a block's pages when its list is new
-            residuals = {b: (id(blocks), blocks) for b, blocks in self.residuals.items()}
-        data = _dumps(StepMessage(block_copies, inputs, residuals))
+        ops, self._storage_ops = self._storage_ops, []
+        data = _dumps(StepMessage(block_copies, inputs, self._residuals_now(), ops))
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             try:
                 conn.send_bytes(data)
@@ -268,6 +301,10 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         msg = _loads(conn.recv_bytes(), device)
         if not isinstance(msg, StepMessage):
             return                                 # ("exit",)
+        for method, op_args, then in msg.storage_ops:
+            if then is not None:
+                lists = _sync_residuals(residuals, then, lists)
+            getattr(storage, method)(*op_args)
         if msg.residuals is not None:
             lists = _sync_residuals(residuals, msg.residuals, lists)
         _run_step(model, backend, storage, msg)
@@ -388,11 +425,16 @@ def _sync_residuals(residuals: dict[int, list[int]], sent: dict[int, tuple[int, 
 @torch.inference_mode()
 def _run_step(model, backend, storage: KVStorage | NoKVStorage, msg: StepMessage) -> None:
     """Rank 0's step on this rank's shard: the same block copies and writes, the same forward (its collectives
-    meet rank 0's), and this rank's vocabulary shard of the logits gathered to rank 0."""
+    meet rank 0's), and this rank's vocabulary shard of the logits and its heads' attention mass gathered to
+    rank 0."""
     inputs = msg.inputs
     storage.copy_blocks(msg.block_copies)
     if isinstance(storage, KVStorage) and storage.quantized:
         inputs.batch.kv_write = storage.plan_writes(*inputs.kv_writes)
     model.ensure_rope(int(inputs.positions.max()) + 1)
-    hidden = model(inputs.input_ids, inputs.positions, inputs.batch, backend, storage)
+    batch = inputs.batch
+    hidden = model(inputs.input_ids, inputs.positions, batch, backend, storage)
     model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
+    if batch.mass_requests:
+        reduces = {row: reduce for row, _, _, reduce in batch.mass_requests}
+        model.tp.gather_mass({row: torch.cat(layers) for row, layers in batch.mass.items()}, reduces, model.config)
