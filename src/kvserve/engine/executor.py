@@ -219,7 +219,7 @@ class Eager:
 class TensorParallelEager(Eager):
     """Eager on every rank: the step goes to the workers first, then rank 0 runs its shard; the collectives of
     the forward meet the workers', and the logits are gathered to rank 0. A failed step whose cause is a
-    worker (dead, or failed) raises the worker's RuntimeError instead of the collective's."""
+    worker (dead, or failed) raises its WorkerFailure instead of the collective's error."""
 
     name = "eager_tp"
 
