@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "greedy batches); 1: one a call")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, and outputs have token ids but no text")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model and the KV cache are split across: this process and N-1 spawned workers "
+                        "(gloo on the CPU, NCCL on CUDA); --kv-cache-memory is then per rank")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -62,7 +65,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
-            "cpu_allocator_tuning", "skip_tokenizer_init"]
+            "cpu_allocator_tuning", "skip_tokenizer_init", "tensor_parallel_size"]
     return {k: getattr(args, k) for k in keys}
 
 
@@ -164,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        from kvserve.engine.workers import torchrun_env, torchrun_worker
+
+        if (torchrun_env() or (0,))[0] > 0:
+            torchrun_worker()      # torchrun's other ranks hold the shards of rank 0's engine
+            return 0
     if args.command == "bench":
         # the suites build their engines themselves: they measure them as the command runs them
         reuse_freed_memory()

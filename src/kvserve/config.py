@@ -308,6 +308,8 @@ class EngineConfig:
     cpu_allocator_tuning: bool = False
     # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
     skip_tokenizer_init: bool = False
+    # ranks the model and the KV pool are split across (vLLM's): rank 0 is this process, the others spawned workers
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -333,6 +335,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass

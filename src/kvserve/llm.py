@@ -78,3 +78,8 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor_parallel_size > 1): none is left running. Also done when
+        the LLM is garbage-collected and at exit."""
+        self.engine.shutdown()

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.config import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes, parse_dtype
+from kvserve.distributed import check_tensor_parallel, shard_config
 from kvserve.kv.eviction import Sink
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.kv.spec import KVSpec
@@ -164,10 +165,13 @@ def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
 
 
 def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",
-               kv_dtype: str = "auto") -> int:
-    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses."""
+               kv_dtype: str = "auto", tensor_parallel: int = 1) -> int:
+    """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses (per rank under
+    tensor parallelism, whose ranks hold their KV heads' pages of the same blocks)."""
     _, cfg = load_model_config(model)
-    return KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype).num_blocks_for(parse_bytes(kv_cache_memory))
+    check_tensor_parallel(cfg, tensor_parallel)
+    spec = KVSpec.from_model(shard_config(cfg, tensor_parallel), parse_dtype(dtype), block_size, kv_dtype)
+    return spec.num_blocks_for(parse_bytes(kv_cache_memory))
 
 
 def add_plan_parser(sub) -> None:
@@ -213,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
           f" = {result.kv_bytes_per_token:,.0f} bytes")
     print(f"per full {args.context}-token request: {result.kv_bytes_per_request / gib:.3f} GiB; "
           f"KV memory on the card: {result.kv_memory / gib:.2f} GiB")
+    if args.tensor_parallel > 1:
+        blocks = num_blocks(args.model, result.kv_memory, args.block_size, args.dtype, args.kv_dtype,
+                            args.tensor_parallel)
+        print(f"per rank: --kv-cache-memory {result.kv_memory} --tensor-parallel-size {args.tensor_parallel} gives "
+              f"each rank {blocks:,} blocks of {args.block_size} tokens ({args.kv_dtype} pages)")
     print(f"concurrent users: requests of the length mix (mean {result.mean_tokens_held:.0f} tokens held, "
           f"{result.mean_tokens_held_sink_window:.0f} with sink+window), and every request at {args.context} tokens")
     rows = {"contiguous": "contiguous max-length reservation", "paged": f"paged, {spec.kv_cache_dtype} pages",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from itertools import count
@@ -11,6 +12,7 @@ import torch
 
 from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.distributed import check_tensor_parallel
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
@@ -20,6 +22,7 @@ from kvserve.engine.native_decode import prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.engine.workers import ForwardedStorage, WorkerArgs, Workers
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
@@ -51,8 +54,50 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg)
+        self._threads: int | None = None                # torch's threads before rank 0 took its share
+        self.workers = self._start_workers(config, mcfg)
+        try:
+            self._load(config, mcfg, native)
+        except BaseException:
+            self.shutdown()       # no worker outlives an engine that could not start
+            raise
+        executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
+                                    self.scheduler, self._final_only, self.max_model_len, self.workers)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.eviction = parse_eviction(config.eviction)
+        # under tensor parallelism the evictor's changes to the pool are made on every rank
+        self.evictor = Evictor(self.kv, self.storage if self.workers is None else ForwardedStorage(self.storage,
+                               self.workers), self.model)
+        self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
+        # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
+        # need whole distributions (KL divergence), not just the logprobs a request returns
+        self.prompt_logits_hook: Callable[[list[Sequence], torch.Tensor, list], None] | None = None
+        self._seq_ids = count()
+
+    def _start_workers(self, config: EngineConfig, mcfg: ModelConfig) -> Workers | None:
+        """Under tensor parallelism, the other ranks, started (they load their shards while this process loads
+        its own); else None."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return None
+        check_tensor_parallel(mcfg, size)
+        if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None:
+            raise ValueError(f"tensor_parallel_size {size} on CUDA needs kv_cache_memory (per rank) or "
+                             f"num_kv_blocks: the KV pool is not sized by profiling one rank's step")
+        if self.device.type == "cpu":     # this process is rank 0: its share of the cores, until shutdown
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(min(self._threads, max(1, (os.cpu_count() or 1) // size)))
+        log.info("tensor parallel: %d ranks (%s); decoding op by op (eager_tp): the native C step and CUDA graphs "
+                 "do not run under tensor parallelism", size, "NCCL" if self.device.type == "cuda" else "gloo")
+        args = WorkerArgs(self.model_path, mcfg, self.dtype, self.device.type, self.max_model_len,
+                          config.attention_backend, config.cpu_allocator_tuning)
+        return Workers(size, args, self.device)
+
+    def _load(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> None:
+        """The model (this rank's shard), the scheduler and the KV cache; the workers build theirs."""
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
-                                pack_weights=not native)
+                                pack_weights=not native, tp=self.workers and self.workers.tp)
         if native:
             prepare_weights(self.model)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
@@ -64,17 +109,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
                                    config.enable_prefix_caching and config.cache_mode == "paged")
         self._final_only: set[str] = set()              # requests reported only when finished
-        executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
-                                    self.scheduler, self._final_only, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        self.eviction = parse_eviction(config.eviction)
-        self.evictor = Evictor(self.kv, self.storage, self.model)
-        self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
-        # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
-        # need whole distributions (KL divergence), not just the logprobs a request returns
-        self.prompt_logits_hook: Callable[[list[Sequence], torch.Tensor, list], None] | None = None
-        self._seq_ids = count()
+        if self.workers is not None:
+            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks,
+                                    getattr(self.kv, "residuals", None))
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallel); none is left running. The engine cannot step
+        after it."""
+        if self.workers is not None:
+            self.workers.close()
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)
+                self._threads = None
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
@@ -87,11 +133,11 @@ class LLMEngine:
         return config.max_model_len
 
     def _init_cache(self, config: EngineConfig):
-        mcfg = self.model_config
         # contiguous: the same pool, with one block holding a whole max_model_len context
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
-        self.kv_spec = spec = KVSpec.from_model(mcfg, self.dtype, block_size, config.kv_cache_dtype,
-                                                config.kv_cache_dtype_skip_layers)
+        # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
+        self.kv_spec = spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size,
+                                                config.kv_cache_dtype, config.kv_cache_dtype_skip_layers)
         if config.cache_mode == "none":
             return CacheConfig(cache_mode="none"), NoKVCacheManager(), NoKVStorage(spec.num_layers)
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
@@ -111,9 +157,11 @@ class LLMEngine:
         # blocks being filled borrow their exact tokens' room from the same pool, only while they fill
         kv = KVCacheManager(num_blocks, block_size, spec.borrowed_blocks)
         storage = KVStorage(spec, num_blocks, self.device, kv.residuals)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB); maximum concurrency at "
+        size = config.tensor_parallel_size
+        ranks = f" per rank, {size * storage.nbytes / 2**20:.1f} MiB over {size} ranks" if size > 1 else ""
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB%s); maximum concurrency at "
                  "max_model_len %d: %.2fx", num_blocks, block_size, num_blocks * block_size, config.kv_cache_dtype,
-                 storage.nbytes / 2**20, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
+                 storage.nbytes / 2**20, ranks, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
         return cache, kv, storage
 
     def _gpu_kv_memory(self, config: EngineConfig) -> int:
@@ -439,4 +487,5 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }

@@ -10,6 +10,8 @@ block that others share (prefix cache, forks) is never written, only let go of.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,20 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import apply_rope_
+
+
+@dataclass
+class KeyRotation:
+    """Rotate keys [..., head_dim] in place by one position's RoPE (cos, signed sin [head_dim]), in float32: a
+    callable that pickles, so that a tensor-parallel engine sends it to every rank."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, keys: torch.Tensor) -> None:
+        rotated = keys.float()
+        apply_rope_(rotated, self.cos, self.sin)
+        keys.copy_(rotated)
 
 
 class Evictor:
@@ -91,13 +107,8 @@ class Evictor:
         self.model.ensure_rope(delta + 1)
         cos, sin = self.model.rope(torch.tensor([delta], device=self.model.rope.cos.device), torch.float32)
 
-        def rotate(keys: torch.Tensor) -> None:
-            rotated = keys.float()
-            apply_rope_(rotated, cos[0, 0], sin[0, 0])
-            keys.copy_(rotated)
-
         table = self.kv.block_tables[seq.seq_id]
-        self.storage.rotate_keys(self.kv.pinned[seq.seq_id], table[:sink_blocks], rotate)
+        self.storage.rotate_keys(self.kv.pinned[seq.seq_id], table[:sink_blocks], KeyRotation(cos[0, 0], sin[0, 0]))
 
     def _compact(self, seq: Sequence, keep: torch.Tensor) -> None:
         """Copy the kept tokens, in order, into fresh blocks; the old ones are let go of."""

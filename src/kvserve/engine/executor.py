@@ -8,6 +8,12 @@ and its runner runs each step on the first of them that supports it, in this ord
   native              one decode step in one C call (csrc/decode_step.c); CPU
   cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
   eager               the model op by op, by its attention backend: any step
+  eager_tp            eager on every rank of a tensor-parallel engine (tensor_parallel_size > 1): rank 0
+                      sends the step to the other ranks (engine/workers.py), then all run their shards
+
+Under tensor parallelism eager_tp is the only executor: the native C step runs whole layers with no
+all-reduce between, and CUDA graphs are not captured over collectives, so both fall back to op by op
+(the engine logs it at start-up; stats()["steps"] counts eager_tp).
 
 Each executor's `supports` holds all its conditions on a step; the functions before build_executors,
 those on the engine for it to be built at all. The runner counts the steps each executor ran
@@ -45,6 +51,9 @@ class StepInputs:
     sample_rows: list[int]         # which scheduled sequences sample this step
     prompt_indices: torch.Tensor   # flat indices whose logits score the next prompt token
     prompt_spans: list[tuple[int, int, int]]   # (row, first prompt token scored, count) per sequence
+    # plan_writes' arguments (block tables, cache starts, new tokens): the other ranks of a tensor-parallel
+    # engine plan the same writes into their own quantized pages
+    kv_writes: tuple = ()
 
 
 @dataclass
@@ -207,29 +216,62 @@ class Eager:
         return _logits(self.model, hidden, inputs)
 
 
+class TensorParallelEager(Eager):
+    """Eager on every rank: the step goes to the workers first, then rank 0 runs its shard; the collectives of
+    the forward meet the workers', and the logits are gathered to rank 0. A failed step whose cause is a
+    worker (dead, or failed) raises its WorkerFailure instead of the collective's error."""
+
+    name = "eager_tp"
+
+    def __init__(self, model: CausalLM, backend, storage: KVStorage | NoKVStorage, workers):
+        super().__init__(model, backend, storage)
+        self.workers = workers                     # engine.workers.Workers
+
+    def run(self, step: Step) -> StepOutput:
+        inputs = step.inputs
+        try:
+            self.workers.send_step(step.sched.block_copies, inputs)
+            out = super().run(step)
+            if inputs.batch.mass_requests:      # every KV head's mass, for eviction to choose as one rank would
+                reduces = {row: reduce for row, _, _, reduce in inputs.batch.mass_requests}
+                out.attention_mass = self.model.tp.gather_mass(out.attention_mass, reduces, self.model.config)
+            return out
+        except (RuntimeError, OSError) as e:
+            cause = self.workers.failure(e)
+            if cause is not None and cause is not e:
+                raise cause from e
+            raise
+
+
 def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend,
                          model_config: ModelConfig) -> bool:
-    """The native executors: on the CPU unless enforce_eager, a float32 or bfloat16 model that the C step
-    computes exactly (the Llama family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping
-    and scaled embeddings, nor partial RoPE: native_decode.lacks), whose attention the native backend runs over a
-    full-precision cache, and the kernels built. (Asked before the model loads, whose weights are then prepared
-    for the C step: native_decode.prepare_weights.)"""
-    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES and not lacks(model_config)
+    """The native executors: on the CPU unless enforce_eager, not under tensor parallelism (the C step runs whole
+    layers, with no all-reduce between), a float32 or bfloat16 model that the C step computes exactly (the Llama
+    family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping and scaled embeddings, nor
+    partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache, and
+    the kernels built. (Asked before the model loads, whose weights are then prepared for the C step:
+    native_decode.prepare_weights.)"""
+    return (device.type == "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1
+            and dtype in DTYPES and not lacks(model_config)
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
             and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
 
 
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend) -> bool:
     """cuda_graphs: on CUDA unless enforce_eager, a paged, full-precision cache read by a backend that can be
-    captured (and the capture succeeding: build_executors)."""
-    return (device.type == "cuda" and not config.enforce_eager and config.cache_mode != "none"
+    captured (and the capture succeeding: build_executors); not under tensor parallelism."""
+    return (device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
+            and config.cache_mode != "none"
             and not spec.quantized_layers and backend.supports_cuda_graphs)
 
 
 def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | NoKVStorage, spec: KVSpec, backend,
                     device: torch.device, scheduler: Scheduler, final_only: Container[str],
-                    max_model_len: int) -> list[Executor]:
-    """The engine's executors, in the order a step tries them; eager, last, takes what the others do not."""
+                    max_model_len: int, workers=None) -> list[Executor]:
+    """The engine's executors, in the order a step tries them; eager, last, takes what the others do not. With
+    `workers` (tensor parallel), eager_tp alone."""
+    if workers is not None:
+        return [TensorParallelEager(model, backend, storage, workers)]
     executors: list[Executor] = []
     if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend, model.config):
         native = NativeDecode(model, storage)

@@ -94,7 +94,8 @@ class ModelRunner:
             mass_requests=mass_requests,
         )
         return StepInputs(index_tensor(input_ids, dev), positions, batch, index_tensor(logits_indices, dev),
-                          sample_rows, index_tensor(prompt_indices, dev), prompt_spans)
+                          sample_rows, index_tensor(prompt_indices, dev), prompt_spans,
+                          (tables, cache_starts, q_lens))
 
     def _places(self, starts: list[int], cache_starts: list[int], q_lens: list[int], num_tokens: int,
                 tables: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -9,6 +9,7 @@ from torch import nn
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
+from kvserve.distributed import TensorParallel, shard_config
 from kvserve.kv.nocache import NoKVStorage
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import (Embedding, GateUpLinear, GeluGateUpLinear, GemmaRMSNorm, Linear, RMSNorm,
@@ -20,8 +21,9 @@ def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp    # cfg is then this rank's shard: its heads; o_proj's products are summed over the ranks
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
@@ -55,25 +57,28 @@ class Attention(nn.Module):
                               sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         if batch.mass_requests:
             accumulate_attention_mass(qk[:, :nh], kv_cache, batch, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = self.o_proj(out.reshape(tokens, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp    # cfg is then this rank's shard: its share of the intermediate size
         gate_up = GateUpLinear if cfg.hidden_act == "silu" else GeluGateUpLinear
         self.gate_up_proj = gate_up(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+        out = self.down_proj(self.gate_up_proj(x))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.gemma_norms = cfg.gemma_norms
@@ -97,25 +102,46 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
 
 
+class VocabParallelEmbedding(Embedding):
+    """A tensor-parallel rank's rows of the embedding (num_rows of them, from rank * num_rows): the ranks'
+    lookups, each zero where another rank holds the token, summed."""
+
+    def __init__(self, num_rows: int, dim: int, tp: TensorParallel):
+        super().__init__(num_rows, dim)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.tp.rank * self.num_embeddings
+        elsewhere = (local < 0) | (local >= self.num_embeddings)
+        x = super().forward(local.masked_fill(elsewhere, 0)).masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+
 class CausalLM(nn.Module):
-    """Parameter names follow the Hugging Face checkpoints, with q/k/v and gate/up merged."""
+    """Parameter names follow the Hugging Face checkpoints, with q/k/v and gate/up merged.
+
+    With `tp`, the model is one rank's shard (kvserve.distributed): `config` stays the whole model's, and
+    `shard_config` is the shape of the shard, whose layers sum their products over the ranks."""
 
     # checkpoint shard -> (merged parameter, index of the shard within it)
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.shard_config = local = cfg if tp is None else shard_config(cfg, tp.size)
+        self.model = DecoderModel(local, tp)
+        self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
@@ -161,17 +187,22 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, own, batch, backend, storage.layer(i))
         return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of hidden states [n, hidden]; soft-capped where the model caps them (Gemma 2)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of hidden states [n, hidden]; soft-capped where the model caps them (Gemma 2). Tensor parallel:
+        every rank's vocabulary shard gathered on rank 0; None on the others."""
         logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits, self.config.vocab_size)
+            if logits is None:
+                return None
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
     def shard_slice(self, name: str, shard: int) -> slice:
-        """Rows of a merged parameter that hold one checkpoint shard."""
-        cfg = self.config
+        """Rows of a merged parameter that hold one checkpoint shard (of this rank's shard of the model)."""
+        cfg = self.shard_config
         if name == "qkv_proj":
             sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         else:

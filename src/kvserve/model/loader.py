@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ModelConfig, parse_dtype
+from kvserve.distributed import TensorParallel
 from kvserve.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ def choose_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devic
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, pack_weights: bool = True) -> CausalLM:
-    model = _empty_model(cfg, dtype, device)
+               max_positions: int, pack_weights: bool = True, tp: TensorParallel | None = None) -> CausalLM:
+    """The checkpoint's model (with `tp`: this rank's shard of it), ready to run."""
+    model = _empty_model(cfg, dtype, device, tp)
     load_weights(model, path)
     if pack_weights:
         model.pack_weights()
@@ -69,20 +71,22 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     return model.eval().requires_grad_(False)
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> CausalLM:
     """The model with uninitialised parameters, allocated where and as they will be used (not on the
     meta device: moving off it goes through torch's Python reference ops, half a second of imports)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return CausalLM(cfg)
+            return CausalLM(cfg, tp)
     finally:
         torch.set_default_dtype(default)
 
 
 def load_weights(model: CausalLM, path: Path) -> None:
-    """Copy every tensor of the *.safetensors files into the model; all parameters must be covered."""
+    """Copy every tensor of the *.safetensors files into the model (a tensor-parallel shard: its part of each);
+    all parameters must be covered."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -101,6 +105,8 @@ def load_weights(model: CausalLM, path: Path) -> None:
                 if shard is not None:
                     dst = dst[model.shard_slice(merged, shard)]
                 src = f.get_tensor(name)
+                if model.tp is not None:
+                    src = model.tp.shard(target, shard, src, model.config)
                 if src.shape != dst.shape:
                     raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
                                      f"expected {tuple(dst.shape)}")

@@ -97,8 +97,10 @@ class AsyncEngine:
         conn, core_conn = multiprocessing.Pipe()
         core: threading.Thread | BaseProcess
         if isinstance(engine, EngineConfig):
+            # a daemon may start no process: a tensor-parallel engine's starts its workers (which exit with it)
             core = multiprocessing.get_context("spawn").Process(
-                target=run_engine_process, args=(engine, core_conn), name="kvserve-engine", daemon=True)
+                target=run_engine_process, args=(engine, core_conn), name="kvserve-engine",
+                daemon=engine.tensor_parallel_size == 1)
             core.start()
             core_conn.close()                 # so that a child that dies reads as the pipe's end
         else:

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_state
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.workers import WorkerFailure
 from kvserve.server.output_deltas import DeltaEncoder
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class EngineCore:
             log.exception("engine step failed; aborting the requests in flight")
             self._abort_all()
             self.conn.send(("failed", f"the engine failed: {type(e).__name__}: {e}", in_flight, self.engine.stats()))
+            if isinstance(e, WorkerFailure):
+                raise                # a rank is gone: this engine is done, the server starts a new one
             return
         if outputs:
             self.conn.send(("outputs", [self.deltas.encode(o) for o in outputs], self.engine.stats()))
@@ -117,4 +120,7 @@ def run_engine_process(config: EngineConfig, conn: Connection) -> None:
     except Exception as e:  # noqa: BLE001  (a bad model or option: the server reports it and exits)
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    EngineCore(engine, conn).run()
+    try:
+        EngineCore(engine, conn).run()
+    finally:
+        engine.shutdown()         # its tensor-parallel workers, if any

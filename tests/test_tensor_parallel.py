@@ -1,0 +1,227 @@
+"""Tensor parallelism on the CPU: two gloo ranks give what one rank gives, and their processes never outlive
+the LLM."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.distributed import check_tensor_parallel
+from kvserve.engine.workers import WorkerArgs, Workers
+from kvserve.kv import KVSpec
+from kvserve.planner import num_blocks
+from tiny_models import make_checkpoint
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], list(range(8, 30)), [5, 17, 33, 2, 99, 100, 7, 61, 62]]
+
+
+def _run(path, tp: int, params: SamplingParams, batches=(PROMPTS,), **kw):
+    """Greedy outputs of each batch of prompts in turn, the logits of every scored prompt token, and the stats of
+    an LLM of `tp` ranks (shut down)."""
+    llm = LLM(str(path), tensor_parallel_size=tp, dtype="float32", seed=0, **kw)
+    logits = []
+    llm.engine.prompt_logits_hook = lambda seqs, step_logits, spans: logits.append(step_logits.clone())
+    try:
+        outs = [out for prompts in batches for out in llm.generate(prompts, params, use_tqdm=False)]
+        return outs, torch.cat(logits) if logits else torch.empty(0), llm.stats()
+    finally:
+        llm.shutdown()
+
+
+def _assert_same(one, two, tol: float = 1e-4):
+    """The same tokens, prompt logits within 1e-4 and sampled tokens' logprobs within tol."""
+    (outs1, logits1, _), (outs2, logits2, _) = one, two
+    assert [[c.token_ids for c in o.outputs] for o in outs1] == [[c.token_ids for c in o.outputs] for o in outs2]
+    torch.testing.assert_close(logits2, logits1, atol=1e-4, rtol=0)
+    for o1, o2 in zip(outs1, outs2):
+        for c1, c2 in zip(o1.outputs, o2.outputs):
+            for lp1, lp2 in zip(c1.logprobs, c2.logprobs):
+                assert lp1.keys() == lp2.keys()
+                assert all(abs(lp1[t].logprob - lp2[t].logprob) < tol for t in lp1)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),                                            # GQA: 4 heads, 2 KV heads, one each
+    ("qwen2", {"tie_word_embeddings": True}),                 # q/k/v biases, lm_head tied to the embedding
+    ("llama", {"num_key_value_heads": 1}),                    # one KV head, replicated on both ranks
+], ids=["llama-gqa", "qwen2-bias-tied", "one-kv-head"])
+def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=1)
+    one, two = _run(path, 1, params), _run(path, 2, params)
+    _assert_same(one, two)
+    assert two[2]["steps"]["eager_tp"] > 0 and two[2]["tensor_parallel_size"] == 2
+    # each rank's pool holds its KV heads: half the bytes of one rank's, unless its one KV head is replicated
+    replicated = overrides.get("num_key_value_heads") == 1
+    assert two[2]["kv_cache_bytes"] * (1 if replicated else 2) == one[2]["kv_cache_bytes"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype,num_kv_blocks", [("int8", 14), ("int4", 30)])
+def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cache_dtype, num_kv_blocks):
+    """Quantized pages (scales sharded with their heads; int4 also holds the blocks being filled exact, in blocks
+    they borrow), a prompt reusing a cached prefix, n=3 samples forked from one prompt (copy-on-write block
+    copies), and a pool so small that sequences are preempted: as one rank. A rank's partial sums round
+    differently, and a number that then quantizes to its neighbour moves a logit by more than 1e-4: the sampled
+    tokens' logprobs are compared within 1e-3."""
+    batches = [[list(range(8, 60))], [list(range(8, 60)) + [3, 4, 5], list(range(8, 44)) + [9]]]
+    params = SamplingParams(max_tokens=24, temperature=0, n=3, logprobs=2)    # (prompt_logprobs: no prefix reuse)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=num_kv_blocks, block_size=8, max_num_seqs=4)
+    one, two = _run(tiny_llama, 1, params, batches, **kw), _run(tiny_llama, 2, params, batches, **kw)
+    _assert_same(one, two, tol=1e-3)
+    stats = two[2]
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])
+def test_eviction_policies_choose_as_one_rank(tmp_path, kv_heads):
+    """h2o and snapkv score tokens by every KV head's attention mass (gathered to rank 0, a replicated head's
+    shares combined), and their compactions and sink's rotations are made on every rank: as one rank."""
+    path = make_checkpoint(tmp_path, "llama", num_key_value_heads=kv_heads)
+    prompts = [list(range(8, 40)), list(range(40, 70)), list(range(70, 96))]
+    policies = ["h2o:budget=16,recent=4", "snapkv:budget=12,window=4", "sink:sinks=4,window=12"]
+    params = [SamplingParams(max_tokens=20, temperature=0, logprobs=2, eviction=e) for e in policies]
+    kw = dict(block_size=4, num_kv_blocks=96, max_model_len=64)
+    one, two = _run(path, 1, params, (prompts,), **kw), _run(path, 2, params, (prompts,), **kw)
+    _assert_same(one, two)
+    assert two[2]["num_evicted_tokens"] == one[2]["num_evicted_tokens"] > 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:       # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_dead_worker_fails_the_step_and_shutdown_leaves_no_process(tiny_llama):
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32", kv_cache_memory="1MiB")
+    pids = llm.engine.workers.pids
+    try:
+        # kv_cache_memory is per rank: kvserve plan's arithmetic gives the same pool
+        assert llm.stats()["kv_blocks_total"] == num_blocks(str(tiny_llama), "1MiB", 16, "float32", "auto", 2) \
+            == 2 * num_blocks(str(tiny_llama), "1MiB", 16, "float32", "auto", 1)
+        assert len(pids) == 1 and _alive(pids[0])
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not _alive(pids[0])
+
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32")
+    pids = llm.engine.workers.pids
+    llm.shutdown()
+    assert pids and not any(_alive(p) for p in pids)
+
+
+def test_a_worker_that_fails_to_start_says_why(tmp_path, tiny_llama):
+    """A worker whose shard cannot load reports its error to rank 0, which raises it (no wait for a timeout)."""
+    cfg = ModelConfig.from_path(tiny_llama)
+    args = WorkerArgs(tmp_path / "missing", cfg, torch.float32, "cpu", 64, "auto", False)
+    workers = Workers(2, args, torch.device("cpu"))
+    try:
+        with pytest.raises(RuntimeError, match="worker rank 1 failed:(.|\n)*FileNotFoundError"):
+            workers.init_cache(KVSpec.from_model(cfg, torch.float32), 4, None)
+    finally:
+        workers.close()
+    assert not _alive(workers.pids[0])
+
+
+def test_shapes_that_do_not_split_are_refused(tiny_llama):
+    cfg = ModelConfig.from_path(tiny_llama)          # 4 heads, 2 KV heads, intermediate 128
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads"):
+        check_tensor_parallel(cfg, 3)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(str(tiny_llama), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_tensor_parallel(ModelConfig.from_dict({**_raw(tiny_llama), "num_attention_heads": 12,
+                                                     "num_key_value_heads": 3}), 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def _raw(path) -> dict:
+    import json
+
+    return json.loads((path / "config.json").read_text())
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_the_server_with_two_ranks_serves_fails_a_dead_workers_requests_and_leaves_no_process(tiny_llama):
+    """Rank 0 serves HTTP from the engine process: completions and streams; a killed worker fails its request
+    with a 500 naming it, the engine process stops and a new one (with new workers) is started; nothing is left
+    after shutdown."""
+    import httpx
+
+    from kvserve.server.app import build_app
+    from test_server import ENGINE_ARGS, MODEL, ServerThread, wait_for
+
+    app = build_app(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, **ENGINE_ARGS), MODEL)
+    server = app.state.async_engine
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    with ServerThread(app) as base:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        engine, workers = server._core, _children(server._core.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "worker rank 1" in r.json()["error"]["message"]
+        wait_for(lambda: not engine.is_alive() and httpx.get(f"{base}/health").status_code == 200,
+                 "a new engine is started")
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        engine, workers = server._core, _children(server._core.pid)
+        assert len(workers) == 1
+    assert not any(_alive(p) for p in [engine.pid, *workers])
+
+
+def test_bench_tp_counts_each_steps_collectives(tmp_path):
+    """`kvserve bench tp`: two all-reduces per layer and one for the embedding in each TP=2 decode step, none
+    at TP=1, and rank 0's time in them reported."""
+    import json
+
+    from kvserve.cli import main
+
+    out = tmp_path / "tp.json"
+    assert main(["bench", "tp", "--quick", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2",
+                 "--num-heads", "4", "--num-kv-heads", "2", "--vocab-size", "384", "--batch-sizes", "1,2",
+                 "--steps", "1", "--dtype", "float32", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert {r["all_reduces_per_step"] for r in runs["tp2"].values()} == {2 * 2 + 1}
+    assert all(r["comm_ms"] > 0 for r in runs["tp2"].values())
+    assert all(r["all_reduces_per_step"] == 0 and r["comm_ms"] == 0 for r in runs["tp1"].values())
+
+
+def test_torchrun_launches_the_ranks(tiny_llama, capsys):
+    """`torchrun --nproc-per-node 2 -m kvserve generate ... --tensor-parallel-size 2`: env:// rendezvous, rank 0
+    runs the command and rank 1 the worker loop; the same text as one rank, and both processes exit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvserve.cli import main
+
+    command = ["generate", "def fib", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "6"]
+    assert main(command) == 0
+    expected = capsys.readouterr().out.strip()
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kvserve",
+                           *command, "--tensor-parallel-size", "2"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
