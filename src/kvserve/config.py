@@ -308,6 +308,9 @@ class EngineConfig:
     cpu_allocator_tuning: bool = False
     # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
     skip_tokenizer_init: bool = False
+    # one block table for every layer even where some attend within a sliding window (vLLM's flag): every
+    # layer keeps every token, as a cache of full-attention layers does
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module

@@ -1,0 +1,196 @@
+"""The hybrid KV cache (kv/hybrid.py): layer groups, a sliding group's blocks bounded by its window, prefix hits
+that need only a sliding group's last window, and no leak under prefix hits, forks and preemption."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.blocks import block_key
+from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, group_size, layer_groups, layer_slots
+from tiny_models import make_checkpoint
+
+WINDOW = 8
+
+
+def test_gemma3_1b_groups():
+    """26 layers, every sixth global (window 512): 4 full layers and 22 sliding ones, cut into groups of 4, the
+    last holding 2 (vLLM's rule): one block holds 4 layers' pages."""
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26))
+    groups = layer_groups(windows, 32768)
+    assert groups[0] == LayerGroup(None, (5, 11, 17, 23))
+    assert [g.sliding_window for g in groups[1:]] == [512] * 6
+    assert [len(g.layers) for g in groups] == [4, 4, 4, 4, 4, 4, 2]
+    assert group_size(groups) == 4
+    slots, owner = layer_slots(groups, 26)
+    assert (slots[5], owner[5], slots[24], owner[24], slots[25], owner[25]) == (0, 0, 0, 6, 1, 6)
+
+
+@pytest.mark.parametrize("windows, max_model_len, expected", [
+    ((4096, None, 4096, None), 8192, [LayerGroup(None, (1, 3)), LayerGroup(4096, (0, 2))]),    # Gemma 2
+    ((4096,) * 3, 8192, [LayerGroup(4096, (0, 1, 2))]),                                       # Mistral
+    ((4096, None, 4096, None), 4096, [LayerGroup(None, (0, 1, 2, 3))]),   # a window that never binds
+    ((None, 16, 16, 16, 16), 64, [LayerGroup(None, (0,)), *(LayerGroup(16, (i,)) for i in range(1, 5))]),
+    ((16,) * 9 + (None,) * 8, 64,      # 9 and 8 layers: within a quarter, padded to 9 rather than cut
+     [LayerGroup(None, tuple(range(9, 17))), LayerGroup(16, tuple(range(9)))]),
+    ((16,) * 5 + (None,) * 4, 64,      # 5 and 4 layers: cut into groups of 4
+     [LayerGroup(None, (5, 6, 7, 8)), LayerGroup(16, (0, 1, 2, 3)), LayerGroup(16, (4,))]),
+])
+def test_layer_groups(windows, max_model_len, expected):
+    assert layer_groups(windows, max_model_len) == expected
+
+
+def keys(tokens: list[int], block_size: int):
+    out, parent = [], None
+    for i in range(len(tokens) // block_size):
+        out.append(block_key(parent, tuple(tokens[i * block_size:(i + 1) * block_size]), None))
+        parent = out[-1].hash
+    return out
+
+
+def live(table: list[int], kv: HybridKVCacheManager) -> int:
+    return sum(b != kv.null_block for b in table)
+
+
+def hybrid(num_blocks: int = 64, block_size: int = 4) -> HybridKVCacheManager:
+    return HybridKVCacheManager(num_blocks, block_size, [LayerGroup(None, (0,)), LayerGroup(WINDOW, (1,))])
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 4])
+def test_a_sliding_group_holds_its_window_only(block_size):
+    """A sequence of 4x the window, a prompt chunk then one token a step: the sliding group's table never holds
+    more than window/block_size + 1 blocks once decoding; the full group holds every token's; all return."""
+    kv = hybrid(128, block_size)
+    kv.allocate(0, 0, 5)
+    kv.release_filled(0, 0, 5)
+    for pos in range(5, 4 * WINDOW):
+        kv.allocate(0, pos, 1)
+        kv.release_filled(0, pos, 1)
+        full, sliding = kv.group_tables(0)
+        assert len(full) == len(sliding) == -(-(pos + 1) // block_size)
+        assert live(sliding, kv) <= -(-WINDOW // block_size) + 1
+        # the blocks a query at pos + 1 attends to are all there
+        assert all(b != kv.null_block for b in sliding[max(0, pos + 2 - WINDOW) // block_size:])
+    assert kv.blocks_per_group() == [-(-4 * WINDOW // block_size), live(sliding, kv)]
+    kv.free(0)
+    assert kv.num_free_blocks == kv.num_blocks - 1 and kv.pool.ref_counts[kv.null_block] == 1
+
+
+def test_prefix_hit_needs_only_the_sliding_window():
+    """A finished sequence of 8 blocks: the full group's blocks are all cached, the sliding group's first ones
+    went back to the pool early but stay indexed until reused. A hit takes the full group's 8 blocks and only
+    the sliding group's last window (the null block before it); once a block of that window is reused by
+    another sequence, the hit ends where the sliding group's cached run covers a window again."""
+    kv, bs = hybrid(64, 4), 4
+    tokens = list(range(100, 132))
+    ks = keys(tokens, bs)
+    kv.allocate(0, 0, 32)
+    kv.cache_blocks(0, 0, ks)
+    kv.release_filled(0, 0, 32)
+    assert live(kv.group_tables(0)[1], kv) == 2      # positions 25..31 for the query at 32: blocks 6, 7
+    kv.free(0)
+    hits = kv.cached_prefix(ks)
+    assert len(hits[0]) == len(hits[1]) == 8 and kv.null_block not in hits[0]
+    # the token after 8 blocks (position 32) attends to 25..31: blocks 6 and 7
+    assert hits[1][:6] == [kv.null_block] * 6 and kv.null_block not in hits[1][6:]
+    assert kv.num_hit_blocks(hits) == 8
+    # the sliding group's cached blocks 6 and 7 are reclaimed by their index; block 5 too, more recently freed
+    kv.share_prefix(1, hits)
+    kv.allocate(1, 32, 1)
+    kv.free(1)
+    sliding_block_5 = kv.pool.lookup(ks[5].in_group(1))
+    assert sliding_block_5 is not None
+    kv.pool.allocate(kv.num_free_blocks)     # every free block reused: the whole index is gone
+    assert kv.cached_prefix(ks) == [[], []]
+
+
+def test_a_missing_window_block_shortens_the_hit():
+    """With the sliding group's block 7 no longer cached, a hit of 8 blocks is impossible; one of 7 needs
+    blocks 5 and 6 of the sliding group (positions 21..27 for the query at 28), which it has."""
+    kv, bs = hybrid(64, 4), 4
+    ks = keys(list(range(32)), bs)
+    kv.allocate(0, 0, 32)
+    kv.cache_blocks(0, 0, ks)
+    kv.release_filled(0, 0, 32)
+    kv.free(0)
+    kv.pool.uncache(kv.pool.lookup(ks[7].in_group(1)), ks[7].in_group(1))
+    hits = kv.cached_prefix(ks)
+    assert len(hits[0]) == len(hits[1]) == 7
+    assert hits[1][:5] == [kv.null_block] * 5 and kv.null_block not in hits[1][5:]
+
+
+def check_ownership(kv: HybridKVCacheManager) -> None:
+    """The pool's reference counts are the tables' entries in every group (the null block's plus the one the
+    manager holds), and no owned block is free."""
+    occurrences = Counter(b for m in kv.groups for t in m.block_tables.values() for b in t)
+    occurrences[kv.null_block] += 1
+    owned = {b for b, n in occurrences.items() if n}
+    assert [kv.pool.ref_counts[b] for b in range(kv.num_blocks)] == [occurrences[b] for b in range(kv.num_blocks)]
+    assert not owned & set(kv.pool._free)
+    assert kv.pool.num_free + len(owned) == kv.num_blocks
+
+
+# ---------------------------------------------------------------- end to end, against the one-table cache
+
+SYSTEM = torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Three layers: two sliding (window 8), one global: three layer groups of one layer."""
+    return make_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", sliding_window=WINDOW, head_dim=16,
+                           num_hidden_layers=3, sliding_window_pattern=3)
+
+
+def test_gemma3_is_hybrid_and_bounded(gemma3):
+    """A request of 4x the window: the sliding groups hold at most window/block_size + 1 blocks while it decodes
+    (llm.stats()'s kv_groups), the global group all of its tokens' blocks; all of them return at the end."""
+    llm = LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32")
+    engine = llm.engine
+    assert [g.sliding_window for g in engine.kv_groups] == [None, WINDOW, WINDOW]
+    engine.add_request("r", {"prompt_token_ids": SYSTEM[:12]},
+                       SamplingParams(max_tokens=4 * WINDOW - 12, temperature=0, ignore_eos=True))
+    decoding = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        seq = engine.requests.get("r", [None])[0]
+        if seq is not None and seq.num_output_tokens > 1:
+            groups = engine.stats()["kv_groups"]
+            assert all(g["blocks_in_use"] <= WINDOW // 4 + 1 for g in groups[1:])
+            assert groups[0]["blocks_in_use"] == -(-seq.num_computed_tokens // 4)
+            decoding += 1
+    assert decoding > 0
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"] - 1   # the null block
+    check_ownership(engine.kv)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(suffixes=st.lists(st.integers(0, 12), min_size=1, max_size=5), ns=st.lists(st.integers(1, 3), min_size=5,
+       max_size=5), block_size=st.integers(2, 5), spare=st.integers(0, 8), budget=st.integers(4, 40),
+       max_tokens=st.integers(1, 12))
+def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block_size, spare, budget, max_tokens):
+    """Prefix hits past the window, forks with copy-on-write, eviction of cached blocks and preemption, mixed
+    at random over three layer groups: the tokens of the one-table cache, and every block back in the end."""
+    prompts = [{"prompt_token_ids": SYSTEM[:20] + SYSTEM[-k:]} if k else {"prompt_token_ids": SYSTEM[:23]}
+               for k in suffixes]
+    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True)
+              for n in ns[:len(prompts)]]
+    ref = LLM(str(gemma3), block_size=block_size, num_kv_blocks=512, enable_prefix_caching=False,
+              disable_hybrid_kv_cache_manager=True, dtype="float32")
+    expected = [[o.token_ids for o in out.outputs] for out in ref.generate(prompts, params, use_tqdm=False)]
+    need = max(-(-(len(p["prompt_token_ids"]) + max_tokens) // block_size) for p in prompts)
+    llm = LLM(str(gemma3), block_size=block_size, num_kv_blocks=3 * need + 4 + spare, max_num_batched_tokens=budget,
+              dtype="float32")
+    engine, results = llm.engine, {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = [o.token_ids for o in out.outputs]
+        check_ownership(engine.kv)
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
