@@ -132,6 +132,9 @@ def check_ownership(kv: HybridKVCacheManager) -> None:
     assert [kv.pool.ref_counts[b] for b in range(kv.num_blocks)] == [occurrences[b] for b in range(kv.num_blocks)]
     assert not owned & set(kv.pool._free)
     assert kv.pool.num_free + len(owned) == kv.num_blocks
+    for m, held in zip(kv.groups, kv.blocks_per_group()):
+        blocks = {b for t in m.block_tables.values() for b in t} - {kv.null_block}
+        assert held == len(blocks) + sum(len(kv.residuals.get(b, ())) for b in blocks)
 
 
 # ---------------------------------------------------------------- end to end, against the one-table cache
@@ -194,3 +197,24 @@ def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block
         check_ownership(engine.kv)
     assert [results[str(i)] for i in range(len(prompts))] == expected
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_pages_per_group(gemma3, kv_cache_dtype):
+    """Quantized pages in every group (int4's blocks being filled borrowing from the one pool): the same tokens
+    and logits as the one-table cache quantized alike, in chunks across the window, with a prefix hit."""
+    prompts = [{"prompt_token_ids": SYSTEM[:30]}, {"prompt_token_ids": SYSTEM[:26] + [5, 6, 7]}]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    kw = dict(block_size=4, num_kv_blocks=96, dtype="float32", kv_cache_dtype=kv_cache_dtype,
+              long_prefill_token_threshold=12)
+    outs = []
+    for disable in (True, False):
+        llm = LLM(str(gemma3), disable_hybrid_kv_cache_manager=disable, **kw)
+        outs.append([llm.generate(p, params, use_tqdm=False)[0].outputs[0] for p in prompts])
+    assert len(llm.engine.kv_groups) == 3 and llm.stats()["prefix_cache_hits"] > 0
+    for ref, ours in zip(*outs):
+        assert ours.token_ids == ref.token_ids
+        for a, b in zip(ours.logprobs, ref.logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    check_ownership(llm.engine.kv)

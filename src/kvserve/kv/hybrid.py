@@ -74,6 +74,46 @@ def window_blocks(window: int, block_size: int, num_tokens: int) -> int:
     return min(cdiv(num_tokens, block_size), cdiv(window - 1, block_size) + 1)
 
 
+class GroupPool:
+    """A layer group's view of the shared BlockPool: the same blocks, counting those the group holds (a block
+    serves the group that took it from the pool until it returns there), so that stats cost nothing per block."""
+
+    def __init__(self, pool: BlockPool, group: int, held: list[int], owner: list[int]):
+        self.pool, self.group, self.held, self.owner = pool, group, held, owner
+        self.ref_counts = pool.ref_counts       # the pool's own list: read on every decode step
+        self.num_blocks = pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        ids = self.pool.allocate(n)
+        for b in ids:
+            self.owner[b] = self.group
+        self.held[self.group] += n
+        return ids
+
+    def incref(self, block_id: int) -> None:
+        if not self.ref_counts[block_id]:       # a cached block back in use
+            self.held[self.owner[block_id]] += 1
+        self.pool.incref(block_id)
+
+    def decref(self, block_id: int) -> None:
+        self.pool.decref(block_id)
+        if not self.ref_counts[block_id]:
+            self.held[self.owner[block_id]] -= 1
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self.pool.lookup(key)
+
+    def cache(self, block_id: int, key: BlockKey) -> None:
+        self.pool.cache(block_id, key)
+
+    def uncache(self, block_id: int, key: BlockKey) -> None:
+        self.pool.uncache(block_id, key)
+
+
 class HybridKVCacheManager:
     """One KVCacheManager per layer group, over one BlockPool; the same interface as KVCacheManager.
 
@@ -96,8 +136,10 @@ class HybridKVCacheManager:
         (self.null_block,) = self.pool.allocate(1)
         self.borrowed = borrowed
         self.residuals: dict[int, list[int]] = {}
-        self.groups = [KVCacheManager(num_blocks, block_size, borrowed, pool=self.pool, residuals=self.residuals)
-                       for _ in groups]
+        # blocks each group holds (what its tables and their blocks being filled own), and each block's group
+        self._held, owner = [0] * len(groups), [0] * num_blocks
+        self.groups = [KVCacheManager(num_blocks, block_size, borrowed, pool=GroupPool(self.pool, g, self._held, owner),
+                                      residuals=self.residuals) for g in range(len(groups))]
         self.pinned: dict[int, list[int]] = {}         # a sink's blocks: never (no eviction policy here)
         # per group: how many leading entries of each sequence's table are the null block
         self._released: list[dict[int, int]] = [{} for _ in groups]
@@ -249,9 +291,9 @@ class HybridKVCacheManager:
         self.groups[0].release(block_ids)
 
     def blocks_per_group(self) -> list[int]:
-        """Blocks the sequences' tables hold in each group (a block shared by several counted once; the
-        null block not at all)."""
-        return [len({b for t in m.block_tables.values() for b in t} - {self.null_block}) for m in self.groups]
+        """Blocks each group holds: those of its sequences' tables (a block shared by several counted once; the
+        null block not at all) and those their blocks being filled borrow."""
+        return list(self._held)
 
 
 class HybridKVStorage(KVStorage):
