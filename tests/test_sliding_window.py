@@ -99,6 +99,28 @@ def test_family_matches_transformers_past_its_window(family, backend):
         assert native is None
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "mistral"])
+def test_prefix_hits_and_samples_past_the_window_match_transformers(tmp_path, arch):
+    """A 40-token prompt computed once, then prompts that extend it: each a prefix hit that takes the full
+    groups' blocks of the whole prefix but only the sliding groups' last window (their earlier blocks went
+    back to the pool), and n=2 greedy samples sharing the blocks (copy-on-write of the last one): transformers'
+    tokens and logits, with every sliding group's table no longer than its window while decoding."""
+    path = make_checkpoint(tmp_path, FAMILIES[arch][0], **FAMILIES[arch][1])
+    base = prompt(40)
+    prompts = [base, base + prompt(5), base[:33]]
+    refs = reference(path, prompts)
+    llm = LLM(str(path), **CHUNKED)
+    ours = [generate(llm, [p])[0] for p in prompts]
+    assert_matches(ours, refs)
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] >= 40 + 32
+    out = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == [refs[1][0]] * 2
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks - 1 and kv.pool.ref_counts[kv.null_block] == 1
+
+
 def test_triton_backend_runs_a_hybrid_model(tmp_path):
     """Gemma 2 (windowed and full layers, soft-capped scores) through the Triton kernels end to end."""
     import triton_setup  # noqa: F401  (sets TRITON_INTERPRET where there is no GPU)
