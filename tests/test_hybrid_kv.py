@@ -174,10 +174,12 @@ def test_gemma3_is_hybrid_and_bounded(gemma3):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(suffixes=st.lists(st.integers(0, 12), min_size=1, max_size=5), ns=st.lists(st.integers(1, 3), min_size=5,
        max_size=5), block_size=st.integers(2, 5), spare=st.integers(0, 8), budget=st.integers(4, 40),
-       max_tokens=st.integers(1, 12))
-def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block_size, spare, budget, max_tokens):
+       max_tokens=st.integers(1, 12), prefix_caching=st.booleans())
+def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block_size, spare, budget, max_tokens,
+                                                     prefix_caching):
     """Prefix hits past the window, forks with copy-on-write, eviction of cached blocks and preemption, mixed
-    at random over three layer groups: the tokens of the one-table cache, and every block back in the end."""
+    at random over three layer groups (with prefix caching on or off): the tokens of the one-table cache, and
+    every block back in the end."""
     prompts = [{"prompt_token_ids": SYSTEM[:20] + SYSTEM[-k:]} if k else {"prompt_token_ids": SYSTEM[:23]}
                for k in suffixes]
     params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True)
@@ -187,7 +189,7 @@ def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block
     expected = [[o.token_ids for o in out.outputs] for out in ref.generate(prompts, params, use_tqdm=False)]
     need = max(-(-(len(p["prompt_token_ids"]) + max_tokens) // block_size) for p in prompts)
     llm = LLM(str(gemma3), block_size=block_size, num_kv_blocks=3 * need + 4 + spare, max_num_batched_tokens=budget,
-              dtype="float32")
+              dtype="float32", enable_prefix_caching=prefix_caching)
     engine, results = llm.engine, {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)

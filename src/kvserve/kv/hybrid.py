@@ -249,16 +249,20 @@ class HybridKVCacheManager:
         return []
 
     def num_hit_blocks(self, hits: list[list[int]]) -> int:
-        """Blocks of the prefix that a hit computes."""
-        return len(hits[0])
+        """Blocks of the prefix that a hit (cached_prefix's; [] where nothing was looked up) computes."""
+        return len(hits[0]) if hits else 0
 
     def num_admit_blocks(self, hits: list[list[int]], num_tokens: int) -> int:
         """Blocks that admitting a sequence over `hits` with its first num_tokens tokens takes from the pool."""
-        return sum(m.num_admit_blocks(h, num_tokens) for m, h in zip(self.groups, hits))
+        return sum(m.num_admit_blocks(h, num_tokens) for m, h in zip(self.groups, self._per_group(hits)))
+
+    def _per_group(self, hits: list[list[int]]) -> list[list[int]]:
+        """Each group's hit blocks ([]: no hit, as the scheduler passes where prefix caching is off)."""
+        return hits or [[] for _ in self.groups]
 
     def share_prefix(self, seq_id: int, hits: list[list[int]]) -> None:
         """Start each group's table of a sequence with its cached blocks (a prefix hit)."""
-        for g, (m, h) in enumerate(zip(self.groups, hits)):
+        for g, (m, h) in enumerate(zip(self.groups, self._per_group(hits))):
             m.share_prefix(seq_id, h)
             nulls = next((i for i, b in enumerate(h) if b != self.null_block), len(h))
             if nulls:
