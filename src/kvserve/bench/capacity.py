@@ -23,7 +23,7 @@ sizes of the flags, which do not change the cache) instead, paged both ways unde
 contexts with every layer holding every token): the hybrid KV cache (a block table per layer group, the
 sliding groups holding their window) against every layer kept whole (disable_hybrid_kv_cache_manager); at
 the length mix above, and at --long-context (every request's prompt and output filling it, --long-output new
-tokens).
+tokens, --long-requests of them), prompts in chunks of --long-prefill-token-threshold tokens both ways.
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ class Trace:
     waiting: list[int]
     blocks: list[int]      # KV blocks in use
     held: list[int]        # tokens in the cache of the running sequences (a shared token counted per owner)
+    decoding: list[int]    # running sequences past their prompt (not a prompt's chunk that may be preempted)
     generated: int
     seconds: float
 
@@ -103,6 +104,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the KV layout of a hybrid model: its hybrid KV cache against every layer kept whole")
     p.add_argument("--long-context", type=int, default=8192, help="with --model-shape: tokens of each long request")
     p.add_argument("--long-output", type=int, default=16, help="with --model-shape: new tokens of each long request")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=1024,
+                   help="with --model-shape: most prompt tokens of a sequence per step, both ways (a sliding group "
+                        "holds every block of the chunk being written, so that it bounds the hybrid cache's peak)")
+    p.add_argument("--long-requests", type=int, default=None,
+                   help="with --model-shape: long requests, all at once (default 32; quick: 12)")
     add_model_args(p, SHAPE)
 
 
@@ -126,7 +132,7 @@ def serve(engine: LLMEngine, requests: list[Request]) -> Trace:
     """Submit every request at once and step the engine until all finish, noting its state after each step."""
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    trace = Trace([], [], [], [], 0, 0.0)
+    trace = Trace([], [], [], [], [], 0, 0.0)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -137,6 +143,7 @@ def serve(engine: LLMEngine, requests: list[Request]) -> Trace:
         trace.waiting.append(stats["num_waiting"])
         trace.blocks.append(stats["kv_blocks_total"] - stats["kv_blocks_free"])
         trace.held.append(sum(s.num_computed_tokens for s in engine.scheduler.running))
+        trace.decoding.append(sum(s.num_output_tokens > 0 for s in engine.scheduler.running))
     trace.seconds = time.perf_counter() - start
     return trace
 
@@ -159,6 +166,7 @@ def measure(path: Path, mode: str, budget: int, requests: list[Request], args: a
     # steps that left requests waiting; none did if all ran at once
     loaded = [r for r, w in zip(t.running, t.waiting) if w] or [max(t.running)]
     return {"peak_concurrent": max(t.running), "loaded_mean_concurrent": statistics.mean(loaded),
+            "peak_decoding": max(t.decoding),
             "waste_pct": 100 * (sum(reserved) - sum(t.held)) / sum(reserved),
             "generated_tokens": t.generated, "seconds": t.seconds, "tok_s": t.generated / t.seconds,
             "steps": len(t.running), "num_preemptions": stats["num_preemptions"],
@@ -247,7 +255,7 @@ def run_hybrid(args: argparse.Namespace) -> int:
     """Peak and loaded concurrency of the hybrid KV cache against every layer kept whole, at the length mix and
     at --long-context, each under a budget of --contexts full contexts of every layer."""
     w = workload(args)
-    n_long = args.requests or (12 if args.quick else 32)
+    n_long = args.long_requests or (12 if args.quick else 32)
     long_prompt = args.long_context - args.long_output
     res: dict = {"model_shape": args.model_shape, "dtype": args.dtype, "contexts": w.contexts}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
@@ -267,15 +275,17 @@ def run_hybrid(args: argparse.Namespace) -> int:
             print(f"{load}: {len(requests)} requests, max_model_len {max_len}, KV budget {w.contexts} x {max_len} "
                   f"tokens x {bytes_per_token} B = {budget / 2**20:.1f} MiB")
             args.max_model_len = max_len
-            res[load] = {mode: measure(path, "paged", budget, requests, args, disable_hybrid_kv_cache_manager=off)
+            res[load] = {mode: measure(path, "paged", budget, requests, args, disable_hybrid_kv_cache_manager=off,
+                                       long_prefill_token_threshold=args.long_prefill_token_threshold)
                          for mode, off in HYBRID_MODES.items()}
             res[load]["requests"], res[load]["max_model_len"], res[load]["kv_budget_bytes"] = len(requests), max_len, budget
-            res[load]["concurrency_ratio"] = (res[load]["hybrid"]["peak_concurrent"]
-                                              / res[load]["all_global"]["peak_concurrent"])
+            res[load]["decoding_ratio"] = (res[load]["hybrid"]["peak_decoding"]
+                                           / res[load]["all_global"]["peak_decoding"])
     rows_out = [[f"{load}: {name}", f"{res[load]['all_global'][key]:.1f}", f"{res[load]['hybrid'][key]:.1f}",
-                 f"{res[load]['hybrid'][key] / res[load]['all_global'][key]:.1f}x"]
-                for load in loads for name, key in (("peak concurrent", "peak_concurrent"),
-                                                    ("mean concurrent while requests wait", "loaded_mean_concurrent"),
+                 f"{res[load]['hybrid'][key] / max(res[load]['all_global'][key], 1):.1f}x"]
+                for load in loads for name, key in (("peak requests decoding at once", "peak_decoding"),
+                                                    ("mean running while requests wait", "loaded_mean_concurrent"),
+                                                    ("preemptions", "num_preemptions"),
                                                     ("generated tok/s", "tok_s"))]
     print_table(["", "every layer whole", "hybrid (per layer group)", "hybrid / whole"], rows_out)
     write_json(args.json_path, res)
