@@ -220,3 +220,16 @@ def test_quantized_pages_per_group(gemma3, kv_cache_dtype):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     check_ownership(llm.engine.kv)
+
+
+def test_one_table_executors_need_one_group():
+    """The native C step and CUDA graphs read one block table for every layer: a hybrid cache of several
+    layer groups decodes eagerly (one group of sliding layers, Mistral's, keeps them)."""
+    from kvserve.attention.triton import TritonBackend
+    from kvserve.config import EngineConfig
+    from kvserve.engine.executor import cuda_graphs_wanted
+    from kvserve.kv.spec import KVSpec
+
+    config, spec = EngineConfig(), KVSpec(2, 1, 16, torch.float32)
+    wanted = [cuda_graphs_wanted(config, torch.device("cuda"), spec, TritonBackend(), n) for n in (0, 1, 3)]
+    assert wanted == [True, True, False]
