@@ -233,3 +233,18 @@ def test_one_table_executors_need_one_group():
     config, spec = EngineConfig(), KVSpec(2, 1, 16, torch.float32)
     wanted = [cuda_graphs_wanted(config, torch.device("cuda"), spec, TritonBackend(), n) for n in (0, 1, 3)]
     assert wanted == [True, True, False]
+
+
+def test_a_request_that_cannot_fit_names_the_chunk(gemma3):
+    """A 40-token prompt and a token written in one chunk hold all their blocks in each of the three groups (3 x 11
+    blocks of 4 tokens): refused in a pool of 21 with the way out; in chunks of 8, its sliding groups hold their
+    window and a chunk (5 blocks each at most) and it fits, with the one-table cache's tokens."""
+    with pytest.raises(ValueError, match="needs 33 KV blocks of 4 tokens; the whole pool has 21; a smaller "
+                                         "long_prefill_token_threshold"):
+        LLM(str(gemma3), block_size=4, num_kv_blocks=21, dtype="float32").generate(
+            {"prompt_token_ids": SYSTEM}, SamplingParams(max_tokens=1), use_tqdm=False)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    chunked = LLM(str(gemma3), block_size=4, num_kv_blocks=21, dtype="float32", long_prefill_token_threshold=8)
+    whole = LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", disable_hybrid_kv_cache_manager=True)
+    assert [o.outputs[0].token_ids for o in chunked.generate({"prompt_token_ids": SYSTEM}, params, use_tqdm=False)] \
+        == [o.outputs[0].token_ids for o in whole.generate({"prompt_token_ids": SYSTEM}, params, use_tqdm=False)]

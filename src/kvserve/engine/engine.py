@@ -291,8 +291,10 @@ class LLMEngine:
         else:
             blocks += self.kv.blocks_for(held)
         if blocks > pool:
+            hint = ("; a smaller long_prefill_token_threshold lowers what the sliding-window layer groups hold while "
+                    "a prompt chunk is written" if self.kv_groups else "")
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
-                             f"{blocks} KV blocks of {self.kv.block_size} tokens; the whole pool has {pool}")
+                             f"{blocks} KV blocks of {self.kv.block_size} tokens; the whole pool has {pool}{hint}")
         if n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
 
