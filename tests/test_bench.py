@@ -224,7 +224,8 @@ def test_bench_capacity_hybrid_model_shape(tmp_path):
     path = tmp_path / "capacity.json"
     args = ["--model-shape", "gemma3-1b", "--requests", "3", "--contexts", "1", "--max-model-len", "96",
             "--prompt-median", "20", "--output-median", "4", "--long-context", "2048", "--long-output", "2",
-            "--long-requests", "3", "--long-prefill-token-threshold", "128", "--hidden-size", "32", "--intermediate-size", "64", "--vocab-size", "512"]
+            "--long-requests", "3", "--long-prefill-token-threshold", "128", "--hidden-size", "32",
+            "--intermediate-size", "64", "--vocab-size", "512"]
     assert main(["bench", "capacity", "--quick", "--json", str(path), *args]) == 0
     res = json.loads(path.read_text())
     long = res["long"]

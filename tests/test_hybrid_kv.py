@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import make_checkpoint
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.blocks import block_key
 from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, group_size, layer_groups, layer_slots
-from tiny_models import make_checkpoint
 
 WINDOW = 8
 

@@ -177,7 +177,8 @@ def test_hybrid_full_context_bytes_are_what_the_engine_holds(tmp_path):
                            sliding_window_pattern=3)
     llm = LLM(str(path), num_kv_blocks=64, block_size=4, dtype="float32")
     engine = llm.engine
-    seq = engine.add_request("r", {"prompt_token_ids": list(range(3, 13))}, SamplingParams(max_tokens=20, ignore_eos=True))
+    seq = engine.add_request("r", {"prompt_token_ids": list(range(3, 13))},
+                             SamplingParams(max_tokens=20, ignore_eos=True))
     peaks, length = [0, 0, 0], 0
     while engine.has_unfinished_requests():
         engine.step()

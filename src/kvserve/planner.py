@@ -173,7 +173,8 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
         slots = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
         slots = KVSpec(group_size(groups), slots.num_kv_heads, slots.head_dim, slots.dtype, block_size, kv_dtype)
         kv_groups = [GroupPlan.of(g, slots, context, avg_prompt, avg_output, cards) for g in groups]
-        mix["hybrid"] = int(kv_memory // sum(_paged_bytes_per_user(slots, g.mean_tokens_held, cards) for g in kv_groups))
+        per_user = sum(_paged_bytes_per_user(slots, g.mean_tokens_held, cards) for g in kv_groups)
+        mix["hybrid"] = int(kv_memory // per_user)
         full["hybrid"] = int(kv_memory // sum(g.bytes_at_full_context for g in kv_groups))
     return Plan(name, weights, per_token, context * per_token, kv_memory, context, mix, held, held_sink, full,
                 [g.as_dict() for g in kv_groups])

@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
 import torch
 
 from kvserve.bench.common import (_BOS, _EOS, _PAD, add_model_args, describe_shape, make_checkpoint, make_tokenizer,
@@ -278,7 +277,7 @@ def run_hybrid(args: argparse.Namespace) -> int:
             res[load] = {mode: measure(path, "paged", budget, requests, args, disable_hybrid_kv_cache_manager=off,
                                        long_prefill_token_threshold=args.long_prefill_token_threshold)
                          for mode, off in HYBRID_MODES.items()}
-            res[load]["requests"], res[load]["max_model_len"], res[load]["kv_budget_bytes"] = len(requests), max_len, budget
+            res[load].update(requests=len(requests), max_model_len=max_len, kv_budget_bytes=budget)
             res[load]["decoding_ratio"] = (res[load]["hybrid"]["peak_decoding"]
                                            / res[load]["all_global"]["peak_decoding"])
     rows_out = [[f"{load}: {name}", f"{res[load]['all_global'][key]:.1f}", f"{res[load]['hybrid'][key]:.1f}",

@@ -23,9 +23,8 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
-from kvserve.kv.hybrid import (HybridKVCacheManager, HybridKVStorage, LayerGroup, group_size, is_hybrid,
-                               layer_groups)
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
+from kvserve.kv.hybrid import HybridKVCacheManager, HybridKVStorage, LayerGroup, group_size, is_hybrid, layer_groups
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -123,7 +122,8 @@ class LLMEngine:
                 memory = self._gpu_kv_memory(config) if self.device.type == "cuda" else DEFAULT_KV_CACHE_MEMORY
             num_blocks = spec.num_blocks_for(memory)
             if cache.kv_cache_memory is None:   # a default need not exceed what could ever be used
-                per_seq = (-(-self.max_model_len // block_size) + 2 * spec.residual_blocks) * max(1, len(self.kv_groups))
+                per_seq = -(-self.max_model_len // block_size) + 2 * spec.residual_blocks
+                per_seq *= max(1, len(self.kv_groups))     # a table in each layer group
                 num_blocks = min(num_blocks, config.max_num_seqs * per_seq)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "

@@ -213,8 +213,8 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
     computes exactly (the Llama family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping
     and scaled embeddings, nor partial RoPE: native_decode.lacks), whose attention the native backend runs over a
     full-precision cache with one block table for every layer (a hybrid cache of several layer groups runs its
-    decodes eagerly: the C step reads one table), and the kernels built. (Asked before the model loads, whose weights are then prepared
-    for the C step: native_decode.prepare_weights.)"""
+    decodes eagerly: the C step reads one table), and the kernels built. (Asked before the model loads, whose
+    weights are then prepared for the C step: native_decode.prepare_weights.)"""
     return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES and not lacks(model_config)
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
             and config.kv_cache_dtype == "auto" and num_kv_groups <= 1 and function("decode_step") is not None)
