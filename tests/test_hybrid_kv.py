@@ -248,3 +248,17 @@ def test_a_request_that_cannot_fit_names_the_chunk(gemma3):
     whole = LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", disable_hybrid_kv_cache_manager=True)
     assert [o.outputs[0].token_ids for o in chunked.generate({"prompt_token_ids": SYSTEM}, params, use_tqdm=False)] \
         == [o.outputs[0].token_ids for o in whole.generate({"prompt_token_ids": SYSTEM}, params, use_tqdm=False)]
+
+
+def test_a_window_of_one_token_never_indexes_the_null_block():
+    """With a window of 1, a block leaves the window as soon as it fills: indexing it afterwards (as a multi-step
+    decode does) must not put the null block in the prefix index, where a hit would read it as tokens."""
+    kv = HybridKVCacheManager(16, 2, [LayerGroup(None, (0,)), LayerGroup(1, (1,))])
+    ks = keys([5, 6, 7, 8], 2)
+    kv.allocate(0, 0, 4)
+    kv.release_filled(0, 0, 4)
+    assert kv.group_tables(0)[1] == [kv.null_block, kv.null_block]
+    kv.cache_blocks(0, 0, ks)
+    assert kv.pool.keys[kv.null_block] is None
+    hits = kv.cached_prefix(ks)
+    assert len(hits[0]) == 2 and hits[1] == [kv.null_block] * 2     # the next query needs no cached token

@@ -78,8 +78,8 @@ class GroupPool:
     """A layer group's view of the shared BlockPool: the same blocks, counting those the group holds (a block
     serves the group that took it from the pool until it returns there), so that stats cost nothing per block."""
 
-    def __init__(self, pool: BlockPool, group: int, held: list[int], owner: list[int]):
-        self.pool, self.group, self.held, self.owner = pool, group, held, owner
+    def __init__(self, pool: BlockPool, group: int, held: list[int], owner: list[int], null_block: int):
+        self.pool, self.group, self.held, self.owner, self.null_block = pool, group, held, owner, null_block
         self.ref_counts = pool.ref_counts       # the pool's own list: read on every decode step
         self.num_blocks = pool.num_blocks
 
@@ -108,7 +108,9 @@ class GroupPool:
         return self.pool.lookup(key)
 
     def cache(self, block_id: int, key: BlockKey) -> None:
-        self.pool.cache(block_id, key)
+        """Index a full block, never the null block (a window of one token lets go of a block as it fills)."""
+        if block_id != self.null_block:
+            self.pool.cache(block_id, key)
 
     def uncache(self, block_id: int, key: BlockKey) -> None:
         self.pool.uncache(block_id, key)
@@ -138,8 +140,8 @@ class HybridKVCacheManager:
         self.residuals: dict[int, list[int]] = {}
         # blocks each group holds (what its tables and their blocks being filled own), and each block's group
         self._held, owner = [0] * len(groups), [0] * num_blocks
-        self.groups = [KVCacheManager(num_blocks, block_size, borrowed, pool=GroupPool(self.pool, g, self._held, owner),
-                                      residuals=self.residuals) for g in range(len(groups))]
+        pools = [GroupPool(self.pool, g, self._held, owner, self.null_block) for g in range(len(groups))]
+        self.groups = [KVCacheManager(num_blocks, block_size, borrowed, pool=p, residuals=self.residuals) for p in pools]
         self.pinned: dict[int, list[int]] = {}         # a sink's blocks: never (no eviction policy here)
         # per group: how many leading entries of each sequence's table are the null block
         self._released: list[dict[int, int]] = [{} for _ in groups]
