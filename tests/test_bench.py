@@ -233,3 +233,4 @@ def test_bench_capacity_hybrid_model_shape(tmp_path):
     assert long["kv_budget_bytes"] == 2048 * 26 * 2 * 256 * 4
     for mode in ("all_global", "hybrid"):
         assert long[mode]["generated_tokens"] == 3 * 2 and res["mix"][mode]["generated_tokens"] > 0
+        assert long[mode]["kv_cache_bytes"] <= long["kv_budget_bytes"]      # the null block within the budget

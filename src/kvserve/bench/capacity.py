@@ -280,8 +280,9 @@ def run_hybrid(args: argparse.Namespace) -> int:
             res[load].update(requests=len(requests), max_model_len=max_len, kv_budget_bytes=budget)
             res[load]["decoding_ratio"] = (res[load]["hybrid"]["peak_decoding"]
                                            / res[load]["all_global"]["peak_decoding"])
-    rows_out = [[f"{load}: {name}", f"{res[load]['all_global'][key]:.1f}", f"{res[load]['hybrid'][key]:.1f}",
-                 f"{res[load]['hybrid'][key] / max(res[load]['all_global'][key], 1):.1f}x"]
+    rows_out = [[f"{load}: {name}", f"{res[load]['all_global'][key]:.3g}", f"{res[load]['hybrid'][key]:.3g}",
+                 f"{res[load]['hybrid'][key] / res[load]['all_global'][key]:.2f}x" if res[load]['all_global'][key]
+                 else "-"]
                 for load in loads for name, key in (("peak requests decoding at once", "peak_decoding"),
                                                     ("mean running while requests wait", "loaded_mean_concurrent"),
                                                     ("preemptions", "num_preemptions"),

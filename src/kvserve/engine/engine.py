@@ -131,8 +131,9 @@ class LLMEngine:
         cache.num_kv_blocks = num_blocks
         # blocks being filled borrow their exact tokens' room from the same pool, only while they fill
         if self.kv_groups:
-            num_blocks += 1        # the null block of the sliding groups' tables
-            cache.num_kv_blocks = num_blocks
+            if config.num_kv_blocks is not None:    # the null block of the sliding groups' tables, beside those
+                num_blocks += 1                     # asked for (a memory budget holds it)
+                cache.num_kv_blocks = num_blocks
             kv = HybridKVCacheManager(num_blocks, block_size, self.kv_groups, spec.borrowed_blocks)
             storage = HybridKVStorage(spec, num_blocks, self.device, kv.residuals, self.kv_groups, mcfg.num_layers)
             log.info("KV cache: %d layer groups (%s) of %d layers' pages per block", len(self.kv_groups),
