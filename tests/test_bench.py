@@ -215,3 +215,22 @@ def test_recomputed_window_losses_cover_the_text_and_equal_the_full_cache_when_i
     short = recomputed_nll(llm, ids, 16)
     assert len(short) == len(ids) - 1 and short[:14] == pytest.approx(full[:14], abs=1e-4)   # windows from 0
     assert short[20:] != pytest.approx(full[20:], abs=1e-4)     # a window of 16 forgets the rest
+
+
+def test_bench_capacity_hybrid_model_shape(tmp_path):
+    """Gemma 3 1B's KV layout under one budget of one full context: kept whole, one 2048-token request runs at a
+    time past its prompt; with the hybrid cache (a sliding group holding its window of 512 and a chunk of 128) two
+    at once."""
+    path = tmp_path / "capacity.json"
+    args = ["--model-shape", "gemma3-1b", "--requests", "3", "--contexts", "1", "--max-model-len", "96",
+            "--prompt-median", "20", "--output-median", "4", "--long-context", "2048", "--long-output", "2",
+            "--long-requests", "3", "--long-prefill-token-threshold", "128", "--hidden-size", "32",
+            "--intermediate-size", "64", "--vocab-size", "512"]
+    assert main(["bench", "capacity", "--quick", "--json", str(path), *args]) == 0
+    res = json.loads(path.read_text())
+    long = res["long"]
+    assert long["all_global"]["peak_decoding"] == 1 and long["hybrid"]["peak_decoding"] >= 2
+    assert long["kv_budget_bytes"] == 2048 * 26 * 2 * 256 * 4
+    for mode in ("all_global", "hybrid"):
+        assert long[mode]["generated_tokens"] == 3 * 2 and res["mix"][mode]["generated_tokens"] > 0
+        assert long[mode]["kv_cache_bytes"] <= long["kv_budget_bytes"]      # the null block within the budget

@@ -148,3 +148,43 @@ def test_kv_dtype_may_name_the_models_dtype(ckpt, name, capsys):
     assert LLM(str(ckpt), dtype=dtype, kv_cache_dtype=name, num_kv_blocks=8).stats()["kv_cache_dtype"] == "auto"
     with pytest.raises(ValueError, match=f"kv_cache_dtype '{name}'"):
         LLM(str(ckpt), dtype="float32", kv_cache_dtype=name, num_kv_blocks=8)
+
+
+def test_hybrid_models_are_planned_per_layer_group(tmp_path, capsys):
+    """Gemma 3 1B at 8k: one full-attention group of 4 layers, six sliding groups (window 512) of up to 4; a
+    request holds its whole context in the first only, so that several times more requests fit than with one
+    table for all layers. The formula is printed per group."""
+    result = plan("gemma3-1b", 24 * 2**30, 8192)
+    groups = result.kv_groups
+    assert [g["sliding_window"] for g in groups] == [None] + [512] * 6
+    assert [g["num_layers"] for g in groups] == [4] * 6 + [2] and {g["padded_layers"] for g in groups} == {4}
+    assert {g["bytes_per_token"] for g in groups} == {4 * 2 * 1 * 256 * 2}
+    assert groups[0]["bytes_at_full_context"] == 8192 * 4096 and groups[1]["bytes_at_full_context"] == 33 * 16 * 4096
+    assert result.max_users_at_full_context["hybrid"] == result.kv_memory // (8192 * 4096 + 6 * 33 * 16 * 4096)
+    assert result.max_users_at_full_context["hybrid"] > 4 * result.max_users_at_full_context["paged"]
+    assert result.max_users["hybrid"] > result.max_users["paged"]
+    assert "hybrid" not in plan("llama-3.1-8b", 80 * 2**30, 8192).max_users
+    assert main(["plan", "--model", "gemma3-1b", "--gpu", "l4", "--context", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "layer group (window 512, 2 layers, pages of 4 per block): 4 x 2 x 1 x 256 x 2 bytes = 4,096 bytes" in out
+    assert "paged per layer group" in out
+
+
+def test_hybrid_full_context_bytes_are_what_the_engine_holds(tmp_path):
+    """A tiny Gemma 3 (window 8, blocks of 4): at its length, a request holds in each sliding group at most the
+    planner's bytes at full context, and exactly that at some step; in the full group, all its blocks."""
+    path = make_checkpoint(tmp_path, "gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3,
+                           sliding_window_pattern=3)
+    llm = LLM(str(path), num_kv_blocks=64, block_size=4, dtype="float32")
+    engine = llm.engine
+    seq = engine.add_request("r", {"prompt_token_ids": list(range(3, 13))},
+                             SamplingParams(max_tokens=20, ignore_eos=True))
+    peaks, length = [0, 0, 0], 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not seq.is_finished:
+            peaks = [max(p, g["blocks_in_use"]) for p, g in zip(peaks, engine.stats()["kv_groups"])]
+            length = seq.num_computed_tokens
+    bytes_per_block = engine.kv_spec.bytes_per_block
+    groups = plan(str(path), 2**30, length, dtype="float32", block_size=4).kv_groups
+    assert [p * bytes_per_block for p in peaks] == [g["bytes_at_full_context"] for g in groups]

@@ -83,17 +83,42 @@ def family(request, tmp_path_factory):
 @pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])
 def test_family_matches_transformers_past_its_window(family, backend):
     """Prompts of 40, 17 and 5 tokens and 10 new ones (a window of 8), batched, the long prompt in chunks of 12,
-    decodes beside chunks: greedy tokens equal and every logit within 1e-4. With the native backend, the decode
-    steps of the Llama-family models run in the C step (over each layer's window); Gemma's run eagerly."""
+    decodes beside chunks: greedy tokens equal and every logit within 1e-4. Each sliding layer group keeps only
+    its window's blocks (kv/hybrid.py). With the native backend, the decode steps of the Llama-family models whose
+    layers share one window run in the C step (over each layer's window); Gemma's, and Qwen2's mix of full and
+    sliding layers (two block tables), run eagerly."""
     path, prompts, refs = family
     llm = LLM(str(path), attention_backend=backend, **CHUNKED)
     assert llm.engine.max_model_len == 512           # the model's context, not its window
     assert_matches(generate(llm, prompts), refs)
+    assert any(g.sliding_window == WINDOW for g in llm.engine.kv_groups)
     native = llm.engine.runner.native
-    if backend == "native" and not lacks(llm.engine.model_config):
+    if backend == "native" and not lacks(llm.engine.model_config) and len(llm.engine.kv_groups) == 1:
         assert native.steps > 0
     else:
         assert native is None
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "mistral"])
+def test_prefix_hits_and_samples_past_the_window_match_transformers(tmp_path, arch):
+    """A 40-token prompt computed once, then prompts that extend it: each a prefix hit that takes the full
+    groups' blocks of the whole prefix but only the sliding groups' last window (their earlier blocks went
+    back to the pool), and n=2 greedy samples sharing the blocks (copy-on-write of the last one): transformers'
+    tokens and logits, with every sliding group's table no longer than its window while decoding."""
+    path = make_checkpoint(tmp_path, FAMILIES[arch][0], **FAMILIES[arch][1])
+    base = prompt(40)
+    prompts = [base, base + prompt(5), base[:33]]
+    refs = reference(path, prompts)
+    llm = LLM(str(path), **CHUNKED)
+    ours = [generate(llm, [p])[0] for p in prompts]
+    assert_matches(ours, refs)
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] >= 40 + 32
+    out = llm.generate({"prompt_token_ids": prompts[1]}, SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == [refs[1][0]] * 2
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks - 1 and kv.pool.ref_counts[kv.null_block] == 1
 
 
 def test_triton_backend_runs_a_hybrid_model(tmp_path):
@@ -134,11 +159,12 @@ def test_gemma_bfloat16_tracks_transformers(tmp_path, arch):
 
 
 def test_sink_eviction_keeps_every_window_whole(tmp_path):
-    """A model whose every layer attends within 8 tokens, under `sink` with a window of 8: the cache drops the
-    blocks that left the window, and the output is transformers' exactly (no layer ever looks past it)."""
+    """A model whose every layer attends within 8 tokens, with one block table for all layers, under `sink` with a
+    window of 8: the cache drops the blocks that left the window, and the output is transformers' exactly (no
+    layer ever looks past it)."""
     path = make_checkpoint(tmp_path, "mistral", sliding_window=WINDOW)
     prompts = [prompt(40)]
-    llm = LLM(str(path), eviction="sink:sinks=4,window=8", **CHUNKED)
+    llm = LLM(str(path), eviction="sink:sinks=4,window=8", disable_hybrid_kv_cache_manager=True, **CHUNKED)
     assert_matches(generate(llm, prompts, 12), reference(path, prompts, 12))
     assert llm.engine.evictor.num_evicted_tokens > 0
 
@@ -147,10 +173,25 @@ def test_sink_eviction_keeps_every_window_whole(tmp_path):
                                       "snapkv:budget=32,window=8"])
 def test_eviction_that_would_cut_a_window_is_refused(tmp_path, eviction):
     path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"][1])
-    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, disable_hybrid_kv_cache_manager=True)
     with pytest.raises(ValueError, match="eviction .* sliding-window layers \\(window 8\\)"):
         llm.engine.add_request("r", {"prompt_token_ids": prompt(20)}, SamplingParams(max_tokens=4, eviction=eviction))
     assert not llm.engine.requests
+
+
+def test_eviction_with_a_hybrid_cache_is_refused(tmp_path):
+    """The hybrid cache (the default for sliding-window models) drops what left each window itself; an eviction
+    policy, per request or for the engine, is refused with the flag that allows it."""
+    path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"][1])
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="eviction 'sink.*hybrid KV cache.*disable_hybrid_kv_cache_manager"):
+        llm.engine.add_request("r", {"prompt_token_ids": prompt(20)},
+                               SamplingParams(max_tokens=4, eviction="sink:sinks=4,window=8"))
+    assert not llm.engine.requests
+    with pytest.raises(ValueError, match="eviction with a hybrid KV cache.*disable_hybrid_kv_cache_manager"):
+        LLM(str(path), block_size=4, num_kv_blocks=64, eviction="sink:sinks=4,window=8")
+    with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers with a hybrid KV cache"):
+        LLM(str(path), block_size=4, num_kv_blocks=64, kv_cache_dtype="int8", kv_cache_dtype_skip_layers=(0,))
 
 
 def test_a_window_past_max_model_len_leaves_eviction_free(tmp_path):

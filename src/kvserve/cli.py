@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="decode steps one native CPU call may run where nobody sees the steps between (offline "
                         "greedy batches); 1: one a call")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for all layers of a sliding-window model: every layer keeps every token "
+                        "(default: each layer group its own, a sliding group only its window)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, and outputs have token ids but no text")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -65,7 +68,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
-            "cpu_allocator_tuning", "skip_tokenizer_init", "tensor_parallel_size"]
+            "cpu_allocator_tuning", "skip_tokenizer_init", "tensor_parallel_size",
+            "disable_hybrid_kv_cache_manager"]
     return {k: getattr(args, k) for k in keys}
 
 

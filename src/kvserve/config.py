@@ -310,6 +310,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # ranks the model and the KV pool are split across (vLLM's): rank 0 is this process, the others spawned workers
     tensor_parallel_size: int = 1
+    # one block table for every layer even where some attend within a sliding window (vLLM's flag): every
+    # layer keeps every token, as a cache of full-attention layers does
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module

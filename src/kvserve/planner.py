@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from kvserve.config import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes, parse_dtype
 from kvserve.distributed import check_tensor_parallel, shard_config
 from kvserve.kv.eviction import Sink
+from kvserve.kv.hybrid import LayerGroup, group_size, is_hybrid, layer_groups, window_blocks
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.kv.spec import KVSpec
 
@@ -42,6 +43,17 @@ MODELS = {
     "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
                         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=32768,
                         architectures=["Qwen2ForCausalLM"]),
+    # sliding-window and hybrid models: Gemma 3's five local layers (window 512) to one global
+    "gemma3-1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
+                      sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+                      rope_theta=1000000.0, rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"]),
+    "gemma2-2b": dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+                      sliding_window=4096, query_pre_attn_scalar=256, architectures=["Gemma2ForCausalLM"]),
+    "mistral-7b-v0.1": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
+                            sliding_window=4096, architectures=["MistralForCausalLM"]),
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                      architectures=["Qwen3ForCausalLM"]),
@@ -64,6 +76,9 @@ class Plan:
     mean_tokens_held: float
     mean_tokens_held_sink_window: float        # the same requests, each holding at most the sink+window cache
     max_users_at_full_context: dict[str, int]  # every request holding `context` tokens
+    # a model with sliding-window layers: the hybrid cache's layer groups (GroupPlan.as_dict each); the users
+    # rows "hybrid" count requests whose every group holds min(length, its window)
+    kv_groups: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -153,7 +168,46 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
     full = {"contiguous": contiguous, "paged": users_at(kv_dtype, context),
             "sink_window": users_at(kv_dtype, min(context, bounded))}
     full.update({f"paged_{kd}": users_at(kd, context) for kd in QUANTIZED_KV_CACHE_DTYPES})
-    return Plan(name, weights, per_token, context * per_token, kv_memory, context, mix, held, held_sink, full)
+    groups = layer_groups(cfg.sliding_windows or (None,) * cfg.num_layers, context)
+    kv_groups = []
+    if is_hybrid(groups):
+        slots = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
+        slots = KVSpec(group_size(groups), slots.num_kv_heads, slots.head_dim, slots.dtype, block_size, kv_dtype)
+        kv_groups = [GroupPlan.of(g, slots, context, avg_prompt, avg_output, cards) for g in groups]
+        per_user = sum(_paged_bytes_per_user(slots, g.mean_tokens_held, cards) for g in kv_groups)
+        mix["hybrid"] = int(kv_memory // per_user)
+        full["hybrid"] = int(kv_memory // sum(g.bytes_at_full_context for g in kv_groups))
+    return Plan(name, weights, per_token, context * per_token, kv_memory, context, mix, held, held_sink, full,
+                [g.as_dict() for g in kv_groups])
+
+
+@dataclass
+class GroupPlan:
+    """One layer group of a hybrid cache: a block holds group_size layers' pages whatever its group (a group of
+    fewer layers leaves the rest unused), and a request holds min(its length, the window) tokens in it."""
+
+    sliding_window: int | None
+    num_layers: int
+    padded_layers: int             # the layers' pages a block of the group holds: group_size
+    bytes_per_token: float         # per card
+    mean_tokens_held: float        # a request of the length mix, over its life: min(its tokens, the window)
+    # the most a request of `context` tokens holds, per card: every block in a full-attention group; in a sliding
+    # one, the blocks that its window touches (one more than the window's where it straddles a block edge), and
+    # those a block being filled borrows
+    bytes_at_full_context: float
+
+    @classmethod
+    def of(cls, group: LayerGroup, slots: KVSpec, context: int, avg_prompt: float | None,
+           avg_output: float | None, cards: int) -> GroupPlan:
+        """The group's plan; `slots`: the spec of one block (num_layers = group_size)."""
+        cap, bs = group.sliding_window, slots.block_size
+        blocks = -(-context // bs) if cap is None else window_blocks(cap, bs, context)
+        return cls(cap, len(group.layers), slots.num_layers, slots.bytes_per_token / cards,
+                   mean_tokens_held(context, avg_prompt, avg_output, cap),
+                   (blocks + slots.residual_blocks) * slots.bytes_per_block / cards)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
@@ -215,6 +269,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"KV bytes per token = {cfg.num_layers} layers x 2 (K, V) x {cfg.num_kv_heads} kv_heads x "
           f"{cfg.head_dim} head_dim x {number}{f' / {cards} cards' if cards > 1 else ''}"
           f" = {result.kv_bytes_per_token:,.0f} bytes")
+    for g in result.kv_groups:
+        kind = "full attention" if g["sliding_window"] is None else f"window {g['sliding_window']}"
+        print(f"  layer group ({kind}, {g['num_layers']} layers, pages of {g['padded_layers']} per block): "
+              f"{g['padded_layers']} x 2 x {cfg.num_kv_heads} x {cfg.head_dim} x {number} = "
+              f"{g['bytes_per_token']:,.0f} bytes per token, holding min(length, "
+              f"{g['sliding_window'] or args.context}) tokens: {g['mean_tokens_held']:.0f} on average at the mix")
     print(f"per full {args.context}-token request: {result.kv_bytes_per_request / gib:.3f} GiB; "
           f"KV memory on the card: {result.kv_memory / gib:.2f} GiB")
     if args.tensor_parallel > 1:
@@ -227,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
     rows = {"contiguous": "contiguous max-length reservation", "paged": f"paged, {spec.kv_cache_dtype} pages",
             "paged_int8": "paged, int8 pages", "paged_fp8": "paged, fp8 pages", "paged_int4": "paged, int4 pages",
             "sink_window": f"sink+window ({args.sinks}+{args.window})"}
+    if result.kv_groups:
+        rows["hybrid"] = f"paged per layer group, {spec.kv_cache_dtype}"
     print(f"  {'':<36} {'length mix':>12} {'full context':>14}")
     for key, label in rows.items():
         print(f"  {label:<36} {result.max_users[key]:>12,} {result.max_users_at_full_context[key]:>14,}")

@@ -34,6 +34,15 @@ class AttentionBatch:
     mass_requests: list[tuple[int, int, int, str]] = field(default_factory=list)
     mass: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
+    # a hybrid cache (kv/hybrid.py): the batch of each layer group but the first (this one), with the group's
+    # slots, block tables and quantized writes, and each layer's group
+    groups: list[AttentionBatch] = field(default_factory=list)
+    layer_group: list[int] = field(default_factory=list)
+
+    def for_layer(self, i: int) -> AttentionBatch:
+        """The batch that layer i reads: its layer group's (this one where the cache has one group)."""
+        g = self.layer_group[i] if self.groups else 0
+        return self.groups[g - 1] if g else self
 
     @property
     def num_prefills(self) -> int:

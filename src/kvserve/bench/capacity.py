@@ -16,6 +16,14 @@ waiting, so the burst's tail, a few long requests alone, does not dilute it. Was
 held no token.
 Sharing: the first --shared-prompts prompts, 4 samples each, as one request with n=4 vs 4 separate
 requests (paged, prefix caching off, a pool with room for all); peak KV blocks in use of each.
+
+With --model-shape gemma3-1b: a random model with Gemma 3 1B's KV layout (26 layers, five sliding ones of
+window 512 to each global one, 1 KV head of head_dim 256, 4 query heads; the hidden, intermediate and vocab
+sizes of the flags, which do not change the cache) instead, paged both ways under one budget (--contexts full
+contexts with every layer holding every token): the hybrid KV cache (a block table per layer group, the
+sliding groups holding their window) against every layer kept whole (disable_hybrid_kv_cache_manager); at
+the length mix above, and at --long-context (every request's prompt and output filling it, --long-output new
+tokens, --long-requests of them), prompts in chunks of --long-prefill-token-threshold tokens both ways.
 """
 from __future__ import annotations
 
@@ -27,9 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
-                                  random_prompts, step_times, write_json)
+from kvserve.bench.common import (_BOS, _EOS, _PAD, add_model_args, describe_shape, make_checkpoint, make_tokenizer,
+                                  model_shape, print_table, random_prompts, save_random_model, step_times,
+                                  write_json)
 from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv import KVSpec
@@ -67,6 +77,7 @@ class Trace:
     waiting: list[int]
     blocks: list[int]      # KV blocks in use
     held: list[int]        # tokens in the cache of the running sequences (a shared token counted per owner)
+    decoding: list[int]    # running sequences past their prompt (not a prompt's chunk that may be preempted)
     generated: int
     seconds: float
 
@@ -88,6 +99,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--model-shape", choices=sorted(HYBRID_SHAPES), default=None,
+                   help="the KV layout of a hybrid model: its hybrid KV cache against every layer kept whole")
+    p.add_argument("--long-context", type=int, default=8192, help="with --model-shape: tokens of each long request")
+    p.add_argument("--long-output", type=int, default=16, help="with --model-shape: new tokens of each long request")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=1024,
+                   help="with --model-shape: most prompt tokens of a sequence per step, both ways (a sliding group "
+                        "holds every block of the chunk being written, so that it bounds the hybrid cache's peak)")
+    p.add_argument("--long-requests", type=int, default=None,
+                   help="with --model-shape: long requests, all at once (default 32; quick: 12)")
     add_model_args(p, SHAPE)
 
 
@@ -111,7 +131,7 @@ def serve(engine: LLMEngine, requests: list[Request]) -> Trace:
     """Submit every request at once and step the engine until all finish, noting its state after each step."""
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    trace = Trace([], [], [], [], 0, 0.0)
+    trace = Trace([], [], [], [], [], 0, 0.0)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -122,6 +142,7 @@ def serve(engine: LLMEngine, requests: list[Request]) -> Trace:
         trace.waiting.append(stats["num_waiting"])
         trace.blocks.append(stats["kv_blocks_total"] - stats["kv_blocks_free"])
         trace.held.append(sum(s.num_computed_tokens for s in engine.scheduler.running))
+        trace.decoding.append(sum(s.num_output_tokens > 0 for s in engine.scheduler.running))
     trace.seconds = time.perf_counter() - start
     return trace
 
@@ -132,9 +153,11 @@ def make_llm(path: Path, args: argparse.Namespace, mode: str, **kv) -> LLM:
                attention_backend=args.attention_backend, **kv)
 
 
-def measure(path: Path, mode: str, budget: int, requests: list[Request], args: argparse.Namespace) -> dict:
-    """One mode under the KV budget (bytes): concurrency, waste and throughput of the workload."""
-    llm = make_llm(path, args, mode, kv_cache_memory=budget)
+def measure(path: Path, mode: str, budget: int, requests: list[Request], args: argparse.Namespace,
+            **engine: object) -> dict:
+    """One mode under the KV budget (bytes): concurrency, waste and throughput of the workload; `engine`: more
+    of the engine's options."""
+    llm = make_llm(path, args, mode, kv_cache_memory=budget, **engine)
     step_times(llm.engine, requests[0][0][:8], _WARMUP_TOKENS, "warmup")
     t = serve(llm.engine, requests)
     stats = llm.stats()
@@ -142,6 +165,7 @@ def measure(path: Path, mode: str, budget: int, requests: list[Request], args: a
     # steps that left requests waiting; none did if all ran at once
     loaded = [r for r, w in zip(t.running, t.waiting) if w] or [max(t.running)]
     return {"peak_concurrent": max(t.running), "loaded_mean_concurrent": statistics.mean(loaded),
+            "peak_decoding": max(t.decoding),
             "waste_pct": 100 * (sum(reserved) - sum(t.held)) / sum(reserved),
             "generated_tokens": t.generated, "seconds": t.seconds, "tok_s": t.generated / t.seconds,
             "steps": len(t.running), "num_preemptions": stats["num_preemptions"],
@@ -210,7 +234,67 @@ def describe(args: argparse.Namespace, w: Workload, bytes_per_token: int) -> str
             f"{describe_shape(model_shape(args))}")
 
 
+# a published model's KV layout: what its config.json fields say of layers, heads and windows
+HYBRID_SHAPES = {"gemma3-1b": dict(num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                   sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256)}
+HYBRID_MODES = {"all_global": True, "hybrid": False}     # mode -> disable_hybrid_kv_cache_manager
+
+
+def hybrid_checkpoint(path: Path, args: argparse.Namespace, max_positions: int) -> Path:
+    """A random-weight Gemma 3 text model of --model-shape's KV layout and the flags' other sizes."""
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                           vocab_size=args.vocab_size, max_position_embeddings=max_positions, bos_token_id=_BOS,
+                           eos_token_id=_EOS, pad_token_id=_PAD, **HYBRID_SHAPES[args.model_shape])
+    return save_random_model(path, cfg, torch.float32, 0, make_tokenizer(total=args.vocab_size))
+
+
+def run_hybrid(args: argparse.Namespace) -> int:
+    """Peak and loaded concurrency of the hybrid KV cache against every layer kept whole, at the length mix and
+    at --long-context, each under a budget of --contexts full contexts of every layer."""
+    w = workload(args)
+    n_long = args.long_requests or (12 if args.quick else 32)
+    long_prompt = args.long_context - args.long_output
+    res: dict = {"model_shape": args.model_shape, "dtype": args.dtype, "contexts": w.contexts}
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
+        path = hybrid_checkpoint(Path(tmp), args, max(args.max_model_len, args.long_context))
+        bytes_per_token = KVSpec.from_model(ModelConfig.from_path(path), parse_dtype(args.dtype)).bytes_per_token
+        rows = random_prompts(max(w.requests, n_long), max(max(w.prompt_lens), long_prompt), args.vocab_size,
+                              seed=args.seed)
+        loads = {
+            "mix": (args.max_model_len, [(r[:p], SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
+                                         for r, p, o in zip(rows, w.prompt_lens, w.output_lens)]),
+            "long": (args.long_context, [(r[:long_prompt], SamplingParams(max_tokens=args.long_output,
+                                                                           temperature=0.0, ignore_eos=True))
+                                         for r in rows[:n_long]]),
+        }
+        for load, (max_len, requests) in loads.items():
+            budget = w.contexts * max_len * bytes_per_token
+            print(f"{load}: {len(requests)} requests, max_model_len {max_len}, KV budget {w.contexts} x {max_len} "
+                  f"tokens x {bytes_per_token} B = {budget / 2**20:.1f} MiB")
+            args.max_model_len = max_len
+            res[load] = {mode: measure(path, "paged", budget, requests, args, disable_hybrid_kv_cache_manager=off,
+                                       long_prefill_token_threshold=args.long_prefill_token_threshold)
+                         for mode, off in HYBRID_MODES.items()}
+            res[load].update(requests=len(requests), max_model_len=max_len, kv_budget_bytes=budget)
+            res[load]["decoding_ratio"] = (res[load]["hybrid"]["peak_decoding"]
+                                           / res[load]["all_global"]["peak_decoding"])
+    rows_out = [[f"{load}: {name}", f"{res[load]['all_global'][key]:.3g}", f"{res[load]['hybrid'][key]:.3g}",
+                 f"{res[load]['hybrid'][key] / res[load]['all_global'][key]:.2f}x" if res[load]['all_global'][key]
+                 else "-"]
+                for load in loads for name, key in (("peak requests decoding at once", "peak_decoding"),
+                                                    ("mean running while requests wait", "loaded_mean_concurrent"),
+                                                    ("preemptions", "num_preemptions"),
+                                                    ("generated tok/s", "tok_s"))]
+    print_table(["", "every layer whole", "hybrid (per layer group)", "hybrid / whole"], rows_out)
+    write_json(args.json_path, res)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model_shape:
+        return run_hybrid(args)
     w = workload(args)
     shape = model_shape(args)
     rows = random_prompts(w.requests, max(w.prompt_lens), shape["vocab_size"], seed=args.seed)

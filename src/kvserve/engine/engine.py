@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import count
 
 import torch
@@ -26,6 +27,7 @@ from kvserve.engine.workers import ForwardedStorage, WorkerArgs, Workers
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
+from kvserve.kv.hybrid import HybridKVCacheManager, HybridKVStorage, LayerGroup, group_size, is_hybrid, layer_groups
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -53,7 +55,8 @@ class LLMEngine:
         self.detokenize = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
-        native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg)
+        self.kv_groups = self._kv_groups(config, mcfg)
+        native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg, len(self.kv_groups))
         self._threads: int | None = None                # torch's threads before rank 0 took its share
         self.workers = self._start_workers(config, mcfg)
         try:
@@ -62,7 +65,8 @@ class LLMEngine:
             self.shutdown()       # no worker outlives an engine that could not start
             raise
         executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
-                                    self.scheduler, self._final_only, self.max_model_len, self.workers)
+                                    self.scheduler, self._final_only, self.max_model_len, len(self.kv_groups),
+                                    self.workers)
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.eviction = parse_eviction(config.eviction)
@@ -132,12 +136,32 @@ class LLMEngine:
                              f"{limit} positions")
         return config.max_model_len
 
+    def _kv_groups(self, config: EngineConfig, mcfg: ModelConfig) -> list[LayerGroup]:
+        """The layer groups of a hybrid cache (kv/hybrid.py), where some layer's window binds within
+        max_model_len and the cache is paged; [] where one block table serves every layer."""
+        groups = layer_groups(mcfg.sliding_windows or (None,) * mcfg.num_layers, self.max_model_len)
+        if config.cache_mode != "paged" or config.disable_hybrid_kv_cache_manager or not is_hybrid(groups):
+            return []
+        fix = "set disable_hybrid_kv_cache_manager, so that every layer keeps every token"
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} with a hybrid KV cache "
+                             f"(sliding-window layers): the workers keep one block table for every layer; {fix}")
+        if config.kv_cache_dtype_skip_layers:
+            raise ValueError(f"kv_cache_dtype_skip_layers with a hybrid KV cache (sliding-window layers, whose "
+                             f"pages every layer group shares): quantize every layer, or {fix}")
+        if config.eviction is not None:
+            raise ValueError(f"eviction with a hybrid KV cache (sliding-window layers keep only their window "
+                             f"already): {fix}")
+        return groups
+
     def _init_cache(self, config: EngineConfig):
         # contiguous: the same pool, with one block holding a whole max_model_len context
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
         # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
         self.kv_spec = spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size,
                                                 config.kv_cache_dtype, config.kv_cache_dtype_skip_layers)
+        if self.kv_groups:      # a block holds the pages of one group's layers
+            self.kv_spec = spec = replace(spec, num_layers=group_size(self.kv_groups))
         if config.cache_mode == "none":
             return CacheConfig(cache_mode="none"), NoKVCacheManager(), NoKVStorage(spec.num_layers)
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
@@ -149,14 +173,26 @@ class LLMEngine:
             num_blocks = spec.num_blocks_for(memory)
             if cache.kv_cache_memory is None:   # a default need not exceed what could ever be used
                 per_seq = -(-self.max_model_len // block_size) + 2 * spec.residual_blocks
+                per_seq *= max(1, len(self.kv_groups))     # a table in each layer group
                 num_blocks = min(num_blocks, config.max_num_seqs * per_seq)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "
                                  f"({spec.bytes_per_block} bytes)")
         cache.num_kv_blocks = num_blocks
         # blocks being filled borrow their exact tokens' room from the same pool, only while they fill
-        kv = KVCacheManager(num_blocks, block_size, spec.borrowed_blocks)
-        storage = KVStorage(spec, num_blocks, self.device, kv.residuals)
+        if self.kv_groups:
+            if config.num_kv_blocks is not None:    # the null block of the sliding groups' tables, beside those
+                num_blocks += 1                     # asked for (a memory budget holds it)
+                cache.num_kv_blocks = num_blocks
+            kv = HybridKVCacheManager(num_blocks, block_size, self.kv_groups, spec.borrowed_blocks)
+            storage = HybridKVStorage(spec, num_blocks, self.device, kv.residuals, self.kv_groups,
+                                      self.model_config.num_layers)
+            log.info("KV cache: %d layer groups (%s) of %d layers' pages per block", len(self.kv_groups),
+                     ", ".join(f"window {g.sliding_window}" if g.sliding_window else "full" for g in self.kv_groups),
+                     spec.num_layers)
+        else:
+            kv = KVCacheManager(num_blocks, block_size, spec.borrowed_blocks)
+            storage = KVStorage(spec, num_blocks, self.device, kv.residuals)
         size = config.tensor_parallel_size
         ranks = f" per rank, {size * storage.nbytes / 2**20:.1f} MiB over {size} ranks" if size > 1 else ""
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB%s); maximum concurrency at "
@@ -180,7 +216,12 @@ class LLMEngine:
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of the blocks that running sequences hold, and of those their blocks being filled borrow."""
-        held = {b for s in self.scheduler.running for b in self.kv.block_tables.get(s.seq_id, [])}
+        kv = self.kv
+        if self.kv_groups:
+            held = {b for s in self.scheduler.running if s.seq_id in kv.block_tables
+                    for t in kv.group_tables(s.seq_id) for b in t} - {kv.null_block}
+        else:
+            held = {b for s in self.scheduler.running for b in kv.block_tables.get(s.seq_id, [])}
         borrowed = sum(len(self.kv.residuals.get(b, ())) for b in held)
         return (len(held) + borrowed) * self.kv_spec.bytes_per_block
 
@@ -218,6 +259,9 @@ class LLMEngine:
         # a sliding layer attends to the last W cached tokens, which must be the last W positions (a window
         # of max_model_len or more never binds: no cache holds more, sink's included)
         windows = [w for w in self.model_config.sliding_windows if w is not None and w < self.max_model_len]
+        if policy is not None and self.kv_groups:
+            raise ValueError(f"eviction {policy.spec()!r} with a hybrid KV cache (sliding-window layers keep only "
+                             f"their window already): start the engine with disable_hybrid_kv_cache_manager")
         if policy is not None and windows and not (isinstance(policy, Sink) and policy.window >= max(windows)):
             raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {max(windows)}): only "
                              f"sink with a window of at least {max(windows)} tokens keeps each such layer's window "
@@ -292,11 +336,19 @@ class LLMEngine:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
                              f"exceeds max_model_len ({self.max_model_len})")
         # a chunk of a prompt may start and end in blocks being filled: both borrow blocks while it is written
-        blocks += 2 * self.kv_spec.residual_blocks
-        if self.kv.blocks_for(held) + blocks > self.kv.num_blocks:
+        blocks += 2 * self.kv_spec.residual_blocks * max(1, len(self.kv_groups))
+        pool = self.kv.num_blocks
+        if self.kv_groups:      # each group's blocks (a sliding one's window and a chunk); the null block is no one's
+            cfg = self.scheduler_config
+            blocks += self.kv.max_blocks_held(held, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
+            pool -= 1
+        else:
+            blocks += self.kv.blocks_for(held)
+        if blocks > pool:
+            hint = ("; a smaller long_prefill_token_threshold lowers what the sliding-window layer groups hold while "
+                    "a prompt chunk is written" if self.kv_groups else "")
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
-                             f"{self.kv.blocks_for(held) + blocks} KV blocks of {self.kv.block_size} tokens; "
-                             f"the whole pool has {self.kv.num_blocks}")
+                             f"{blocks} KV blocks of {self.kv.block_size} tokens; the whole pool has {pool}{hint}")
         if n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
 
@@ -469,6 +521,16 @@ class LLMEngine:
         return RequestOutput(request_id, seq.prompt, seq.prompt_token_ids, completions, finished,
                              seq.num_cached_tokens, metrics, seq.prompt_logprobs)
 
+    def _group_stats(self) -> list[dict]:
+        """Each layer group of the cache: its window (None: full attention), its layers, and the blocks its
+        sequences' tables hold (one group of every layer where the cache is not hybrid)."""
+        kv = self.kv
+        if not self.kv_groups:
+            layers = list(range(self.model_config.num_layers))
+            return [{"sliding_window": None, "layers": layers, "blocks_in_use": kv.num_blocks - kv.num_free_blocks}]
+        return [{"sliding_window": g.sliding_window, "layers": list(g.layers), "blocks_in_use": n}
+                for g, n in zip(self.kv_groups, kv.blocks_per_group())]
+
     def stats(self) -> dict:
         kv = self.kv
         return {
@@ -486,6 +548,7 @@ class LLMEngine:
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
+            "kv_groups": self._group_stats(),
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }

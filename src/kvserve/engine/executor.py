@@ -244,42 +244,46 @@ class TensorParallelEager(Eager):
 
 
 def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend,
-                         model_config: ModelConfig) -> bool:
+                         model_config: ModelConfig, num_kv_groups: int = 0) -> bool:
     """The native executors: on the CPU unless enforce_eager, not under tensor parallelism (the C step runs whole
     layers, with no all-reduce between), a float32 or bfloat16 model that the C step computes exactly (the Llama
     family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping and scaled embeddings, nor
-    partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache, and
-    the kernels built. (Asked before the model loads, whose weights are then prepared for the C step:
-    native_decode.prepare_weights.)"""
+    partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache with
+    one block table for every layer (a hybrid cache of several layer groups runs its decodes eagerly: the C step
+    reads one table), and the kernels built. (Asked before the model loads, whose weights are then prepared for
+    the C step: native_decode.prepare_weights.)"""
     return (device.type == "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1
             and dtype in DTYPES and not lacks(model_config)
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
-            and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
+            and config.kv_cache_dtype == "auto" and num_kv_groups <= 1 and function("decode_step") is not None)
 
 
-def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend) -> bool:
-    """cuda_graphs: on CUDA unless enforce_eager, a paged, full-precision cache read by a backend that can be
-    captured (and the capture succeeding: build_executors); not under tensor parallelism."""
+def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend,
+                       num_kv_groups: int = 0) -> bool:
+    """cuda_graphs: on CUDA unless enforce_eager, a paged, full-precision cache with one block table for every
+    layer (the graphs read one: a hybrid cache of several layer groups decodes eagerly) read by a backend that
+    can be captured (and the capture succeeding: build_executors); not under tensor parallelism."""
     return (device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
-            and config.cache_mode != "none"
-            and not spec.quantized_layers and backend.supports_cuda_graphs)
+            and config.cache_mode != "none" and not spec.quantized_layers and backend.supports_cuda_graphs
+            and num_kv_groups <= 1)
 
 
 def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | NoKVStorage, spec: KVSpec, backend,
                     device: torch.device, scheduler: Scheduler, final_only: Container[str],
-                    max_model_len: int, workers=None) -> list[Executor]:
-    """The engine's executors, in the order a step tries them; eager, last, takes what the others do not. With
-    `workers` (tensor parallel), eager_tp alone."""
+                    max_model_len: int, num_kv_groups: int = 0, workers=None) -> list[Executor]:
+    """The engine's executors, in the order a step tries them; eager, last, takes what the others do not.
+    num_kv_groups: the layer groups of a hybrid cache (0: not hybrid). With `workers` (tensor parallel),
+    eager_tp alone."""
     if workers is not None:
         return [TensorParallelEager(model, backend, storage, workers)]
     executors: list[Executor] = []
-    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend, model.config):
+    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend, model.config, num_kv_groups):
         native = NativeDecode(model, storage)
         if config.num_scheduler_steps > 1:
             executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,
                                              max_model_len))
         executors.append(NativeStep(native))
-    if cuda_graphs_wanted(config, device, spec, backend):
+    if cuda_graphs_wanted(config, device, spec, backend, num_kv_groups):
         graphs = DecodeGraphs(model, storage, backend, config.max_num_seqs, max_model_len, device)
         try:
             graphs.capture_all()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from kvserve.engine.executor import CudaGraphs, Executor, NativeStep, Step, Step
 from kvserve.engine.native_decode import NativeDecode
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kv import KVCacheManager, KVStorage, NoKVCacheManager, NoKVStorage
+from kvserve.kv.hybrid import HybridKVCacheManager
 from kvserve.model.decoder import CausalLM
 
 
@@ -76,7 +78,8 @@ class ModelRunner:
         self.model.ensure_rope(max(s + n for s, n in zip(starts, q_lens)))
         # the cache holds the tokens not evicted: their places there
         cache_starts = [s - e for s, e in zip(starts, evicted)]
-        tables = None if self.kv.recomputes else [self.kv.block_tables[s.seq_id] for s in sched.seqs]
+        group_tables = self._group_tables(sched)
+        tables = group_tables[0] if group_tables else None
         positions, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, len(input_ids), tables)
         kv_write = self.storage.plan_writes(tables, cache_starts, q_lens)
         nd = sched.num_decodes
@@ -93,9 +96,29 @@ class ModelRunner:
             kv_write=kv_write,
             mass_requests=mass_requests,
         )
+        if group_tables and len(group_tables) > 1:
+            batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
+                            for t in group_tables[1:]]
+            batch.layer_group = self.storage.layer_group
         return StepInputs(index_tensor(input_ids, dev), positions, batch, index_tensor(logits_indices, dev),
                           sample_rows, index_tensor(prompt_indices, dev), prompt_spans,
                           (tables, cache_starts, q_lens))
+
+    def _group_tables(self, sched: SchedulerOutput) -> list[list[list[int]]] | None:
+        """The step's block tables [group][sequence]: one group but in a hybrid cache; None without a cache."""
+        if self.kv.recomputes:
+            return None
+        if isinstance(self.kv, HybridKVCacheManager):
+            return [list(tables) for tables in zip(*(self.kv.group_tables(s.seq_id) for s in sched.seqs))]
+        return [[self.kv.block_tables[s.seq_id] for s in sched.seqs]]
+
+    def _group_batch(self, batch: AttentionBatch, tables: list[list[int]], starts: list[int],
+                     cache_starts: list[int], q_lens: list[int], num_tokens: int) -> AttentionBatch:
+        """The batch of another layer group of a hybrid cache: its slots, block tables and quantized writes,
+        and scratch of its own (what backends derive from the tables)."""
+        _, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, num_tokens, tables)
+        return replace(batch, slot_mapping=slot_mapping, block_tables=block_tables, scratch={},
+                       kv_write=self.storage.plan_writes(tables, cache_starts, q_lens))
 
     def _places(self, starts: list[int], cache_starts: list[int], q_lens: list[int], num_tokens: int,
                 tables: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

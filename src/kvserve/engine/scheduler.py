@@ -129,9 +129,10 @@ class Scheduler:
         """Share the cached prefix and allocate the first chunk's blocks, if they fit: the chunk's tokens, or 0."""
         kv = self.kv
         hits = self._prefix_hits(seq)
-        computed = len(hits) * kv.block_size
+        num_hit = kv.num_hit_blocks(hits)
+        computed = num_hit * kv.block_size
         n = self._num_new_tokens(seq, computed, budget)
-        needed = kv.blocks_for(computed + n) - len(hits) + kv.num_reclaimed(hits) + kv.residual_cost(computed + n)
+        needed = kv.num_admit_blocks(hits, computed + n)
         reserve = self.watermark_blocks if self.running else 0
         if not n or needed + reserve > kv.num_free_blocks:
             return 0
@@ -142,12 +143,12 @@ class Scheduler:
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += computed
         kv.share_prefix(seq.seq_id, hits)
-        seq.num_indexed_blocks, seq.num_computed_tokens = len(hits), computed
+        seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, computed
         out.block_copies += kv.allocate(seq.seq_id, computed, n)
         self._cache_full_blocks(seq, computed + n)
         return n
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
+    def _prefix_hits(self, seq: Sequence) -> list[int] | list[list[int]]:
         if not self.prefix_caching:
             return []
         # At least the last token is computed again: its logits are needed to sample. A request that

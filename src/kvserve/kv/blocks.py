@@ -19,6 +19,13 @@ class BlockKey:
     token_ids: tuple[int, ...]
     cache_salt: str | None
 
+    def in_group(self, group: int) -> BlockKey:
+        """The key of the same tokens in layer group `group` of a hybrid cache, whose blocks hold other
+        layers' pages: a distinct hash in each group but the first."""
+        if not group:
+            return self
+        return BlockKey(self.hash + group.to_bytes(2, "little"), self.parent_hash, self.token_ids, self.cache_salt)
+
 
 def block_key(parent_hash: bytes | None, token_ids: tuple[int, ...], cache_salt: str | None) -> BlockKey:
     """The key of a full block: a hash chained over its parent's hash, its tokens and the salt."""
@@ -101,7 +108,7 @@ class BlockPool:
 
     def uncache(self, block_id: int, key: BlockKey) -> None:
         """Forget that a block holds `key` (its K/V were never computed)."""
-        if self.keys[block_id] is key:
+        if self.keys[block_id] == key:
             self._evict(block_id)
 
     def _evict(self, block_id: int) -> None:

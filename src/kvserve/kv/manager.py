@@ -21,15 +21,18 @@ class KVCacheManager:
     # a sequence's computed tokens keep their K/V from one step to the next (kv/nocache.py: they do not)
     recomputes = False
 
-    def __init__(self, num_blocks: int, block_size: int, borrowed: tuple[int, ...] | None = None):
+    def __init__(self, num_blocks: int, block_size: int, borrowed: tuple[int, ...] | None = None,
+                 pool: BlockPool | None = None, residuals: dict[int, list[int]] | None = None):
+        """`pool` and `residuals`: a pool and a map of blocks held exact shared with other managers (the
+        layer groups of a hybrid cache, kv/hybrid.py); by default its own."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
         # blocks a sequence owns outside its table (the unrotated sink blocks of a `sink` policy)
         self.pinned: dict[int, list[int]] = {}
         self.borrowed = borrowed
         # block held exact -> the blocks it borrows (a new list whenever it borrows more)
-        self.residuals: dict[int, list[int]] = {}
+        self.residuals: dict[int, list[int]] = residuals if residuals is not None else {}
 
     @property
     def num_blocks(self) -> int:
@@ -142,6 +145,16 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def num_hit_blocks(self, hits: list[int]) -> int:
+        """Blocks of the prefix that a hit (cached_prefix's blocks) computes."""
+        return len(hits)
+
+    def num_admit_blocks(self, hits: list[int], num_tokens: int) -> int:
+        """Blocks that admitting a sequence over `hits` with its first num_tokens tokens takes from the pool:
+        its table's new blocks, the cached hits that are free now, and what its last block borrows."""
+        return (self.blocks_for(num_tokens) - len(hits) + self.num_reclaimed(hits)
+                + self.residual_cost(num_tokens))
 
     def num_reclaimed(self, block_ids: list[int]) -> int:
         """How many of these cached blocks are free now, so that sharing them takes from the pool."""

@@ -35,6 +35,14 @@ class NoKVCacheManager:
         """A write takes no block."""
         return 0
 
+    def num_hit_blocks(self, hits: list[int]) -> int:
+        """No prefix is cached."""
+        return 0
+
+    def num_admit_blocks(self, hits: list[int], num_tokens: int) -> int:
+        """Admission takes no block."""
+        return 0
+
     def num_reclaimed(self, block_ids: list[int]) -> int:
         """No cached blocks to reclaim."""
         return 0

@@ -184,7 +184,7 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             own = local if layer.self_attn.local_rope else rope
-            x, residual = layer(x, residual, own, batch, backend, storage.layer(i))
+            x, residual = layer(x, residual, own, batch.for_layer(i), backend, storage.layer(i))
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,318 @@
+"""The hybrid KV cache: a block table per layer group over one pool (vLLM's hybrid KV cache manager).
+
+Layers that attend to the whole context form one kind, layers of each distinct sliding window another.
+Each kind is cut into groups of the same number of layers (`group_size`), so that one block of the
+pool holds the pages of `group_size` layers whatever group it serves: the storage keeps `group_size`
+page tensors, and layer i's pages are those of its place within its group (`slot`). A group has its own
+block table per sequence. A sliding group lets go of a block once every token in it has left the
+window of the next query, and puts the pool's `null_block` in its place, so that a table's entry j
+still holds tokens [j * block_size, (j + 1) * block_size): attention never reads the null block's
+positions (they lie outside the window), and its pages stay zero.
+
+Prefix caching: each group indexes its blocks under its own keys (BlockKey.in_group). A prefix hit needs
+the whole prefix's blocks in a full-attention group but only a sliding group's last window of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv.blocks import BlockKey, BlockPool, NoFreeBlocksError
+from kvserve.kv.manager import KVCacheManager, cdiv
+from kvserve.kv.quant import QuantizedLayer
+from kvserve.kv.spec import KVSpec
+from kvserve.kv.storage import KVStorage
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers whose block tables are one: their sliding window (None: full attention) and their indices."""
+
+    sliding_window: int | None
+    layers: tuple[int, ...]
+
+
+def layer_groups(windows: tuple[int | None, ...], max_model_len: int) -> list[LayerGroup]:
+    """The layer groups of a model whose layer i attends within windows[i] (None: the whole context).
+
+    A window of max_model_len or more never binds: its layers join the full-attention ones. Kinds of
+    nearly the same size (within a quarter) are padded to the largest; otherwise every kind is cut into
+    groups of the smallest's size, the last group of a kind possibly shorter (its missing layers' pages
+    are unused): vLLM's rule, which bounds the padding while keeping the groups few."""
+    kinds: dict[int | None, list[int]] = {}
+    for i, w in enumerate(windows):
+        kinds.setdefault(w if w is not None and w < max_model_len else None, []).append(i)
+    sizes = [len(layers) for layers in kinds.values()]
+    size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
+    order = sorted(kinds, key=lambda w: (w is not None, w or 0))     # the full-attention group first
+    return [LayerGroup(w, tuple(kinds[w][i:i + size])) for w in order for i in range(0, len(kinds[w]), size)]
+
+
+def is_hybrid(groups: list[LayerGroup]) -> bool:
+    """Whether the groups need the hybrid cache: some layer attends within a window that binds."""
+    return any(g.sliding_window is not None for g in groups)
+
+
+def group_size(groups: list[LayerGroup]) -> int:
+    """Layers one block holds the pages of: those of the largest group."""
+    return max(len(g.layers) for g in groups)
+
+
+def layer_slots(groups: list[LayerGroup], num_layers: int) -> tuple[list[int], list[int]]:
+    """For each layer: the page tensor it uses (its place in its group) and its group's index."""
+    slots, owner = [0] * num_layers, [0] * num_layers
+    for g, group in enumerate(groups):
+        for place, layer in enumerate(group.layers):
+            slots[layer], owner[layer] = place, g
+    return slots, owner
+
+
+def window_blocks(window: int, block_size: int, num_tokens: int) -> int:
+    """The most blocks a sliding group's table holds for a sequence of num_tokens tokens: the blocks that
+    the window of its last query touches (and those of the chunk being written: `num_tokens` counts them)."""
+    return min(cdiv(num_tokens, block_size), cdiv(window - 1, block_size) + 1)
+
+
+class GroupPool:
+    """A layer group's view of the shared BlockPool: the same blocks, counting those the group holds (a block
+    serves the group that took it from the pool until it returns there), so that stats cost nothing per block."""
+
+    def __init__(self, pool: BlockPool, group: int, held: list[int], owner: list[int], null_block: int):
+        self.pool, self.group, self.held, self.owner, self.null_block = pool, group, held, owner, null_block
+        self.ref_counts = pool.ref_counts       # the pool's own list: read on every decode step
+        self.num_blocks = pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        ids = self.pool.allocate(n)
+        for b in ids:
+            self.owner[b] = self.group
+        self.held[self.group] += n
+        return ids
+
+    def incref(self, block_id: int) -> None:
+        if not self.ref_counts[block_id]:       # a cached block back in use
+            self.held[self.owner[block_id]] += 1
+        self.pool.incref(block_id)
+
+    def decref(self, block_id: int) -> None:
+        self.pool.decref(block_id)
+        if not self.ref_counts[block_id]:
+            self.held[self.owner[block_id]] -= 1
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self.pool.lookup(key)
+
+    def cache(self, block_id: int, key: BlockKey) -> None:
+        """Index a full block, never the null block (a window of one token lets go of a block as it fills)."""
+        if block_id != self.null_block:
+            self.pool.cache(block_id, key)
+
+    def uncache(self, block_id: int, key: BlockKey) -> None:
+        self.pool.uncache(block_id, key)
+
+
+class HybridKVCacheManager:
+    """One KVCacheManager per layer group, over one BlockPool; the same interface as KVCacheManager.
+
+    Each call acts on every group: a write takes blocks in each (what it takes is the sum), a sequence's
+    free, fork and preemption free or share each group's table. `block_tables` are the first group's
+    (the full-attention one, where the model has one): what the engine shows of a sequence's blocks;
+    `group_tables` gives each group's.
+    """
+
+    recomputes = False
+
+    def __init__(self, num_blocks: int, block_size: int, groups: list[LayerGroup],
+                 borrowed: tuple[int, ...] | None = None):
+        if num_blocks < 2:
+            raise ValueError(f"a hybrid KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.block_size = block_size
+        self.layer_groups = groups
+        self.pool = BlockPool(num_blocks)
+        # stands in a sliding group's table for the blocks that left the window; never freed, never written
+        (self.null_block,) = self.pool.allocate(1)
+        self.borrowed = borrowed
+        self.residuals: dict[int, list[int]] = {}
+        # blocks each group holds (what its tables and their blocks being filled own), and each block's group
+        self._held, owner = [0] * len(groups), [0] * num_blocks
+        pools = [GroupPool(self.pool, g, self._held, owner, self.null_block) for g in range(len(groups))]
+        self.groups = [KVCacheManager(num_blocks, block_size, borrowed, pool=p, residuals=self.residuals) for p in pools]
+        self.pinned: dict[int, list[int]] = {}         # a sink's blocks: never (no eviction policy here)
+        # per group: how many leading entries of each sequence's table are the null block
+        self._released: list[dict[int, int]] = [{} for _ in groups]
+
+    @property
+    def block_tables(self) -> dict[int, list[int]]:
+        return self.groups[0].block_tables
+
+    def group_tables(self, seq_id: int) -> list[list[int]]:
+        """The sequence's block table in each group."""
+        return [m.block_tables[seq_id] for m in self.groups]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds in all groups, written in chunks of at
+        most `chunk` tokens: all of its blocks in a full-attention group, those of a window and a chunk in a
+        sliding one."""
+        return sum(self.blocks_for(num_tokens) if g.sliding_window is None
+                   else window_blocks(g.sliding_window + chunk, self.block_size, num_tokens)
+                   for g in self.layer_groups)
+
+    def residual_cost(self, num_tokens: int) -> int:
+        return len(self.groups) * self.groups[0].residual_cost(num_tokens)
+
+    def num_new_blocks(self, seq_id: int, num_computed: int, num_new: int) -> int:
+        """Blocks `allocate` would take from the pool for this write, in all groups."""
+        return sum(m.num_new_blocks(seq_id, num_computed, num_new) for m in self.groups)
+
+    def allocate(self, seq_id: int, num_computed: int, num_new: int) -> list[tuple[int, int]]:
+        """Make room for tokens [num_computed, num_computed + num_new) in every group; returns the page
+        copies of copy-on-write (block ids are the pool's: each copies every page tensor)."""
+        needed = self.num_new_blocks(seq_id, num_computed, num_new)
+        if needed > self.pool.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {self.pool.num_free} free")
+        return [c for m in self.groups for c in m.allocate(seq_id, num_computed, num_new)]
+
+    def release_filled(self, seq_id: int, num_computed: int, num_new: int) -> None:
+        """After a step wrote tokens [num_computed, +num_new): what filled blocks borrowed returns, and each
+        sliding group lets go of the blocks no later query's window reaches."""
+        for m in self.groups:
+            m.release_filled(seq_id, num_computed, num_new)
+        self._release_past_window(seq_id, num_computed + num_new)
+
+    def _release_past_window(self, seq_id: int, next_position: int) -> None:
+        """Blocks wholly before the window of a query at next_position, (next_position - W, next_position]."""
+        for g, (group, m) in enumerate(zip(self.layer_groups, self.groups)):
+            if group.sliding_window is None or seq_id not in m.block_tables:
+                continue
+            table, released = m.block_tables[seq_id], self._released[g]
+            first = released.get(seq_id, 0)
+            last = min(len(table), max(0, next_position - group.sliding_window + 1) // self.block_size)
+            for j in range(first, last):
+                m.release([table[j]])
+                self.pool.incref(self.null_block)
+                table[j] = self.null_block
+            if last > first:
+                released[seq_id] = last
+
+    def cached_prefix(self, keys: list[BlockKey]) -> list[list[int]]:
+        """Each group's blocks of the longest prefix of `keys` that every group can start from: a
+        full-attention group holds all of its blocks, a sliding group those of the window of the token after
+        it (the null block before them). The same number of entries in every group."""
+        n, hits = len(keys), None
+        while hits is None or any(len(h) != n for h in hits):
+            hits = [self._group_hits(g, keys, n) for g in range(len(self.groups))]
+            n = min(len(h) for h in hits)
+        return hits
+
+    def _group_hits(self, g: int, keys: list[BlockKey], n: int) -> list[int]:
+        """Group g's table for the longest hit of at most n blocks."""
+        lookup, window = self.pool.lookup, self.layer_groups[g].sliding_window
+        if window is None:
+            hits = []
+            for key in keys[:n]:
+                block_id = lookup(key.in_group(g))
+                if block_id is None:
+                    break
+                hits.append(block_id)
+            return hits
+        # the token after a hit of h blocks attends to those from position h * bs - W + 1: scan back from n
+        # for the first h whose blocks from there are all cached
+        need = lambda h: h - max(0, h * self.block_size - window + 1) // self.block_size  # noqa: E731
+        if n and not need(n):         # a window of one token: the query attends to itself alone
+            return [self.null_block] * n
+        run: list[int] = []
+        for h in range(n, 0, -1):
+            block_id = lookup(keys[h - 1].in_group(g))
+            if block_id is None:
+                run = []
+                continue
+            run.append(block_id)
+            # blocks h-1 .. h-1+len(run)-1 are cached: a hit of h - 1 + len(run) blocks needs its last need() of them
+            end = h - 1 + len(run)
+            if len(run) >= need(end):
+                kept = list(reversed(run))[:need(end)]
+                return [self.null_block] * (end - len(kept)) + kept
+        return []
+
+    def num_hit_blocks(self, hits: list[list[int]]) -> int:
+        """Blocks of the prefix that a hit (cached_prefix's; [] where nothing was looked up) computes."""
+        return len(hits[0]) if hits else 0
+
+    def num_admit_blocks(self, hits: list[list[int]], num_tokens: int) -> int:
+        """Blocks that admitting a sequence over `hits` with its first num_tokens tokens takes from the pool."""
+        return sum(m.num_admit_blocks(h, num_tokens) for m, h in zip(self.groups, self._per_group(hits)))
+
+    def _per_group(self, hits: list[list[int]]) -> list[list[int]]:
+        """Each group's hit blocks ([]: no hit, as the scheduler passes where prefix caching is off)."""
+        return hits or [[] for _ in self.groups]
+
+    def share_prefix(self, seq_id: int, hits: list[list[int]]) -> None:
+        """Start each group's table of a sequence with its cached blocks (a prefix hit)."""
+        for g, (m, h) in enumerate(zip(self.groups, self._per_group(hits))):
+            m.share_prefix(seq_id, h)
+            nulls = next((i for i, b in enumerate(h) if b != self.null_block), len(h))
+            if nulls:
+                self._released[g][seq_id] = nulls
+
+    def cache_blocks(self, seq_id: int, first: int, keys: list[BlockKey]) -> None:
+        """Index blocks first, first + 1, ... of the sequence (now full) in every group, under its keys."""
+        for g, m in enumerate(self.groups):
+            m.cache_blocks(seq_id, first, [k.in_group(g) for k in keys])
+
+    def uncache_blocks(self, seq_id: int, first: int, keys: list[BlockKey]) -> None:
+        """Drop blocks first, first + 1, ... of the sequence from every group's prefix index."""
+        for g, m in enumerate(self.groups):
+            m.uncache_blocks(seq_id, first, [k.in_group(g) for k in keys])
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give `child_id` the parent's blocks in every group, shared by reference count."""
+        for m, released in zip(self.groups, self._released):
+            m.fork(parent_id, child_id)
+            if parent_id in released:
+                released[child_id] = released[parent_id]
+
+    def free(self, seq_id: int) -> None:
+        """Return a sequence's blocks in every group; shared blocks stay with their other owners."""
+        for m, released in zip(self.groups, self._released):
+            m.free(seq_id)
+            released.pop(seq_id, None)
+
+    def release(self, block_ids: list[int]) -> None:
+        self.groups[0].release(block_ids)
+
+    def blocks_per_group(self) -> list[int]:
+        """Blocks each group holds: those of its sequences' tables (a block shared by several counted once; the
+        null block not at all) and those their blocks being filled borrow."""
+        return list(self._held)
+
+
+class HybridKVStorage(KVStorage):
+    """The pages of a hybrid cache: `group_size` page tensors (or quantized layers) over the pool's block
+    ids, layer i reading and writing those of its place in its group (`slots[i]`). A block serves one group
+    at a time, so that copying a block copies every tensor's page."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, residuals: dict[int, list[int]],
+                 groups: list[LayerGroup], num_layers: int):
+        """`spec`: the pool's spec, whose num_layers is group_size(groups) (one block's page tensors)."""
+        super().__init__(spec, num_blocks, device, residuals)
+        self.slots, self.layer_group = layer_slots(groups, num_layers)
+
+    def layer(self, i: int) -> torch.Tensor | QuantizedLayer:
+        """Model layer i's cache: the pages of its place in its group."""
+        return self.layers[self.slots[i]]

@@ -1,0 +1,264 @@
+"""The hybrid KV cache (kv/hybrid.py): layer groups, a sliding group's blocks bounded by its window, prefix hits
+that need only a sliding group's last window, and no leak under prefix hits, forks and preemption."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import make_checkpoint
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.blocks import block_key
+from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, group_size, layer_groups, layer_slots
+
+WINDOW = 8
+
+
+def test_gemma3_1b_groups():
+    """26 layers, every sixth global (window 512): 4 full layers and 22 sliding ones, cut into groups of 4, the
+    last holding 2 (vLLM's rule): one block holds 4 layers' pages."""
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26))
+    groups = layer_groups(windows, 32768)
+    assert groups[0] == LayerGroup(None, (5, 11, 17, 23))
+    assert [g.sliding_window for g in groups[1:]] == [512] * 6
+    assert [len(g.layers) for g in groups] == [4, 4, 4, 4, 4, 4, 2]
+    assert group_size(groups) == 4
+    slots, owner = layer_slots(groups, 26)
+    assert (slots[5], owner[5], slots[24], owner[24], slots[25], owner[25]) == (0, 0, 0, 6, 1, 6)
+
+
+@pytest.mark.parametrize("windows, max_model_len, expected", [
+    ((4096, None, 4096, None), 8192, [LayerGroup(None, (1, 3)), LayerGroup(4096, (0, 2))]),    # Gemma 2
+    ((4096,) * 3, 8192, [LayerGroup(4096, (0, 1, 2))]),                                       # Mistral
+    ((4096, None, 4096, None), 4096, [LayerGroup(None, (0, 1, 2, 3))]),   # a window that never binds
+    ((None, 16, 16, 16, 16), 64, [LayerGroup(None, (0,)), *(LayerGroup(16, (i,)) for i in range(1, 5))]),
+    ((16,) * 9 + (None,) * 8, 64,      # 9 and 8 layers: within a quarter, padded to 9 rather than cut
+     [LayerGroup(None, tuple(range(9, 17))), LayerGroup(16, tuple(range(9)))]),
+    ((16,) * 5 + (None,) * 4, 64,      # 5 and 4 layers: cut into groups of 4
+     [LayerGroup(None, (5, 6, 7, 8)), LayerGroup(16, (0, 1, 2, 3)), LayerGroup(16, (4,))]),
+])
+def test_layer_groups(windows, max_model_len, expected):
+    assert layer_groups(windows, max_model_len) == expected
+
+
+def keys(tokens: list[int], block_size: int):
+    out, parent = [], None
+    for i in range(len(tokens) // block_size):
+        out.append(block_key(parent, tuple(tokens[i * block_size:(i + 1) * block_size]), None))
+        parent = out[-1].hash
+    return out
+
+
+def live(table: list[int], kv: HybridKVCacheManager) -> int:
+    return sum(b != kv.null_block for b in table)
+
+
+def hybrid(num_blocks: int = 64, block_size: int = 4) -> HybridKVCacheManager:
+    return HybridKVCacheManager(num_blocks, block_size, [LayerGroup(None, (0,)), LayerGroup(WINDOW, (1,))])
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 4])
+def test_a_sliding_group_holds_its_window_only(block_size):
+    """A sequence of 4x the window, a prompt chunk then one token a step: the sliding group's table never holds
+    more than window/block_size + 1 blocks once decoding; the full group holds every token's; all return."""
+    kv = hybrid(128, block_size)
+    kv.allocate(0, 0, 5)
+    kv.release_filled(0, 0, 5)
+    for pos in range(5, 4 * WINDOW):
+        kv.allocate(0, pos, 1)
+        kv.release_filled(0, pos, 1)
+        full, sliding = kv.group_tables(0)
+        assert len(full) == len(sliding) == -(-(pos + 1) // block_size)
+        assert live(sliding, kv) <= -(-WINDOW // block_size) + 1
+        # the blocks a query at pos + 1 attends to are all there
+        assert all(b != kv.null_block for b in sliding[max(0, pos + 2 - WINDOW) // block_size:])
+    assert kv.blocks_per_group() == [-(-4 * WINDOW // block_size), live(sliding, kv)]
+    kv.free(0)
+    assert kv.num_free_blocks == kv.num_blocks - 1 and kv.pool.ref_counts[kv.null_block] == 1
+
+
+def test_prefix_hit_needs_only_the_sliding_window():
+    """A finished sequence of 8 blocks: the full group's blocks are all cached, the sliding group's first ones
+    went back to the pool early but stay indexed until reused. A hit takes the full group's 8 blocks and only
+    the sliding group's last window (the null block before it); once a block of that window is reused by
+    another sequence, the hit ends where the sliding group's cached run covers a window again."""
+    kv, bs = hybrid(64, 4), 4
+    tokens = list(range(100, 132))
+    ks = keys(tokens, bs)
+    kv.allocate(0, 0, 32)
+    kv.cache_blocks(0, 0, ks)
+    kv.release_filled(0, 0, 32)
+    assert live(kv.group_tables(0)[1], kv) == 2      # positions 25..31 for the query at 32: blocks 6, 7
+    kv.free(0)
+    hits = kv.cached_prefix(ks)
+    assert len(hits[0]) == len(hits[1]) == 8 and kv.null_block not in hits[0]
+    # the token after 8 blocks (position 32) attends to 25..31: blocks 6 and 7
+    assert hits[1][:6] == [kv.null_block] * 6 and kv.null_block not in hits[1][6:]
+    assert kv.num_hit_blocks(hits) == 8
+    # the sliding group's cached blocks 6 and 7 are reclaimed by their index; block 5 too, more recently freed
+    kv.share_prefix(1, hits)
+    kv.allocate(1, 32, 1)
+    kv.free(1)
+    sliding_block_5 = kv.pool.lookup(ks[5].in_group(1))
+    assert sliding_block_5 is not None
+    kv.pool.allocate(kv.num_free_blocks)     # every free block reused: the whole index is gone
+    assert kv.cached_prefix(ks) == [[], []]
+
+
+def test_a_missing_window_block_shortens_the_hit():
+    """With the sliding group's block 7 no longer cached, a hit of 8 blocks is impossible; one of 7 needs
+    blocks 5 and 6 of the sliding group (positions 21..27 for the query at 28), which it has."""
+    kv, bs = hybrid(64, 4), 4
+    ks = keys(list(range(32)), bs)
+    kv.allocate(0, 0, 32)
+    kv.cache_blocks(0, 0, ks)
+    kv.release_filled(0, 0, 32)
+    kv.free(0)
+    kv.pool.uncache(kv.pool.lookup(ks[7].in_group(1)), ks[7].in_group(1))
+    hits = kv.cached_prefix(ks)
+    assert len(hits[0]) == len(hits[1]) == 7
+    assert hits[1][:5] == [kv.null_block] * 5 and kv.null_block not in hits[1][5:]
+
+
+def check_ownership(kv: HybridKVCacheManager) -> None:
+    """The pool's reference counts are the tables' entries in every group (the null block's plus the one the
+    manager holds), and no owned block is free."""
+    occurrences = Counter(b for m in kv.groups for t in m.block_tables.values() for b in t)
+    occurrences[kv.null_block] += 1
+    owned = {b for b, n in occurrences.items() if n}
+    assert [kv.pool.ref_counts[b] for b in range(kv.num_blocks)] == [occurrences[b] for b in range(kv.num_blocks)]
+    assert not owned & set(kv.pool._free)
+    assert kv.pool.num_free + len(owned) == kv.num_blocks
+    for m, held in zip(kv.groups, kv.blocks_per_group()):
+        blocks = {b for t in m.block_tables.values() for b in t} - {kv.null_block}
+        assert held == len(blocks) + sum(len(kv.residuals.get(b, ())) for b in blocks)
+
+
+# ---------------------------------------------------------------- end to end, against the one-table cache
+
+SYSTEM = torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Three layers: two sliding (window 8), one global: three layer groups of one layer."""
+    return make_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", sliding_window=WINDOW, head_dim=16,
+                           num_hidden_layers=3, sliding_window_pattern=3)
+
+
+def test_gemma3_is_hybrid_and_bounded(gemma3):
+    """A request of 4x the window: the sliding groups hold at most window/block_size + 1 blocks while it decodes
+    (llm.stats()'s kv_groups), the global group all of its tokens' blocks; all of them return at the end."""
+    llm = LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32")
+    engine = llm.engine
+    assert [g.sliding_window for g in engine.kv_groups] == [None, WINDOW, WINDOW]
+    engine.add_request("r", {"prompt_token_ids": SYSTEM[:12]},
+                       SamplingParams(max_tokens=4 * WINDOW - 12, temperature=0, ignore_eos=True))
+    decoding = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        seq = engine.requests.get("r", [None])[0]
+        if seq is not None and seq.num_output_tokens > 1:
+            groups = engine.stats()["kv_groups"]
+            assert all(g["blocks_in_use"] <= WINDOW // 4 + 1 for g in groups[1:])
+            assert groups[0]["blocks_in_use"] == -(-seq.num_computed_tokens // 4)
+            decoding += 1
+    assert decoding > 0
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"] - 1   # the null block
+    check_ownership(engine.kv)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(suffixes=st.lists(st.integers(0, 12), min_size=1, max_size=5), ns=st.lists(st.integers(1, 3), min_size=5,
+       max_size=5), block_size=st.integers(2, 5), spare=st.integers(0, 8), budget=st.integers(4, 40),
+       max_tokens=st.integers(1, 12), prefix_caching=st.booleans())
+def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block_size, spare, budget, max_tokens,
+                                                     prefix_caching):
+    """Prefix hits past the window, forks with copy-on-write, eviction of cached blocks and preemption, mixed
+    at random over three layer groups (with prefix caching on or off): the tokens of the one-table cache, and
+    every block back in the end."""
+    prompts = [{"prompt_token_ids": SYSTEM[:20] + SYSTEM[-k:]} if k else {"prompt_token_ids": SYSTEM[:23]}
+               for k in suffixes]
+    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True)
+              for n in ns[:len(prompts)]]
+    ref = LLM(str(gemma3), block_size=block_size, num_kv_blocks=512, enable_prefix_caching=False,
+              disable_hybrid_kv_cache_manager=True, dtype="float32")
+    expected = [[o.token_ids for o in out.outputs] for out in ref.generate(prompts, params, use_tqdm=False)]
+    need = max(-(-(len(p["prompt_token_ids"]) + max_tokens) // block_size) for p in prompts)
+    llm = LLM(str(gemma3), block_size=block_size, num_kv_blocks=3 * need + 4 + spare, max_num_batched_tokens=budget,
+              dtype="float32", enable_prefix_caching=prefix_caching)
+    engine, results = llm.engine, {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = [o.token_ids for o in out.outputs]
+        check_ownership(engine.kv)
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_pages_per_group(gemma3, kv_cache_dtype):
+    """Quantized pages in every group (int4's blocks being filled borrowing from the one pool): the same tokens
+    and logits as the one-table cache quantized alike, in chunks across the window, with a prefix hit."""
+    prompts = [{"prompt_token_ids": SYSTEM[:30]}, {"prompt_token_ids": SYSTEM[:26] + [5, 6, 7]}]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    kw = dict(block_size=4, num_kv_blocks=96, dtype="float32", kv_cache_dtype=kv_cache_dtype,
+              long_prefill_token_threshold=12)
+    outs = []
+    for disable in (True, False):
+        llm = LLM(str(gemma3), disable_hybrid_kv_cache_manager=disable, **kw)
+        outs.append([llm.generate(p, params, use_tqdm=False)[0].outputs[0] for p in prompts])
+    assert len(llm.engine.kv_groups) == 3 and llm.stats()["prefix_cache_hits"] > 0
+    for ref, ours in zip(*outs):
+        assert ours.token_ids == ref.token_ids
+        for a, b in zip(ours.logprobs, ref.logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    check_ownership(llm.engine.kv)
+
+
+def test_one_table_executors_need_one_group():
+    """The native C step and CUDA graphs read one block table for every layer: a hybrid cache of several
+    layer groups decodes eagerly (one group of sliding layers, Mistral's, keeps them)."""
+    from kvserve.attention.triton import TritonBackend
+    from kvserve.config import EngineConfig
+    from kvserve.engine.executor import cuda_graphs_wanted
+    from kvserve.kv.spec import KVSpec
+
+    config, spec = EngineConfig(), KVSpec(2, 1, 16, torch.float32)
+    wanted = [cuda_graphs_wanted(config, torch.device("cuda"), spec, TritonBackend(), n) for n in (0, 1, 3)]
+    assert wanted == [True, True, False]
+
+
+def test_a_request_that_cannot_fit_names_the_chunk(gemma3):
+    """A 40-token prompt and a token written in one chunk hold all their blocks in each of the three groups (3 x 11
+    blocks of 4 tokens): refused in a pool of 21 with the way out; in chunks of 8, its sliding groups hold their
+    window and a chunk (5 blocks each at most) and it fits, with the one-table cache's tokens."""
+    with pytest.raises(ValueError, match="needs 33 KV blocks of 4 tokens; the whole pool has 21; a smaller "
+                                         "long_prefill_token_threshold"):
+        LLM(str(gemma3), block_size=4, num_kv_blocks=21, dtype="float32").generate(
+            {"prompt_token_ids": SYSTEM}, SamplingParams(max_tokens=1), use_tqdm=False)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    chunked = LLM(str(gemma3), block_size=4, num_kv_blocks=21, dtype="float32", long_prefill_token_threshold=8)
+    whole = LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", disable_hybrid_kv_cache_manager=True)
+    assert [o.outputs[0].token_ids for o in chunked.generate({"prompt_token_ids": SYSTEM}, params, use_tqdm=False)] \
+        == [o.outputs[0].token_ids for o in whole.generate({"prompt_token_ids": SYSTEM}, params, use_tqdm=False)]
+
+
+def test_a_window_of_one_token_never_indexes_the_null_block():
+    """With a window of 1, a block leaves the window as soon as it fills: indexing it afterwards (as a multi-step
+    decode does) must not put the null block in the prefix index, where a hit would read it as tokens."""
+    kv = HybridKVCacheManager(16, 2, [LayerGroup(None, (0,)), LayerGroup(1, (1,))])
+    ks = keys([5, 6, 7, 8], 2)
+    kv.allocate(0, 0, 4)
+    kv.release_filled(0, 0, 4)
+    assert kv.group_tables(0)[1] == [kv.null_block, kv.null_block]
+    kv.cache_blocks(0, 0, ks)
+    assert kv.pool.keys[kv.null_block] is None
+    hits = kv.cached_prefix(ks)
+    assert len(hits[0]) == 2 and hits[1] == [kv.null_block] * 2     # the next query needs no cached token
