@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "greedy batches); 1: one a call")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, and outputs have token ids but no text")
+    p.add_argument("--kv-offload", default=None, metavar="disk:PATH|cpu",
+                   help="a second tier for the blocks the prefix cache evicts: disk:PATH keeps them in files that "
+                        "a restarted engine finds; cpu (CUDA only) in pinned host memory")
+    p.add_argument("--kv-offload-size", default=None, help="the tier's size, e.g. 16GiB (default 16GiB)")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -62,7 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
-            "cpu_allocator_tuning", "skip_tokenizer_init"]
+            "cpu_allocator_tuning", "skip_tokenizer_init", "kv_offload", "kv_offload_size"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -207,11 +207,25 @@ class EngineConfig:
     cpu_allocator_tuning: bool = False
     # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
     skip_tokenizer_init: bool = False
+    # a second tier for blocks the prefix cache evicts: "disk:PATH" (kept across restarts), or "cpu" (pinned
+    # host memory, for a CUDA pool); kv_offload_size bounds it (default 16 GiB)
+    kv_offload: str | None = None
+    kv_offload_size: int | str | None = None
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
+        from kvserve.kv.offload import parse_kv_offload
 
         parse_eviction(self.eviction)
+        parse_kv_offload(self.kv_offload)
+        if self.kv_offload_size is not None:
+            try:
+                self.kv_offload_size = parse_bytes(self.kv_offload_size)
+            except ValueError as e:
+                raise ValueError(f"kv_offload_size: {e}") from None
+        if self.kv_offload is not None and not (self.cache_mode == "paged" and self.enable_prefix_caching):
+            raise ValueError("kv_offload keeps blocks of the prefix cache: it needs cache_mode 'paged' and "
+                             "enable_prefix_caching")
         if self.eviction is not None and self.cache_mode != "paged":
             raise ValueError(f"eviction needs cache_mode 'paged' (it drops blocks), got {self.cache_mode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

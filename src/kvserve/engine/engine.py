@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from itertools import count
 
@@ -23,6 +24,8 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
+from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVOffloader, TierCompat, model_identity,
+                                parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -61,8 +64,9 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
                                                 config.long_prefill_token_threshold)
         self.cache_config, self.kv, self.storage = self._init_cache(config)
+        self.offload = self._init_offload(config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
-                                   config.enable_prefix_caching and config.cache_mode == "paged")
+                                   config.enable_prefix_caching and config.cache_mode == "paged", self.offload)
         self._final_only: set[str] = set()              # requests reported only when finished
         executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
                                     self.scheduler, self._final_only, self.max_model_len)
@@ -117,6 +121,37 @@ class LLMEngine:
                  "max_model_len %d: %.2fx", num_blocks, block_size, num_blocks * block_size, config.kv_cache_dtype,
                  storage.nbytes / 2**20, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
         return cache, kv, storage
+
+    def _init_offload(self, config: EngineConfig) -> KVOffloader | None:
+        """The second tier of kv_offload, fed by the pool's evictions; closed (the pool's cached blocks
+        written to it, its writer stopped) by close(), when the engine is collected, or at exit."""
+        spec = parse_kv_offload(config.kv_offload)
+        if spec is None:
+            return None
+        size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
+        kv_spec = self.kv_spec
+        if spec.kind == "cpu":
+            if self.device.type != "cuda":
+                raise ValueError(f"kv_offload 'cpu' keeps blocks in host memory, where this engine's KV pool already "
+                                 f"is (device {self.device.type}): use kv_offload='disk:PATH' for a second tier")
+            tier = HostTier(size, kv_spec.bytes_per_block, pin_memory=True)
+        else:
+            compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
+                                kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
+                                kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)))
+            tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
+        offload = KVOffloader(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks, self.device)
+        self.kv.pool.on_evict = offload.save
+        self._close_offload = weakref.finalize(self, offload.close)
+        log.info("KV offload: %s, %.2f GiB", config.kv_offload, size / 2**30)
+        return offload
+
+    def close(self) -> None:
+        """Release what outlives a step: with kv_offload, the pool's cached blocks go to the tier (a disk
+        tier keeps them for the next engine) and its writer stops; the tier takes no block after (it still
+        serves what it holds)."""
+        if self.offload is not None:
+            self._close_offload()
 
     def _gpu_kv_memory(self, config: EngineConfig) -> int:
         """On a GPU with no size given: the KV pool's bytes, from one step of the largest batch."""
@@ -434,4 +469,6 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
+            "kv_offload": self.config.kv_offload,
+            **(self.offload.stats() if self.offload is not None else {}),
         }
