@@ -105,7 +105,8 @@ def load_weights(model: CausalLM, path: Path) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
                                      f"expected {tuple(dst.shape)}")
                 dst.copy_(src)
-                missing.discard(_part(target, shard))
+                # a checkpoint's fused tensor (Phi-3's qkv_proj, gate_up_proj) fills every shard of its parameter
+                missing -= {_part(target, s) for s in ([shard] if shard is not None else _shards_of(target))}
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(sorted(missing))}")
 
