@@ -17,7 +17,7 @@ from kvserve.cli import build_parser, engine_kwargs
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv import offload as offload_module
 from kvserve.kv.blocks import BlockKey, block_key
-from kvserve.kv.offload import SUFFIX, DiskTier, HostTier, KVOffloader
+from kvserve.kv.offload import SUFFIX, DiskTier, HostTier, KVOffloader, SwapCosts, swap_is_cheaper
 from kvserve.server.metrics import EngineCollector
 from tiny_models import make_checkpoint
 
@@ -42,7 +42,8 @@ def prompts(*token_lists) -> list[dict]:
 
 
 def tiered(ckpt, tier: Path, size="1MiB", **kw) -> LLM:
-    kw = {"block_size": BS, "num_kv_blocks": 8, **kw}
+    # a preemption recomputes unless a test asks for swap: the measured choice differs from one machine to another
+    kw = {"block_size": BS, "num_kv_blocks": 8, "preemption_mode": "recompute", **kw}
     return LLM(str(ckpt), kv_offload=f"disk:{tier}", kv_offload_size=size, **kw)
 
 
@@ -159,6 +160,76 @@ def test_a_batch_with_preemptions_equals_one_without_the_tier(ckpt, tmp_path):
         check_pool(llm)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_offload_hit_tokens"] > 0
+
+
+LONG = [ids(13, s) for s in range(4)]
+FORKS = SamplingParams(n=2, max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
+def test_preemption_by_swap_changes_no_output(ckpt, tmp_path, kv_cache_dtype):
+    """Forks that grow past a small pool: preempted ones go to the tier and resume over the blocks read
+    back from it (the pool has given theirs to others), exactly as the same engine without a tier
+    recomputes them."""
+    kw = {"block_size": BS, "num_kv_blocks": 24, "kv_cache_dtype": kv_cache_dtype}
+    llm = tiered(ckpt, tmp_path / "tier", preemption_mode="swap", **kw)
+    outs = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+    assert_same(outs, LLM(str(ckpt), **kw).generate(prompts(*LONG), FORKS, use_tqdm=False))
+    check_pool(llm)
+    stats = llm.stats()
+    assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
+    assert stats["kv_offload_swap_in_blocks"] > 0 and stats["kv_offload_recomputes"] == 0
+
+
+def test_swap_reads_back_what_recompute_computes_again(ckpt, tmp_path, monkeypatch):
+    """With a writer that takes one block at a time, most blocks the pool evicts are skipped: a sequence
+    left to recompute finds few of its blocks again. One swapped out has its blocks written whole (the
+    swap waits for the writer) and computes no token twice: the same tokens as a pool that never
+    preempts, for the same outputs."""
+    monkeypatch.setattr(offload_module, "WRITE_QUEUE_BYTES", 1)
+    computed, outs, stats = {}, {}, {}
+    for name, mode, blocks in (("swap", "swap", 24), ("recompute", "recompute", 24), ("never", "recompute", 64)):
+        llm = tiered(ckpt, tmp_path / name, num_kv_blocks=blocks, preemption_mode=mode)
+        steps = computed_tokens(llm)
+        outs[name] = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+        computed[name], stats[name] = sum(steps), llm.stats()
+    assert stats["never"]["num_preemptions"] == 0
+    assert computed["swap"] == computed["never"] < computed["recompute"]
+    assert_same(outs["swap"], outs["never"])
+    assert_same(outs["recompute"], outs["never"])
+    assert stats["swap"]["kv_offload_swap_outs"] > 0 and stats["swap"]["kv_offload_recomputes"] == 0
+    assert stats["recompute"]["kv_offload_recomputes"] > 0 and stats["recompute"]["kv_offload_swap_outs"] == 0
+
+
+def test_swap_or_recompute_by_the_measured_costs():
+    """Swapping moves bytes, linear in the blocks; recomputing grows with the square of the tokens: short
+    sequences recompute, long ones swap, and a block the tier holds already costs only its read."""
+    costs = SwapCosts(prefill_s_per_token=1.0, prefill_s_per_token2=0.01, write_s_per_block=6.0,
+                      read_s_per_block=2.0)
+    assert not swap_is_cheaper(costs, 2, 0, BS)       # 8 + 0.64 s to recompute, 12 + 4 s to swap
+    assert swap_is_cheaper(costs, 100, 0, BS)         # 400 + 1600 s to recompute, 600 + 200 s to swap
+    assert swap_is_cheaper(costs, 2, 2, BS)           # both stored already: 4 s to read back
+    linear = SwapCosts(1.0, 0.0, 6.0, 2.0)
+    assert not swap_is_cheaper(linear, 100, 0, BS)    # 400 s to recompute
+
+
+def test_an_engine_measures_the_costs_at_start_up_and_counts_each_preemption(ckpt, tmp_path):
+    llm = LLM(str(ckpt), block_size=BS, num_kv_blocks=24, kv_offload=f"disk:{tmp_path / 'tier'}")
+    costs = llm.engine.offload.swap_costs
+    assert costs.prefill_s_per_token > 0 and costs.write_s_per_block > 0 and costs.read_s_per_block > 0
+    llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["kv_offload_swap_outs"] + stats["kv_offload_recomputes"] == stats["num_preemptions"] > 0
+
+
+def test_no_swap_past_the_tier_or_once_it_is_closed(ckpt, tmp_path):
+    llm = tiered(ckpt, tmp_path / "tier", size="1MiB", preemption_mode="swap")
+    offload, tier = llm.engine.offload, llm.engine.offload.tier
+    keys = [block_key(None, (i,) * BS, None) for i in range(3)]
+    assert offload.should_swap(keys) and not offload.should_swap([])
+    assert not offload.should_swap(keys * (2**20 // (3 * tier.file_bytes(keys[0])) + 1))   # more than 1 MiB
+    llm.engine.close()
+    assert not offload.should_swap(keys)
 
 
 def test_a_corrupt_file_is_removed_and_never_served(ckpt, tmp_path):
@@ -327,7 +398,10 @@ def test_the_cpu_tier_is_refused_on_a_cpu_engine(ckpt):
                                            ({"kv_offload": "disk:"}, "kv_offload"),
                                            ({"kv_offload_size": "lots"}, "kv_offload_size"),
                                            ({"kv_offload": "disk:/tmp/x", "enable_prefix_caching": False},
-                                            "enable_prefix_caching")])
+                                            "enable_prefix_caching"),
+                                           ({"kv_offload": "disk:/tmp/x", "preemption_mode": "swapp"},
+                                            "preemption_mode"),
+                                           ({"preemption_mode": "swap"}, "kv_offload")])
 def test_bad_settings_name_their_field(ckpt, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(str(ckpt), **kwargs)
@@ -392,6 +466,8 @@ def test_stats_reach_the_metrics(ckpt, tmp_path):
     text = generate_latest(registry).decode()
     assert 'kvserve:kv_offload_hit_tokens_total{model_name="tiny"} 20.0' in text
     assert 'kvserve:kv_offload_loads_total{model_name="tiny"} 5.0' in text
+    assert 'kvserve:kv_offload_swap_outs_total{model_name="tiny"} 0.0' in text
+    assert f'kvserve:kv_offload_recomputes_total{{model_name="tiny"}} {float(llm.stats()["num_preemptions"])}' in text
     assert f'kvserve:kv_offload_bytes{{model_name="tiny"}} {float(llm.stats()["kv_offload_bytes"])}' in text
     plain = CollectorRegistry()
     plain.register(EngineCollector(LLM(str(ckpt), block_size=BS, num_kv_blocks=8).stats, "tiny"))
@@ -403,6 +479,9 @@ def test_engine_flags(tmp_path):
                                       "--kv-offload-size", "2GiB"])
     kwargs = engine_kwargs(args)
     assert kwargs["kv_offload"] == f"disk:{tmp_path}" and kwargs["kv_offload_size"] == "2GiB"
+    assert kwargs["preemption_mode"] is None
+    args = build_parser().parse_args(["generate", "hi", "--kv-offload", f"disk:{tmp_path}", "--preemption-mode", "swap"])
+    assert engine_kwargs(args)["preemption_mode"] == "swap"
 
 
 def test_plan_counts_the_prefix_tokens_a_tier_keeps(capsys):

@@ -1,6 +1,6 @@
-"""A property of the second KV tier: random workloads over a small pool and a small tier, with restarts,
-never leak a pool block, never serve a block under another key, never let the tier pass its size, and
-(full-precision pages) never change an output."""
+"""A property of the second KV tier: random workloads over a small pool and a small tier, with restarts and
+preemptions (by swap or recompute), never leak a pool block, never serve a block under another key, never
+let the tier pass its size, and (full-precision pages) never change an output."""
 from __future__ import annotations
 
 from collections import Counter
@@ -76,16 +76,18 @@ def check_pool(llm: LLM) -> None:
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(workload=workloads, tier_blocks=st.integers(1, 10), pool=st.integers(18, 26),
-       restart_at=st.integers(0, 5), kv_cache_dtype=st.sampled_from(["auto", "int8", "int4"]))
+       restart_at=st.integers(0, 5), kv_cache_dtype=st.sampled_from(["auto", "int8", "int4"]),
+       preemption_mode=st.sampled_from(["swap", "recompute"]))
 def test_random_workloads(ckpt, file_bytes, tmp_path_factory, workload, tier_blocks, pool, restart_at,
-                          kv_cache_dtype):
+                          kv_cache_dtype, preemption_mode):
     tier = tmp_path_factory.mktemp("tier")
     capacity = tier_blocks * file_bytes
     kw = {"block_size": BS, "num_kv_blocks": pool, "kv_cache_dtype": kv_cache_dtype}
     stored: dict = {}
 
     def engine() -> LLM:
-        llm = LLM(str(ckpt), kv_offload=f"disk:{tier}", kv_offload_size=capacity, **kw)
+        llm = LLM(str(ckpt), kv_offload=f"disk:{tier}", kv_offload_size=capacity, preemption_mode=preemption_mode,
+                  **kw)
         watch(llm, stored)
         return llm
 

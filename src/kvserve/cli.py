@@ -52,6 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a second tier for the blocks the prefix cache evicts: disk:PATH keeps them in files that "
                         "a restarted engine finds; cpu (CUDA only) in pinned host memory")
     p.add_argument("--kv-offload-size", default=None, help="the tier's size, e.g. 16GiB (default 16GiB)")
+    p.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
+                   help="with --kv-offload, what a preempted sequence's blocks do: swap (written to the tier and "
+                        "read back when it resumes) or recompute; by default, whichever a prefill and a transfer "
+                        "timed at start-up say costs less")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -66,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
-            "cpu_allocator_tuning", "skip_tokenizer_init", "kv_offload", "kv_offload_size"]
+            "cpu_allocator_tuning", "skip_tokenizer_init", "kv_offload", "kv_offload_size",
+            "preemption_mode"]
     return {k: getattr(args, k) for k in keys}
 
 

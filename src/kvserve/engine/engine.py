@@ -16,7 +16,7 @@ from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.executor import build_executors, native_decode_wanted
-from kvserve.engine.gpu_memory import profile_kv_memory
+from kvserve.engine.gpu_memory import dummy_forward, profile_kv_memory
 from kvserve.engine.native_decode import prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -24,8 +24,8 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
-from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVOffloader, TierCompat, model_identity,
-                                parse_kv_offload)
+from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVOffloader, SwapCosts, TierCompat,
+                                measure_prefill, model_identity, parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -139,10 +139,28 @@ class LLMEngine:
                                 kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)))
             tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
         offload = KVOffloader(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks, self.device)
+        offload.preemption_mode = config.preemption_mode
+        if config.preemption_mode is None:
+            offload.swap_costs = self._measure_swap_costs(offload)
         self.kv.pool.on_evict = offload.save
         self._close_offload = weakref.finalize(self, offload.close)
         log.info("KV offload: %s, %.2f GiB", config.kv_offload, size / 2**30)
         return offload
+
+    def _measure_swap_costs(self, offload: KVOffloader) -> SwapCosts:
+        """What a preempted sequence costs to recompute (prefills of the model, without a cache) and to swap
+        (blocks of the pool through the tier), timed now, before any request."""
+        def prefill(num_tokens: int) -> None:
+            dummy_forward(self.model, self.backend, self.device, num_tokens, self.max_model_len, 1)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        tokens = max(1, min(128, self.max_model_len // 2, self.scheduler_config.max_num_batched_tokens // 2))
+        costs = SwapCosts(*measure_prefill(prefill, tokens), *offload.measure_transfer())
+        bs = self.kv.block_size
+        log.info("KV offload: recomputing a block of %d tokens takes %.3g ms or more, swapping it out and in %.3g ms",
+                 bs, 1e3 * costs.prefill_s_per_token * bs, 1e3 * (costs.write_s_per_block + costs.read_s_per_block))
+        return costs
 
     def close(self) -> None:
         """Release what outlives a step: with kv_offload, the pool's cached blocks go to the tier (a disk

@@ -99,7 +99,7 @@ class Scheduler:
         """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
         while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_tokens_in_cache, n)) > self.kv.num_free_blocks:
             victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
-            self.preempt(victim)
+            self.preempt(victim, swap=self._should_swap(victim))
             if victim is seq:
                 return False
         if needed:       # most decode steps write into the last block, theirs alone: nothing to take
@@ -156,7 +156,10 @@ class Scheduler:
             seq.num_cached_tokens = computed
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += len(hits) * bs
-        if self.offload and rest:
+        if seq.num_swapped_blocks:
+            self.offload.count_swap_in(offloaded)
+            seq.num_swapped_blocks = 0
+        elif self.offload and rest:
             self.offload.count(offloaded * bs, (len(rest) - offloaded) * bs)
         kv.share_prefix(seq.seq_id, hits)
         seq.num_indexed_blocks, seq.num_computed_tokens = len(hits), computed
@@ -230,8 +233,23 @@ class Scheduler:
         self.kv.fork(parent.seq_id, child.seq_id)
         self.running.append(child)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and requeue it at the front, to be recomputed."""
+    def _should_swap(self, seq: Sequence) -> bool:
+        """Whether preempting `seq` swaps its full blocks out to the second tier (KVOffloader.should_swap)
+        rather than leaving them to be recomputed. Never for a sequence that evicted tokens: its blocks no
+        longer hold what their keys name."""
+        if self.offload is None or seq.num_evicted_tokens:
+            return False
+        return self.offload.should_swap(seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens))
+
+    def preempt(self, seq: Sequence, swap: bool = False) -> None:
+        """Free a running sequence's blocks and requeue it at the front: to be recomputed, or with `swap`,
+        after its full blocks are written to the second tier, to read them back when it resumes."""
+        if swap:
+            keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
+            self.offload.swap_out(list(zip(self.kv.block_tables[seq.seq_id], keys)))
+            seq.num_swapped_blocks = len(keys)
+        elif self.offload is not None:
+            self.offload.count_recompute()
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.reset_cache_state()

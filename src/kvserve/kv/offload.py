@@ -155,6 +155,10 @@ class Tier:
     def contains(self, block_hash: bytes) -> bool:
         return self.has(block_hash)
 
+    def touch(self, block_hash: bytes) -> None:
+        """Count a block the tier holds as just used: the last one its eviction takes."""
+        raise NotImplementedError
+
     def room(self) -> int:
         """How many blocks put takes now without waiting (the rest would be skipped)."""
         raise NotImplementedError
@@ -163,6 +167,15 @@ class Tier:
         raise NotImplementedError
 
     def get(self, key: BlockKey) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def file_bytes(self, key: BlockKey) -> int:
+        """The tier's bytes that the block of `key` takes."""
+        return self.block_bytes
+
+    def probe(self, data: torch.Tensor) -> tuple[float, float]:
+        """Seconds to store the blocks `data` [n, block_bytes] as the tier stores blocks, and to read them
+        back; the tier keeps nothing of them."""
         raise NotImplementedError
 
     @property
@@ -199,6 +212,10 @@ class HostTier(Tier):
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self._index
 
+    def touch(self, block_hash: bytes) -> None:
+        if block_hash in self._index:
+            self._index.move_to_end(block_hash)
+
     def room(self) -> int:
         return len(self.slab)
 
@@ -226,6 +243,17 @@ class HostTier(Tier):
         self._index.move_to_end(key.hash)
         self.counters.bytes_read += self.block_bytes
         return self.slab[entry[0]].clone()
+
+    def probe(self, data: torch.Tensor) -> tuple[float, float]:
+        """Copy `data` into host memory like the slab's, and back where it came from."""
+        host = torch.empty(data.shape, dtype=torch.uint8, pin_memory=self.slab.is_pinned())
+        start = time.perf_counter()
+        host.copy_(data)
+        _synchronize(data.device)
+        stored = time.perf_counter()
+        data.copy_(host)
+        _synchronize(data.device)
+        return stored - start, time.perf_counter() - stored
 
     @property
     def used_bytes(self) -> int:
@@ -353,6 +381,11 @@ class DiskTier(Tier):
         with self._lock:
             return block_hash in self._pending or block_hash in self._index
 
+    def touch(self, block_hash: bytes) -> None:
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+
     def contains(self, block_hash: bytes) -> bool:
         """Also true for a file another engine sharing the directory has written."""
         return self.has(block_hash) or self._path(block_hash).exists()
@@ -398,6 +431,23 @@ class DiskTier(Tier):
             pass
         self.counters.bytes_read += size
         return torch.frombuffer(raw, dtype=torch.uint8, offset=start, count=self.block_bytes)
+
+    def probe(self, data: torch.Tensor) -> tuple[float, float]:
+        """Write each row of `data` as a file here (as the writer does: atomically) and read it back (as get
+        does); the files are removed."""
+        paths = [self.dir / f"probe-{os.getpid()}-{i}" for i in range(len(data))]
+        try:
+            start = time.perf_counter()
+            for path, row in zip(paths, data):
+                self._write_atomic(path, [row.numpy().data])
+            stored = time.perf_counter()
+            for path in paths:
+                with open(path, "rb") as f:
+                    f.readinto(bytearray(os.fstat(f.fileno()).st_size))
+            return stored - start, time.perf_counter() - stored
+        finally:
+            for path in paths:
+                _remove(path)
 
     def _forget(self, block_hash: bytes) -> None:
         with self._lock:
@@ -501,6 +551,11 @@ class DiskTier(Tier):
             self._writer.join()
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _checksum(parts: Iterable) -> bytes:
     crc = 0
     for part in parts:
@@ -523,6 +578,55 @@ class OffloadCounters:
     hit_tokens: int = 0       # prompt tokens of blocks found in the tier, past the pool's hits
     miss_tokens: int = 0      # tokens of full blocks past those that neither the pool nor the tier held
     loads: int = 0            # blocks loaded from the tier into the pool
+    swap_outs: int = 0        # preemptions that wrote the sequence's full blocks to the tier
+    swap_out_blocks: int = 0
+    swap_ins: int = 0         # resumptions of sequences swapped out
+    swap_in_blocks: int = 0   # blocks those resumptions loaded from the tier (the rest the pool still held)
+    recomputes: int = 0       # preemptions left to recompute the sequence
+
+
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(frozen=True)
+class SwapCosts:
+    """What a preempted sequence's full blocks cost to recompute or to move, measured at start-up: a
+    prefill of T tokens takes prefill_s_per_token * T + prefill_s_per_token2 * T**2 seconds (attention
+    grows with the square); a block takes write_s_per_block to go from the pool to the tier, and
+    read_s_per_block to come back."""
+
+    prefill_s_per_token: float
+    prefill_s_per_token2: float
+    write_s_per_block: float
+    read_s_per_block: float
+
+
+def swap_is_cheaper(costs: SwapCosts, num_blocks: int, num_stored: int, block_size: int) -> bool:
+    """Whether swapping a preempted sequence's `num_blocks` full blocks (writing those of them the tier
+    lacks, all but `num_stored`, then reading them all back) takes less time than recomputing their
+    tokens from scratch."""
+    tokens = num_blocks * block_size
+    recompute = costs.prefill_s_per_token * tokens + costs.prefill_s_per_token2 * tokens ** 2
+    swap = costs.write_s_per_block * (num_blocks - num_stored) + costs.read_s_per_block * num_blocks
+    return swap < recompute
+
+
+def measure_prefill(prefill: Callable[[int], None], tokens: int, repeats: int = 3) -> tuple[float, float]:
+    """(seconds a token, seconds a token squared) of prefills, fitted to the fastest of `repeats` runs of
+    `prefill(tokens)` and of `prefill(2 * tokens)` (the fastest: a run on shared cores is slowed, never
+    sped up, by what else runs)."""
+    def fastest(n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            prefill(n)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    t1, t2 = fastest(tokens), fastest(2 * tokens)
+    # t(T) = a T + b T^2 through both points; b < 0 is noise on a prefill too short for attention to show
+    b = max(0.0, (t2 - 2 * t1) / (2 * tokens ** 2))
+    return max(0.0, t1 / tokens - b * tokens), b
 
 
 class KVOffloader:
@@ -535,6 +639,9 @@ class KVOffloader:
         self.tier, self.pool, self.device = tier, pool, device
         self.read_blocks, self.write_blocks = read_blocks, write_blocks
         self.counters = OffloadCounters()
+        # how a preemption is chosen: 'swap' or 'recompute' always, or by these costs (preemption_mode None)
+        self.preemption_mode: str | None = "recompute"
+        self.swap_costs: SwapCosts | None = None
         self._closed = False
 
     def save(self, evicted: list[tuple[int, BlockKey]], wait: bool = False) -> None:
@@ -581,6 +688,56 @@ class KVOffloader:
         self.counters.hit_tokens += hit_tokens
         self.counters.miss_tokens += miss_tokens
 
+    def measure_transfer(self, num_blocks: int = 8, repeats: int = 3) -> tuple[float, float]:
+        """Seconds a block takes to go from the pool into the tier, and back, timed on `num_blocks` of the
+        pool's blocks (their pages stay as they are); the fastest of `repeats` runs (the first also pays
+        for touching pages never used before)."""
+        ids = list(range(min(num_blocks, self.pool.num_blocks)))
+        out, back = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data = self.read_blocks(ids)
+            if self.tier.wants_host_memory:
+                data = data.cpu()
+            _synchronize(self.device)
+            copied = time.perf_counter() - start
+            stored, read = self.tier.probe(data)
+            start = time.perf_counter()
+            self.write_blocks(ids, data)
+            _synchronize(self.device)
+            out.append(copied + stored)
+            back.append(read + time.perf_counter() - start)
+        return min(out) / len(ids), min(back) / len(ids)
+
+    def should_swap(self, keys: list[BlockKey]) -> bool:
+        """Whether a preempted sequence whose full blocks hold `keys` goes to the tier rather than being
+        recomputed: by preemption_mode, or (None) by the measured costs; never when the blocks would not
+        all fit in the tier together, or once the tier is closed."""
+        if not keys or self._closed or self.preemption_mode == "recompute":
+            return False
+        if sum(self.tier.file_bytes(k) for k in keys) > self.tier.capacity:
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        stored = sum(self.tier.has(k.hash) for k in keys)
+        return swap_is_cheaper(self.swap_costs, len(keys), stored, len(keys[0].token_ids))
+
+    def swap_out(self, blocks: list[tuple[int, BlockKey]]) -> None:
+        """Write a preempted sequence's full blocks to the tier, waiting for room rather than skipping any:
+        its resumption reads them back (Scheduler._allocate_for_admission) instead of recomputing them."""
+        for _, key in blocks:      # those it holds already are the last it evicts now
+            self.tier.touch(key.hash)
+        self.save(blocks, wait=True)
+        self.counters.swap_outs += 1
+        self.counters.swap_out_blocks += len(blocks)
+
+    def count_recompute(self) -> None:
+        self.counters.recomputes += 1
+
+    def count_swap_in(self, num_loaded: int) -> None:
+        self.counters.swap_ins += 1
+        self.counters.swap_in_blocks += num_loaded
+
     def close(self) -> None:
         """Write the blocks still in the pool's prefix cache to the tier (so that a restart finds them
         too), wait for the writer, stop it. Idempotent."""
@@ -610,6 +767,11 @@ class KVOffloader:
             "kv_offload_hit_tokens": self.counters.hit_tokens,
             "kv_offload_miss_tokens": self.counters.miss_tokens,
             "kv_offload_loads": self.counters.loads,
+            "kv_offload_swap_outs": self.counters.swap_outs,
+            "kv_offload_swap_out_blocks": self.counters.swap_out_blocks,
+            "kv_offload_swap_ins": self.counters.swap_ins,
+            "kv_offload_swap_in_blocks": self.counters.swap_in_blocks,
+            "kv_offload_recomputes": self.counters.recomputes,
             "kv_offload_skipped": c.skipped,
             "kv_offload_evictions": c.evictions,
             "kv_offload_errors": c.errors,

@@ -61,7 +61,12 @@ class EngineCollector:
                           ("loads", "KV blocks loaded from the offload tier into the pool."),
                           ("skipped", "Evicted KV blocks not stored: the tier's writer queue was full."),
                           ("evictions", "KV blocks the offload tier dropped to make room."),
-                          ("errors", "Offload tier reads and writes that failed (corrupt files included).")):
+                          ("errors", "Offload tier reads and writes that failed (corrupt files included)."),
+                          ("swap_outs", "Preemptions that wrote the sequence's full KV blocks to the offload tier."),
+                          ("swap_out_blocks", "KV blocks written to the offload tier by preemptions."),
+                          ("swap_ins", "Resumptions of sequences swapped out to the offload tier."),
+                          ("swap_in_blocks", "KV blocks those resumptions loaded from the offload tier."),
+                          ("recomputes", "Preemptions left to recompute the sequence (with an offload tier).")):
             family = CounterMetricFamily(f"kvserve:kv_offload_{name}", doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), stats[f"kv_offload_{name}"])
             yield family
