@@ -575,8 +575,10 @@ def _remove(path: Path) -> None:
 class OffloadCounters:
     """What the engine has taken from the tier (stats: kv_offload_*)."""
 
-    hit_tokens: int = 0       # prompt tokens of blocks found in the tier, past the pool's hits
-    miss_tokens: int = 0      # tokens of full blocks past those that neither the pool nor the tier held
+    # tokens of blocks an admission found in the tier past the pool's hits, and of full blocks found in neither
+    # (a swapped-out sequence's resumption counts in swap_in_blocks instead)
+    hit_tokens: int = 0
+    miss_tokens: int = 0
     loads: int = 0            # blocks loaded from the tier into the pool
     swap_outs: int = 0        # preemptions that wrote the sequence's full blocks to the tier
     swap_out_blocks: int = 0
@@ -611,7 +613,7 @@ def swap_is_cheaper(costs: SwapCosts, num_blocks: int, num_stored: int, block_si
     return swap < recompute
 
 
-def measure_prefill(prefill: Callable[[int], None], tokens: int, repeats: int = 3) -> tuple[float, float]:
+def measure_prefill(prefill: Callable[[int], None], tokens: int, repeats: int = 2) -> tuple[float, float]:
     """(seconds a token, seconds a token squared) of prefills, fitted to the fastest of `repeats` runs of
     `prefill(tokens)` and of `prefill(2 * tokens)` (the fastest: a run on shared cores is slowed, never
     sped up, by what else runs)."""
