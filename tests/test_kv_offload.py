@@ -458,6 +458,25 @@ def test_offloader_round_trips_quantized_pages():
     assert torch.equal(storage.read_blocks([5, 4, 3]), before)
 
 
+def test_timing_a_transfer_changes_no_page_and_keeps_nothing(ckpt, tmp_path):
+    """The start-up measurement moves real pool blocks through each tier and back: the pages, the tier's
+    index and its directory are as they were."""
+    llm = tiered(ckpt, tmp_path / "tier")
+    engine = llm.engine
+    storage, blocks = engine.storage, list(range(engine.kv.num_blocks))
+    storage.write_blocks(blocks, torch.randint(0, 255, (len(blocks), engine.kv_spec.bytes_per_block),
+                                               dtype=torch.uint8))
+    before = storage.read_blocks(blocks)
+    disk = engine.offload.tier
+    entries = sorted(p.name for p in disk.dir.iterdir())
+    for tier in (disk, HostTier(4 * engine.kv_spec.bytes_per_block, engine.kv_spec.bytes_per_block)):
+        engine.offload.tier = tier
+        write, read = engine.offload.measure_transfer()
+        assert write > 0 and read > 0 and tier.num_blocks == 0 and tier.used_bytes == 0
+        assert torch.equal(storage.read_blocks(blocks), before)
+    assert sorted(p.name for p in disk.dir.iterdir()) == entries
+
+
 def test_stats_reach_the_metrics(ckpt, tmp_path):
     llm = tiered(ckpt, tmp_path / "tier")
     llm.generate(prompts(A, B, C, A), GREEDY, use_tqdm=False)
