@@ -54,6 +54,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks the model and the KV cache are split across: this process and N-1 spawned workers "
                         "(gloo on the CPU, NCCL on CUDA); --kv-cache-memory is then per rank")
+    p.add_argument("--kv-offload", default=None, metavar="disk:PATH|cpu",
+                   help="a second tier for the blocks the prefix cache evicts: disk:PATH keeps them in files that "
+                        "a restarted engine finds; cpu (CUDA only) in pinned host memory")
+    p.add_argument("--kv-offload-size", default=None, help="the tier's size, e.g. 16GiB (default 16GiB)")
+    p.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
+                   help="with --kv-offload, what a preempted sequence's blocks do: swap (written to the tier and "
+                        "read back when it resumes) or recompute; by default, whichever a prefill and a transfer "
+                        "timed at start-up say costs less")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -69,7 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
             "cpu_allocator_tuning", "skip_tokenizer_init", "tensor_parallel_size",
-            "disable_hybrid_kv_cache_manager"]
+            "disable_hybrid_kv_cache_manager", "kv_offload", "kv_offload_size", "preemption_mode"]
     return {k: getattr(args, k) for k in keys}
 
 

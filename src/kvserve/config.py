@@ -313,11 +313,33 @@ class EngineConfig:
     # one block table for every layer even where some attend within a sliding window (vLLM's flag): every
     # layer keeps every token, as a cache of full-attention layers does
     disable_hybrid_kv_cache_manager: bool = False
+    # a second tier for blocks the prefix cache evicts: "disk:PATH" (kept across restarts), or "cpu" (pinned
+    # host memory, for a CUDA pool); kv_offload_size bounds it (default 16 GiB)
+    kv_offload: str | None = None
+    kv_offload_size: int | str | None = None
+    # what a preemption does with a tier: "swap" the sequence's blocks out to it and back, "recompute" them,
+    # or None: whichever of the two costs less, from a prefill and a transfer timed at start-up (vLLM's name)
+    preemption_mode: str | None = None
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
+        from kvserve.kv.offload import PREEMPTION_MODES, parse_kv_offload
 
         parse_eviction(self.eviction)
+        parse_kv_offload(self.kv_offload)
+        if self.kv_offload_size is not None:
+            try:
+                self.kv_offload_size = parse_bytes(self.kv_offload_size)
+            except ValueError as e:
+                raise ValueError(f"kv_offload_size: {e}") from None
+        if self.kv_offload is not None and not (self.cache_mode == "paged" and self.enable_prefix_caching):
+            raise ValueError("kv_offload keeps blocks of the prefix cache: it needs cache_mode 'paged' and "
+                             "enable_prefix_caching")
+        if self.preemption_mode not in (None, *PREEMPTION_MODES):
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES} or None, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_offload is None:
+            raise ValueError("preemption_mode 'swap' moves a preempted sequence's blocks to the second tier: it "
+                             "needs kv_offload")
         if self.eviction is not None and self.cache_mode != "paged":
             raise ValueError(f"eviction needs cache_mode 'paged' (it drops blocks), got {self.cache_mode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

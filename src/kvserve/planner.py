@@ -79,6 +79,8 @@ class Plan:
     # a model with sliding-window layers: the hybrid cache's layer groups (GroupPlan.as_dict each); the users
     # rows "hybrid" count requests whose every group holds min(length, its window)
     kv_groups: list[dict] = field(default_factory=list)
+    offload_bytes: int | None = None           # a second tier (kv_offload_size) ...
+    offload_tokens: int | None = None          # ... and the prefix tokens it keeps beyond the card's
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -128,8 +130,10 @@ def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float |
 
 def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_parallel: int = 1,
          utilization: float = 0.9, block_size: int = 16, avg_prompt: float | None = None,
-         avg_output: float | None = None, sinks: int = 4, window: int = 1020, kv_dtype: str = "auto") -> Plan:
-    """Users that fit with each cache option; contiguous, paged and sink_window store `kv_dtype`."""
+         avg_output: float | None = None, sinks: int = 4, window: int = 1020, kv_dtype: str = "auto",
+         offload_size: int | None = None) -> Plan:
+    """Users that fit with each cache option; contiguous, paged and sink_window store `kv_dtype`. With
+    `offload_size`, the prefix tokens a second tier of that many bytes keeps (kv_offload)."""
     if context < 1:
         raise ValueError(f"context must be at least 1 token, got {context}")
     if not 0 < utilization <= 1:
@@ -177,8 +181,9 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
         per_user = sum(_paged_bytes_per_user(slots, g.mean_tokens_held, cards) for g in kv_groups)
         mix["hybrid"] = int(kv_memory // per_user)
         full["hybrid"] = int(kv_memory // sum(g.bytes_at_full_context for g in kv_groups))
+    offload = None if offload_size is None else offload_tokens(per_card[kv_dtype], offload_size, cards)
     return Plan(name, weights, per_token, context * per_token, kv_memory, context, mix, held, held_sink, full,
-                [g.as_dict() for g in kv_groups])
+                [g.as_dict() for g in kv_groups], offload_size, offload)
 
 
 @dataclass
@@ -208,6 +213,12 @@ class GroupPlan:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def offload_tokens(spec: KVSpec, size: int, cards: int = 1) -> int:
+    """Prefix tokens a second tier of `size` bytes (per card) keeps: whole blocks as the pool stores them,
+    quantized pages with their scales (the small header of each block's file left out)."""
+    return int(size // (spec.bytes_per_block / cards)) * spec.block_size
 
 
 def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
@@ -246,6 +257,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--avg-output", type=float, default=None)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
+    p.add_argument("--kv-offload-size", default=None,
+                   help="a second tier of this size (e.g. 64GiB of disk or host memory): the prefix tokens it keeps")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--plot", default=None, help="PNG of users against context length")
     p.set_defaults(func=run)
@@ -256,7 +269,13 @@ def run(args: argparse.Namespace) -> int:
     kw = dict(dtype=args.dtype, tensor_parallel=args.tensor_parallel, utilization=args.memory_utilization,
               block_size=args.block_size, avg_prompt=args.avg_prompt, avg_output=args.avg_output,
               sinks=args.sinks, window=args.window, kv_dtype=args.kv_dtype)
-    result = plan(args.model, memory, args.context, **kw)
+    offload = None
+    if args.kv_offload_size is not None:
+        try:
+            offload = parse_bytes(args.kv_offload_size)
+        except ValueError as e:
+            raise ValueError(f"--kv-offload-size: {e}") from None
+    result = plan(args.model, memory, args.context, **kw, offload_size=offload)
     _, cfg = load_model_config(args.model)
     gib = 2**30
     print(f"{result.model}: weights {result.weight_bytes / gib:.2f} GiB per card ({args.dtype}, "
@@ -292,6 +311,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {'':<36} {'length mix':>12} {'full context':>14}")
     for key, label in rows.items():
         print(f"  {label:<36} {result.max_users[key]:>12,} {result.max_users_at_full_context[key]:>14,}")
+    if result.offload_tokens is not None:
+        print(f"offload tier of {result.offload_bytes / gib:.2f} GiB{' per card' if cards > 1 else ''}: keeps "
+              f"{result.offload_tokens:,} more prefix tokens ({result.offload_tokens // args.context:,} prefixes of "
+              f"{args.context} tokens) at {spec.bytes_per_block / spec.block_size / cards:,.0f} bytes per token, "
+              f"{spec.kv_cache_dtype} pages")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     if args.plot:

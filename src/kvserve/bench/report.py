@@ -21,7 +21,7 @@ from kvserve.bench import pyplot
 from kvserve.bench.common import write_json
 
 NAME = "all"
-SUITES = ("decode", "throughput", "prefix", "capacity", "attention", "serve", "quant", "eviction")
+SUITES = ("decode", "throughput", "prefix", "offload", "capacity", "attention", "serve", "quant", "eviction")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -123,6 +123,19 @@ def plot_prefix(data: dict, path: Path, where: str) -> None:
     _save(fig, path, f"prefix caching, {data['dtype']}; {where}; hit rate {data['prefix_hit_rate']:.0%}")
 
 
+def plot_offload(data: dict, path: Path, where: str) -> None:
+    fig, ax = _figure()
+    modes = ["no_prefix_cache", "prefix_cache", "disk_tier", "after_restart"]
+    xs = range(len(modes))
+    for offset, key in ((-0.27, "mean"), (0.0, "p50"), (0.27, "p99")):
+        ax.bar([x + offset for x in xs], [data[m][f"{key}_ttft_s"] * 1e3 for m in modes], 0.27, label=key)
+    ax.set(xticks=list(xs), xticklabels=modes, ylabel="time to first token (ms)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend()
+    _save(fig, path, f"multi-document QA, a disk KV tier, {data['dtype']}; {where}; mean TTFT "
+                     f"{data['ttft_speedup']:.1f}x lower than prefix caching alone")
+
+
 def plot_capacity(data: dict, path: Path, where: str) -> None:
     fig, (ax1, ax2) = _figure(2)
     modes = ["contiguous", "paged"]
@@ -192,5 +205,6 @@ def plot_eviction(data: dict, path: Path, where: str) -> None:
     _save(fig, path, f"eviction, {data.get('dtype', '')}, context {context}; {where}")
 
 
-PLOTS = {"decode": plot_decode, "throughput": plot_throughput, "prefix": plot_prefix, "capacity": plot_capacity,
+PLOTS = {"decode": plot_decode, "throughput": plot_throughput, "prefix": plot_prefix, "offload": plot_offload,
+         "capacity": plot_capacity,
          "serve": plot_serve, "attention": plot_attention, "quant": plot_quant, "eviction": plot_eviction}

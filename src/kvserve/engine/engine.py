@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
@@ -18,7 +19,7 @@ from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.executor import build_executors, native_decode_wanted
-from kvserve.engine.gpu_memory import profile_kv_memory
+from kvserve.engine.gpu_memory import dummy_forward, profile_kv_memory
 from kvserve.engine.native_decode import prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -28,6 +29,8 @@ from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
 from kvserve.kv.hybrid import HybridKVCacheManager, HybridKVStorage, LayerGroup, group_size, is_hybrid, layer_groups
+from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVOffloader, SwapCosts, TierCompat,
+                                measure_prefill, model_identity, parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -110,8 +113,9 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
                                                 config.long_prefill_token_threshold)
         self.cache_config, self.kv, self.storage = self._init_cache(config)
+        self.offload = self._init_offload(config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
-                                   config.enable_prefix_caching and config.cache_mode == "paged")
+                                   config.enable_prefix_caching and config.cache_mode == "paged", self.offload)
         self._final_only: set[str] = set()              # requests reported only when finished
         if self.workers is not None:
             self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks,
@@ -199,6 +203,61 @@ class LLMEngine:
                  "max_model_len %d: %.2fx", num_blocks, block_size, num_blocks * block_size, config.kv_cache_dtype,
                  storage.nbytes / 2**20, ranks, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
         return cache, kv, storage
+
+    def _init_offload(self, config: EngineConfig) -> KVOffloader | None:
+        """The second tier of kv_offload, fed by the pool's evictions; closed (the pool's cached blocks
+        written to it, its writer stopped) by close(), when the engine is collected, or at exit."""
+        spec = parse_kv_offload(config.kv_offload)
+        if spec is None:
+            return None
+        if self.kv_groups:
+            raise ValueError("kv_offload with a hybrid KV cache (sliding-window layers): the tier keeps blocks of "
+                             "every layer; set disable_hybrid_kv_cache_manager, so that every layer keeps every token")
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"kv_offload with tensor_parallel_size {config.tensor_parallel_size}: the tier reads and "
+                             f"writes rank 0's pool only")
+        size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
+        kv_spec = self.kv_spec
+        if spec.kind == "cpu":
+            if self.device.type != "cuda":
+                raise ValueError(f"kv_offload 'cpu' keeps blocks in host memory, where this engine's KV pool already "
+                                 f"is (device {self.device.type}): use kv_offload='disk:PATH' for a second tier")
+            tier = HostTier(size, kv_spec.bytes_per_block, pin_memory=True)
+        else:
+            compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
+                                kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
+                                kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)))
+            tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
+        offload = KVOffloader(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks, self.device)
+        offload.preemption_mode = config.preemption_mode
+        if config.preemption_mode is None:
+            offload.swap_costs = self._measure_swap_costs(offload)
+        self.kv.pool.on_evict = offload.save
+        self._close_offload = weakref.finalize(self, offload.close)
+        log.info("KV offload: %s, %.2f GiB", config.kv_offload, size / 2**30)
+        return offload
+
+    def _measure_swap_costs(self, offload: KVOffloader) -> SwapCosts:
+        """What a preempted sequence costs to recompute (prefills of the model, without a cache) and to swap
+        (blocks of the pool through the tier), timed now, before any request."""
+        def prefill(num_tokens: int) -> None:
+            dummy_forward(self.model, self.backend, self.device, num_tokens, self.max_model_len, 1)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        tokens = max(1, min(128, self.max_model_len // 2, self.scheduler_config.max_num_batched_tokens // 2))
+        costs = SwapCosts(*measure_prefill(prefill, tokens), *offload.measure_transfer())
+        bs = self.kv.block_size
+        log.info("KV offload: recomputing a block of %d tokens takes %.3g ms or more, swapping it out and in %.3g ms",
+                 bs, 1e3 * costs.prefill_s_per_token * bs, 1e3 * (costs.write_s_per_block + costs.read_s_per_block))
+        return costs
+
+    def close(self) -> None:
+        """Release what outlives a step: with kv_offload, the pool's cached blocks go to the tier (a disk
+        tier keeps them for the next engine) and its writer stops; the tier takes no block after (it still
+        serves what it holds)."""
+        if self.offload is not None:
+            self._close_offload()
 
     def _gpu_kv_memory(self, config: EngineConfig) -> int:
         """On a GPU with no size given: the KV pool's bytes, from one step of the largest batch."""
@@ -551,4 +610,6 @@ class LLMEngine:
             "kv_groups": self._group_stats(),
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "kv_offload": self.config.kv_offload,
+            **(self.offload.stats() if self.offload is not None else {}),
         }

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
+from kvserve.kv.blocks import BlockKey
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.nocache import NoKVCacheManager
+from kvserve.kv.offload import KVOffloader
 
 
 @dataclass
@@ -30,13 +32,15 @@ class SchedulerOutput:
 
 class Scheduler:
     """Holds the waiting queue and the running list, over the engine's KV cache manager (NoKVCacheManager
-    where the engine keeps no cache)."""
+    where the engine keeps no cache); with `offload`, a prefix lookup goes on in the second tier past
+    the pool's hits."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager | NoKVCacheManager, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, offload: KVOffloader | None = None):
         self.config = config
         self.kv = kv
         self.prefix_caching = enable_prefix_caching
+        self.offload = offload if enable_prefix_caching else None
         self.watermark_blocks = int(watermark * kv.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -95,7 +99,7 @@ class Scheduler:
         """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
         while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_tokens_in_cache, n)) > self.kv.num_free_blocks:
             victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
-            self.preempt(victim)
+            self.preempt(victim, swap=self._should_swap(victim))
             if victim is seq:
                 return False
         if needed:       # most decode steps write into the last block, theirs alone: nothing to take
@@ -126,29 +130,48 @@ class Scheduler:
         return sum(self._slots(s) for s in self.running)
 
     def _allocate_for_admission(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Share the cached prefix and allocate the first chunk's blocks, if they fit: the chunk's tokens, or 0."""
-        kv = self.kv
-        hits = self._prefix_hits(seq)
-        num_hit = kv.num_hit_blocks(hits)
-        computed = num_hit * kv.block_size
-        n = self._num_new_tokens(seq, computed, budget)
-        needed = kv.num_admit_blocks(hits, computed + n)
-        reserve = self.watermark_blocks if self.running else 0
-        if not n or needed + reserve > kv.num_free_blocks:
-            return 0
+        """Share the cached prefix, load what the second tier holds of it past the pool's hits into fresh
+        blocks, and allocate the first chunk's blocks, if they fit: the chunk's tokens, or 0."""
+        kv, bs = self.kv, self.kv.block_size
+        keys = self._prefix_keys(seq)
+        hits = kv.cached_prefix(keys) if keys else []
+        num_hit = kv.num_hit_blocks(hits)          # a hybrid cache's hits are per layer group
+        rest = keys[num_hit:]
+        offloaded = self.offload.lookup(rest) if self.offload and rest else 0
+        loaded = None
+        while True:
+            computed = (num_hit + offloaded) * bs
+            n = self._num_new_tokens(seq, computed, budget)
+            needed = kv.num_admit_blocks(hits, computed + n)
+            reserve = self.watermark_blocks if self.running else 0
+            if not n or needed + reserve > kv.num_free_blocks:
+                return 0
+            if loaded is None:     # read once it fits: a block that fails its checks ends the hits there
+                loaded = self.offload.read(rest[:offloaded]) if offloaded else []
+            if len(loaded) == offloaded:
+                break
+            offloaded = len(loaded)
         # counted once: recomputation after preemption is no hit; a cache that keeps nothing is not looked up
         if not seq.prefix_queried and not kv.recomputes:
             seq.prefix_queried = True
             seq.num_cached_tokens = computed
             self.prefix_cache_queries += seq.num_prompt_tokens
-            self.prefix_cache_hits += computed
+            self.prefix_cache_hits += num_hit * bs
+        if seq.num_swapped_blocks:
+            self.offload.count_swap_in(offloaded)
+            seq.num_swapped_blocks = 0
+        elif self.offload and rest:
+            self.offload.count(offloaded * bs, (len(rest) - offloaded) * bs)
         kv.share_prefix(seq.seq_id, hits)
         seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, computed
-        out.block_copies += kv.allocate(seq.seq_id, computed, n)
+        out.block_copies += kv.allocate(seq.seq_id, num_hit * bs, offloaded * bs + n)
+        if loaded:
+            self.offload.load(kv.block_tables[seq.seq_id][num_hit:num_hit + offloaded], loaded)
         self._cache_full_blocks(seq, computed + n)
         return n
 
-    def _prefix_hits(self, seq: Sequence) -> list[int] | list[list[int]]:
+    def _prefix_keys(self, seq: Sequence) -> list[BlockKey]:
+        """Keys of the leading full blocks a prefix hit may cover (none without prefix caching)."""
         if not self.prefix_caching:
             return []
         # At least the last token is computed again: its logits are needed to sample. A request that
@@ -156,8 +179,7 @@ class Scheduler:
         limit = seq.num_tokens - 1
         if seq.prompt_logprobs is not None:
             limit = min(limit, len(seq.prompt_logprobs) - 1)
-        keys = seq.full_block_keys(self.kv.block_size, limit)
-        return self.kv.cached_prefix(keys)
+        return seq.full_block_keys(self.kv.block_size, limit)
 
     def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Index the blocks this step fills, now: a request admitted later in the same step can share
@@ -212,8 +234,23 @@ class Scheduler:
         self.kv.fork(parent.seq_id, child.seq_id)
         self.running.append(child)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and requeue it at the front, to be recomputed."""
+    def _should_swap(self, seq: Sequence) -> bool:
+        """Whether preempting `seq` swaps its full blocks out to the second tier (KVOffloader.should_swap)
+        rather than leaving them to be recomputed. Never for a sequence that evicted tokens: its blocks no
+        longer hold what their keys name."""
+        if self.offload is None or seq.num_evicted_tokens:
+            return False
+        return self.offload.should_swap(seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens))
+
+    def preempt(self, seq: Sequence, swap: bool = False) -> None:
+        """Free a running sequence's blocks and requeue it at the front: to be recomputed, or with `swap`,
+        after its full blocks are written to the second tier, to read them back when it resumes."""
+        if swap:
+            keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
+            self.offload.swap_out(list(zip(self.kv.block_tables[seq.seq_id], keys)))
+            seq.num_swapped_blocks = len(keys)
+        elif self.offload is not None:
+            self.offload.count_recompute()
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.reset_cache_state()

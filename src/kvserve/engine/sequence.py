@@ -50,6 +50,8 @@ class Sequence:
     num_indexed_blocks: int = 0       # leading blocks of the table already in the prefix index
     num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission (vLLM's)
     prefix_queried: bool = False
+    # full blocks written to the second tier when it was last preempted (swap), to be read back on resumption
+    num_swapped_blocks: int = 0
     # eviction: tokens dropped from the cache still count in positions (RoPE), not in cache slots
     eviction: EvictionPolicy | None = None
     num_evicted_tokens: int = 0
@@ -86,7 +88,8 @@ class Sequence:
         return child
 
     def reset_cache_state(self) -> None:
-        """Forget everything about the cache (a preempted sequence is recomputed from scratch)."""
+        """Forget everything about the cache (a preempted sequence is recomputed from scratch, or over the
+        blocks it finds in the prefix cache and the second tier)."""
         self.num_computed_tokens = self.num_indexed_blocks = self.num_evicted_tokens = 0
         self.kv_scores, self.prompt_compacted = None, False
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -40,7 +41,8 @@ class BlockPool:
 
     A freed block that holds a full, hashed prefix stays in the index as a cached block: it counts
     as free, is handed out again on a prefix hit, and is evicted (least recently freed first) only
-    when a free block is needed.
+    when a free block is needed. `on_evict`, if set, is called with the (block, key) pairs of the cached
+    blocks an allocation takes, before the caller can overwrite their pages (the second tier copies them).
     """
 
     def __init__(self, num_blocks: int):
@@ -51,6 +53,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
+        self.on_evict: Callable[[list[tuple[int, BlockKey]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -64,9 +67,12 @@ class BlockPool:
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         ids = [self._free.popitem(last=False)[0] for _ in range(n)]
+        evicted = [(b, self.keys[b]) for b in ids if self.keys[b] is not None]
         for b in ids:
             self._evict(b)
             self.ref_counts[b] = 1
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return ids
 
     def _check(self, block_id: int) -> None:

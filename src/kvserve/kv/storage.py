@@ -91,6 +91,37 @@ class KVStorage:
         for layer in self.quantized:
             layer.copy_blocks(src, dst)
 
+    def _block_parts(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor holding blocks, with its block axis: the full-precision pages, then each quantized
+        layer's numbers and its K and V scales."""
+        parts = [(self.kv, 3)] if len(self.kv) else []
+        for layer in self.quantized:
+            parts += [(layer.pages, 2), (layer.meta[0], 1), (layer.meta[1], 1)]
+        return parts
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The bytes of whole blocks [n, spec.bytes_per_block] (a copy): their pages in every layer, quantized
+        pages as stored, with their scales; write_blocks puts them back. Only for blocks that are full (a
+        block still filling keeps exact tokens elsewhere)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        rows = [t.index_select(axis, ids).movedim(axis, 0).reshape(len(block_ids), -1).view(torch.uint8)
+                for t, axis in self._block_parts()]
+        return torch.cat(rows, 1)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Store bytes of whole blocks [n, spec.bytes_per_block] (read_blocks') into blocks `block_ids`."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device)
+        start = 0
+        for t, axis in self._block_parts():
+            shape = t.shape[:axis] + t.shape[axis + 1:]
+            width = shape.numel() * t.element_size()
+            rows = data[:, start:start + width].contiguous().view(t.dtype).view(len(block_ids), *shape)
+            t.index_copy_(axis, ids, rows.movedim(0, axis))
+            start += width
+        if start != data.shape[1]:
+            raise ValueError(f"{data.shape[1]} bytes a block, but this pool's blocks are {start} bytes")
+
     def rewrite(self, old_table: list[int], keep: torch.Tensor, new_table: list[int]) -> None:
         """Copy the tokens at cache positions `keep` (through old_table) to positions 0, 1, ... of
         new_table, in every layer: how an eviction compacts a sequence's cache into fresh blocks."""

@@ -44,6 +44,32 @@ class EngineCollector:
         for executor, count in stats["steps"].items():
             steps.add_metric([*self.labels.values(), executor], count)
         yield steps
+        if "kv_offload_blocks" in stats:
+            yield from self._offload(stats)
+
+    def _offload(self, stats: dict):
+        """The second KV tier's gauges and counters (an engine with kv_offload)."""
+        for name, doc in (("blocks", "KV blocks held by the offload tier."),
+                          ("bytes", "Bytes held by the offload tier."),
+                          ("capacity_bytes", "The offload tier's size (kv_offload_size).")):
+            yield self._gauge(f"kv_offload_{name}", doc, stats[f"kv_offload_{name}"])
+        for name, doc in (("blocks_stored", "KV blocks written to the offload tier."),
+                          ("bytes_written", "Bytes written to the offload tier."),
+                          ("bytes_read", "Bytes read from the offload tier."),
+                          ("hit_tokens", "Prompt tokens found in the offload tier past the pool's prefix hits."),
+                          ("miss_tokens", "Tokens of full prompt blocks found in neither the pool nor the tier."),
+                          ("loads", "KV blocks loaded from the offload tier into the pool."),
+                          ("skipped", "Evicted KV blocks not stored: the tier's writer queue was full."),
+                          ("evictions", "KV blocks the offload tier dropped to make room."),
+                          ("errors", "Offload tier reads and writes that failed (corrupt files included)."),
+                          ("swap_outs", "Preemptions that wrote the sequence's full KV blocks to the offload tier."),
+                          ("swap_out_blocks", "KV blocks written to the offload tier by preemptions."),
+                          ("swap_ins", "Resumptions of sequences swapped out to the offload tier."),
+                          ("swap_in_blocks", "KV blocks those resumptions loaded from the offload tier."),
+                          ("recomputes", "Preemptions left to recompute the sequence (with an offload tier).")):
+            family = CounterMetricFamily(f"kvserve:kv_offload_{name}", doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), stats[f"kv_offload_{name}"])
+            yield family
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))

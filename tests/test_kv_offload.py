@@ -1,0 +1,519 @@
+"""The second KV tier (kv_offload): blocks the pool's prefix cache evicts are served again from disk, in
+this engine and after a restart, and nothing it holds ever changes an output."""
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvserve import LLM, SamplingParams
+from kvserve.cli import build_parser, engine_kwargs
+from kvserve.kv import KVCacheManager, KVSpec, KVStorage
+from kvserve.kv import offload as offload_module
+from kvserve.kv.blocks import BlockKey, block_key
+from kvserve.kv.offload import SUFFIX, DiskTier, HostTier, KVOffloader, SwapCosts, swap_is_cheaper
+from kvserve.server.metrics import EngineCollector
+from tiny_models import make_checkpoint
+
+BS = 4
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("offload"), "llama", max_position_embeddings=256)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+A, B, C = ids(21, 1), ids(21, 2), ids(21, 3)     # 5 full blocks each (20 tokens a hit may cover)
+
+
+def prompts(*token_lists) -> list[dict]:
+    return [{"prompt_token_ids": t} for t in token_lists]
+
+
+def tiered(ckpt, tier: Path, size="1MiB", **kw) -> LLM:
+    # a preemption recomputes unless a test asks for swap: the measured choice differs from one machine to another
+    kw = {"block_size": BS, "num_kv_blocks": 8, "preemption_mode": "recompute", **kw}
+    return LLM(str(ckpt), kv_offload=f"disk:{tier}", kv_offload_size=size, **kw)
+
+
+def reference(ckpt, token_lists, params=GREEDY, **kw):
+    llm = LLM(str(ckpt), block_size=BS, num_kv_blocks=64, enable_prefix_caching=False, **kw)
+    return llm.generate(prompts(*token_lists), params, use_tqdm=False)
+
+
+def assert_same(outs, refs, tol=1e-5) -> None:
+    """Greedy tokens equal, and every logprob within tol."""
+    for out, ref in zip(outs, refs, strict=True):
+        for o, r in zip(out.outputs, ref.outputs, strict=True):
+            assert o.token_ids == r.token_ids
+            for a, b in zip(o.logprobs, r.logprobs, strict=True):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) <= tol for t in a)
+
+
+def computed_tokens(llm: LLM) -> list[int]:
+    """Tokens each step of the engine computes, from now on."""
+    steps, run = [], llm.engine.runner.run
+
+    def counted(sched):
+        steps.append(sum(sched.num_new_tokens))
+        return run(sched)
+
+    llm.engine.runner.run = counted
+    return steps
+
+
+def check_pool(llm: LLM) -> None:
+    """No block leaked: every block with an owner is in a table, and once idle all are free."""
+    kv = llm.engine.kv
+    owners = Counter(b for table in kv.block_tables.values() for b in table)
+    assert all(kv.pool.ref_counts[b] == owners.get(b, 0) for b in range(kv.num_blocks))
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def files(tier: Path) -> list[Path]:
+    return sorted(tier.glob(f"*/*{SUFFIX}"))
+
+
+def test_a_prefix_evicted_from_the_pool_is_served_from_the_tier(ckpt, tmp_path):
+    llm = tiered(ckpt, tmp_path / "tier")
+    llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)     # one at a time in the pool: A's blocks leave it
+    stats = llm.stats()
+    assert stats["kv_offload_blocks_stored"] + stats["kv_offload_skipped"] > 0
+    steps = computed_tokens(llm)
+    again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    stats = llm.stats()
+    assert again.num_cached_tokens == 20
+    assert stats["kv_offload_hit_tokens"] == 20 and stats["kv_offload_loads"] == 5
+    assert stats["prefix_cache_hits"] == 0          # none of it came from the pool ...
+    assert steps[0] == 1                            # ... and only the last prompt token was computed
+    assert_same([again], reference(ckpt, [A]))
+    check_pool(llm)
+
+
+def test_a_restarted_engine_finds_what_the_last_one_kept(ckpt, tmp_path):
+    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    assert first.stats()["kv_offload_blocks_stored"] == 0       # all still in the pool ...
+    first.engine.close()                                          # ... and written to the tier on close
+    assert len(files(tmp_path / "tier")) == 12        # 6 full blocks of each 25 computed tokens
+    second = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    assert second.stats()["kv_offload_blocks"] == 12
+    steps = computed_tokens(second)
+    outs = second.generate(prompts(B, A), GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [20, 20] and steps[0] == 2
+    assert second.stats()["kv_offload_hit_tokens"] == 40
+    assert_same(outs, reference(ckpt, [B, A]))
+
+
+def test_an_engine_collected_without_close_keeps_its_blocks(ckpt, tmp_path):
+    llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    llm.generate(prompts(A), GREEDY, use_tqdm=False)
+    del llm
+    gc.collect()
+    again = tiered(ckpt, tmp_path / "tier").generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 20
+
+
+SYSTEM = ids(12, 7)
+SHARED = [SYSTEM + ids(k, k) for k in (5, 9, 3, 6)] + [ids(18, 8)]
+SAMPLES = [SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=s, ignore_eos=True, logprobs=2)
+           for s in range(len(SHARED))]
+ORDERS = (SHARED, SHARED[::-1], SHARED[1::2] + SHARED[::2])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
+def test_outputs_equal_with_and_without_the_tier(ckpt, tmp_path, kv_cache_dtype):
+    """Parallel samples (forks) over prefixes that leave a small pool and come back from the tier, one
+    request at a time: each computes what it does not find in the same steps with the tier or without."""
+    kw = {"kv_cache_dtype": kv_cache_dtype}
+    llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=20, **kw)
+    ref = LLM(str(ckpt), block_size=BS, num_kv_blocks=64, enable_prefix_caching=False, **kw)
+    for order in ORDERS:
+        for tokens in order:
+            params = SAMPLES[SHARED.index(tokens)]
+            assert_same(llm.generate(prompts(tokens), params, use_tqdm=False),
+                        ref.generate(prompts(tokens), params, use_tqdm=False))
+            check_pool(llm)
+    assert llm.stats()["kv_offload_hit_tokens"] > 0
+
+
+def test_a_batch_with_preemptions_equals_one_without_the_tier(ckpt, tmp_path):
+    """All at once in a pool too small for them: preempted sequences come back over blocks from the tier."""
+    llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=20)
+    ref = LLM(str(ckpt), block_size=BS, num_kv_blocks=64, enable_prefix_caching=False)
+    for order in ORDERS:
+        params = [SAMPLES[SHARED.index(t)] for t in order]
+        assert_same(llm.generate(prompts(*order), params, use_tqdm=False),
+                    ref.generate(prompts(*order), params, use_tqdm=False))
+        check_pool(llm)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_offload_hit_tokens"] > 0
+
+
+LONG = [ids(13, s) for s in range(4)]
+FORKS = SamplingParams(n=2, max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
+def test_preemption_by_swap_changes_no_output(ckpt, tmp_path, kv_cache_dtype):
+    """Forks that grow past a small pool: preempted ones go to the tier and resume over the blocks read
+    back from it (the pool has given theirs to others), exactly as the same engine without a tier
+    recomputes them."""
+    kw = {"block_size": BS, "num_kv_blocks": 24, "kv_cache_dtype": kv_cache_dtype}
+    llm = tiered(ckpt, tmp_path / "tier", preemption_mode="swap", **kw)
+    outs = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+    assert_same(outs, LLM(str(ckpt), **kw).generate(prompts(*LONG), FORKS, use_tqdm=False))
+    check_pool(llm)
+    stats = llm.stats()
+    assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
+    assert stats["kv_offload_swap_in_blocks"] > 0 and stats["kv_offload_recomputes"] == 0
+
+
+def test_swap_reads_back_what_recompute_computes_again(ckpt, tmp_path, monkeypatch):
+    """With a writer that takes one block at a time, most blocks the pool evicts are skipped: a sequence
+    left to recompute finds few of its blocks again. One swapped out has its blocks written whole (the
+    swap waits for the writer) and computes no token twice: the same tokens as a pool that never
+    preempts, for the same outputs."""
+    monkeypatch.setattr(offload_module, "WRITE_QUEUE_BYTES", 1)
+    computed, outs, stats = {}, {}, {}
+    for name, mode, blocks in (("swap", "swap", 24), ("recompute", "recompute", 24), ("never", "recompute", 64)):
+        llm = tiered(ckpt, tmp_path / name, num_kv_blocks=blocks, preemption_mode=mode)
+        steps = computed_tokens(llm)
+        outs[name] = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+        computed[name], stats[name] = sum(steps), llm.stats()
+    assert stats["never"]["num_preemptions"] == 0
+    assert computed["swap"] == computed["never"] < computed["recompute"]
+    assert_same(outs["swap"], outs["never"])
+    assert_same(outs["recompute"], outs["never"])
+    assert stats["swap"]["kv_offload_swap_outs"] > 0 and stats["swap"]["kv_offload_recomputes"] == 0
+    assert stats["recompute"]["kv_offload_recomputes"] > 0 and stats["recompute"]["kv_offload_swap_outs"] == 0
+
+
+def test_swap_or_recompute_by_the_measured_costs():
+    """Swapping moves bytes, linear in the blocks; recomputing grows with the square of the tokens: short
+    sequences recompute, long ones swap, and a block the tier holds already costs only its read."""
+    costs = SwapCosts(prefill_s_per_token=1.0, prefill_s_per_token2=0.01, write_s_per_block=6.0,
+                      read_s_per_block=2.0)
+    assert not swap_is_cheaper(costs, 2, 0, BS)       # 8 + 0.64 s to recompute, 12 + 4 s to swap
+    assert swap_is_cheaper(costs, 100, 0, BS)         # 400 + 1600 s to recompute, 600 + 200 s to swap
+    assert swap_is_cheaper(costs, 2, 2, BS)           # both stored already: 4 s to read back
+    linear = SwapCosts(1.0, 0.0, 6.0, 2.0)
+    assert not swap_is_cheaper(linear, 100, 0, BS)    # 400 s to recompute
+
+
+def test_an_engine_measures_the_costs_at_start_up_and_counts_each_preemption(ckpt, tmp_path):
+    llm = LLM(str(ckpt), block_size=BS, num_kv_blocks=24, kv_offload=f"disk:{tmp_path / 'tier'}")
+    costs = llm.engine.offload.swap_costs
+    assert costs.prefill_s_per_token > 0 and costs.write_s_per_block > 0 and costs.read_s_per_block > 0
+    llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["kv_offload_swap_outs"] + stats["kv_offload_recomputes"] == stats["num_preemptions"] > 0
+
+
+def test_no_swap_past_the_tier_or_once_it_is_closed(ckpt, tmp_path):
+    llm = tiered(ckpt, tmp_path / "tier", size="1MiB", preemption_mode="swap")
+    offload, tier = llm.engine.offload, llm.engine.offload.tier
+    keys = [block_key(None, (i,) * BS, None) for i in range(3)]
+    assert offload.should_swap(keys) and not offload.should_swap([])
+    assert not offload.should_swap(keys * (2**20 // (3 * tier.file_bytes(keys[0])) + 1))   # more than 1 MiB
+    llm.engine.close()
+    assert not offload.should_swap(keys)
+
+
+def test_a_corrupt_file_is_removed_and_never_served(ckpt, tmp_path):
+    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    first.engine.close()
+    hashes_a = [k.hash for k in _keys(A)]
+    hashes_b = [k.hash for k in _keys(B)]
+    tier_dir = files(tmp_path / "tier")[0].parent
+    third_of_a = tier_dir / (hashes_a[3].hex() + SUFFIX)
+    raw = bytearray(third_of_a.read_bytes())
+    raw[-100] ^= 0xFF                                           # a flipped bit in the pages
+    third_of_a.write_bytes(bytes(raw))
+    first_of_b = tier_dir / (hashes_b[0].hex() + SUFFIX)
+    first_of_b.write_bytes(first_of_b.read_bytes()[:-50])       # truncated
+    (tier_dir / (b"\x01" * 16).hex()).with_suffix(SUFFIX).write_bytes(b"garbage")
+    second = tiered(ckpt, tmp_path / "tier")
+    assert not first_of_b.exists() and second.stats()["kv_offload_errors"] == 2     # found at start-up
+    outs = second.generate(prompts(A), GREEDY, use_tqdm=False)
+    assert outs[0].num_cached_tokens == 12                      # up to its corrupt block
+    assert not third_of_a.exists() and second.stats()["kv_offload_errors"] == 3
+    outs += second.generate(prompts(B), GREEDY, use_tqdm=False)
+    assert outs[1].num_cached_tokens == 0
+    assert_same(outs, reference(ckpt, [A, B]))
+
+
+def _keys(tokens: list[int], salt=None) -> list[BlockKey]:
+    keys, parent = [], None
+    for i in range(len(tokens) // BS):
+        keys.append(block_key(parent, tuple(tokens[i * BS:(i + 1) * BS]), salt))
+        parent = keys[-1].hash
+    return keys
+
+
+def test_blocks_of_another_block_size_or_model_are_never_served(ckpt, tmp_path):
+    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    first.generate(prompts(A), GREEDY, use_tqdm=False)
+    first.engine.close()
+    other_bs = tiered(ckpt, tmp_path / "tier", block_size=2, num_kv_blocks=32)
+    out = other_bs.generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and other_bs.stats()["kv_offload_blocks"] == 0
+    assert_same([out], reference(ckpt, [A]))
+    # the same shape, other weights: another model
+    other = make_checkpoint(tmp_path / "other", "llama", seed=1, max_position_embeddings=256)
+    other_model = tiered(other, tmp_path / "tier")
+    out = other_model.generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert_same([out], reference(other, [A]))
+    # a file moved into another model's directory is not served there: its header says whose it is
+    mine, theirs = (files(tmp_path / "tier")[0].parent,
+                    other_model.engine.offload.tier.dir)
+    for path in mine.glob(f"*{SUFFIX}"):
+        os.link(path, theirs / path.name)
+    moved = tiered(other, tmp_path / "tier")
+    assert moved.stats()["kv_offload_blocks"] == 0 and moved.stats()["kv_offload_errors"] == 6
+    assert moved.generate(prompts(A), GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_a_full_tier_evicts_its_least_recently_used_blocks(ckpt, tmp_path):
+    probe = tiered(ckpt, tmp_path / "probe", num_kv_blocks=32)
+    probe.generate(prompts(A), GREEDY, use_tqdm=False)
+    probe.engine.close()
+    one = max(p.stat().st_size for p in files(tmp_path / "probe"))
+    capacity = 6 * one
+    llm = tiered(ckpt, tmp_path / "tier", size=capacity)
+    for token_list in (A, B, C, A, B):
+        llm.generate(prompts(token_list), GREEDY, use_tqdm=False)
+        llm.engine.offload.tier.flush()
+        on_disk = sum(p.stat().st_size for p in files(tmp_path / "tier"))
+        assert on_disk == llm.stats()["kv_offload_bytes"] <= capacity
+    stats = llm.stats()
+    assert stats["kv_offload_evictions"] > 0 and stats["kv_offload_blocks"] <= 6
+    assert_same(llm.generate(prompts(C, A), GREEDY, use_tqdm=False), reference(ckpt, [C, A]))
+
+
+def test_a_tier_too_small_for_one_block_is_refused(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="kv_offload_size"):
+        tiered(ckpt, tmp_path / "tier", size=100)
+
+
+def test_an_unwritable_directory_is_refused_at_start_up(ckpt, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ValueError, match="not writable"):
+        tiered(ckpt, tmp_path / "file")
+    # a read-only directory (permissions do not hold for root: the refusal the OS would give, given)
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+
+    def refuse(self, path, parts):
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(DiskTier, "_write_atomic", refuse)
+    with pytest.raises(ValueError, match=f"kv_offload directory {read_only} is not writable"):
+        tiered(ckpt, read_only)
+
+
+def test_failed_writes_are_counted_and_change_nothing(ckpt, tmp_path, monkeypatch):
+    llm = tiered(ckpt, tmp_path / "tier")
+
+    def refuse(self, path, parts):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(DiskTier, "_write_atomic", refuse)
+    outs = llm.generate(prompts(A, B, C, A), GREEDY, use_tqdm=False)
+    llm.engine.offload.tier.flush()
+    stats = llm.stats()
+    assert stats["kv_offload_errors"] > 0 and stats["kv_offload_blocks"] == 0 and not files(tmp_path / "tier")
+    assert_same(outs, reference(ckpt, [A, B, C, A]))
+
+
+def test_a_full_write_queue_skips_blocks_and_never_blocks_a_step(ckpt, tmp_path, monkeypatch):
+    release = threading.Event()
+    store = DiskTier._store
+
+    def stalled(self, key, data):
+        release.wait(60)
+        store(self, key, data)
+
+    monkeypatch.setattr(DiskTier, "_store", stalled)
+    monkeypatch.setattr(offload_module, "WRITE_QUEUE_BYTES", 1)      # a queue of one block
+    llm = tiered(ckpt, tmp_path / "tier")
+    outs = llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["kv_offload_skipped"] > 0
+    release.set()
+    llm.engine.offload.tier.flush()
+    assert_same(outs, reference(ckpt, [A, B, C]))
+
+
+def test_two_engines_share_one_directory(ckpt, tmp_path):
+    one, two = tiered(ckpt, tmp_path / "tier"), tiered(ckpt, tmp_path / "tier")
+    one.generate(prompts(A, B, C), GREEDY, use_tqdm=False)       # A's blocks leave one's pool for the tier
+    one.engine.offload.tier.flush()
+    out = two.generate(prompts(A), GREEDY, use_tqdm=False)[0]     # two started before they were written
+    assert out.num_cached_tokens == 20
+    assert_same([out], reference(ckpt, [A]))
+
+
+def test_colliding_hashes_are_never_served(ckpt, tmp_path, monkeypatch):
+    from kvserve.engine import sequence
+
+    monkeypatch.setattr(sequence, "block_key", lambda parent, toks, salt: BlockKey(b"same-hash-16byte", parent,
+                                                                                   toks, salt))
+    llm = tiered(ckpt, tmp_path / "tier")
+    outs = llm.generate(prompts(A, B, C, A, B), GREEDY, use_tqdm=False)
+    assert_same(outs, reference(ckpt, [A, B, C, A, B]))
+
+
+def test_salted_prefixes_stay_apart_in_the_tier(ckpt, tmp_path):
+    llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    llm.generate([{"prompt_token_ids": A, "cache_salt": "tenant-a"}], GREEDY, use_tqdm=False)
+    llm.engine.close()
+    again = tiered(ckpt, tmp_path / "tier")
+    other = again.generate([{"prompt_token_ids": A, "cache_salt": "tenant-b"}], GREEDY, use_tqdm=False)[0]
+    same = again.generate([{"prompt_token_ids": A, "cache_salt": "tenant-a"}], GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 20
+    assert not any(b"tenant-a" in p.read_bytes() for p in files(tmp_path / "tier"))    # a digest, not the salt
+
+
+def test_the_cpu_tier_is_refused_on_a_cpu_engine(ckpt):
+    with pytest.raises(ValueError, match="disk:PATH"):
+        LLM(str(ckpt), device="cpu", block_size=BS, num_kv_blocks=8, kv_offload="cpu")
+
+
+@pytest.mark.parametrize("kwargs, field", [({"kv_offload": "ram"}, "kv_offload"),
+                                           ({"kv_offload": "disk:"}, "kv_offload"),
+                                           ({"kv_offload_size": "lots"}, "kv_offload_size"),
+                                           ({"kv_offload": "disk:/tmp/x", "enable_prefix_caching": False},
+                                            "enable_prefix_caching"),
+                                           ({"kv_offload": "disk:/tmp/x", "preemption_mode": "swapp"},
+                                            "preemption_mode"),
+                                           ({"preemption_mode": "swap"}, "kv_offload")])
+def test_bad_settings_name_their_field(ckpt, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(str(ckpt), **kwargs)
+
+
+def test_the_host_memory_tier(ckpt, tmp_path):
+    """The pinned tier of CUDA engines, on an ordinary tensor: put, get, least recently used out, and an
+    engine's whole path through it."""
+    spec = KVSpec(2, 2, 16, torch.float32, BS)
+    tier = HostTier(3 * spec.bytes_per_block, spec.bytes_per_block)
+    keys = _keys(A)
+    rows = torch.randint(0, 255, (5, spec.bytes_per_block), dtype=torch.uint8)
+    for key, row in zip(keys[:3], rows):
+        tier.put(key, row)
+    assert tier.get(keys[0]) is not None          # now the most recent
+    tier.put(keys[3], rows[3])                    # evicts keys[1]
+    assert tier.get(keys[1]) is None and tier.counters.evictions == 1
+    assert torch.equal(tier.get(keys[3]), rows[3]) and torch.equal(tier.get(keys[0]), rows[0])
+    assert tier.get(BlockKey(keys[0].hash, None, (9, 9, 9, 9), None)) is None     # a colliding hash
+    assert tier.used_bytes == 3 * spec.bytes_per_block
+    # an engine whose tier is in host memory
+    llm = tiered(ckpt, tmp_path / "unused")
+    engine = llm.engine
+    engine.offload.tier.close()
+    engine.offload.tier = HostTier(64 * engine.kv_spec.bytes_per_block, engine.kv_spec.bytes_per_block)
+    llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
+    again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 20 and llm.stats()["kv_offload_loads"] == 5
+    assert_same([again], reference(ckpt, [A]))
+
+
+def test_offloader_round_trips_quantized_pages():
+    """Blocks saved at eviction and loaded back into other blocks hold the same bytes, scales included."""
+    spec = KVSpec(2, 2, 16, torch.float32, BS, "int4")
+    kv = KVCacheManager(6, BS, spec.borrowed_blocks)
+    storage = KVStorage(spec, 6, torch.device("cpu"), kv.residuals)
+    for layer in storage.quantized:
+        layer.pages.copy_(torch.randint(0, 255, layer.pages.shape, dtype=torch.uint8))
+        for meta in layer.meta:
+            meta.copy_(torch.rand(meta.shape))
+    tier = HostTier(6 * spec.bytes_per_block, spec.bytes_per_block)
+    offloader = KVOffloader(tier, kv.pool, storage.read_blocks, storage.write_blocks, torch.device("cpu"))
+    kv.pool.on_evict = offloader.save
+    keys = _keys(A)
+    blocks = kv.pool.allocate(3)
+    before = storage.read_blocks(blocks)
+    for b, key in zip(blocks, keys):
+        kv.pool.cache(b, key)
+        kv.pool.decref(b)
+    kv.pool.allocate(6)                           # every block: the three cached ones are evicted
+    assert offloader.lookup(keys) == 3
+    data = offloader.read(keys)
+    offloader.load([5, 4, 3], data)
+    assert torch.equal(storage.read_blocks([5, 4, 3]), before)
+
+
+def test_timing_a_transfer_changes_no_page_and_keeps_nothing(ckpt, tmp_path):
+    """The start-up measurement moves real pool blocks through each tier and back: the pages, the tier's
+    index and its directory are as they were."""
+    llm = tiered(ckpt, tmp_path / "tier")
+    engine = llm.engine
+    storage, blocks = engine.storage, list(range(engine.kv.num_blocks))
+    storage.write_blocks(blocks, torch.randint(0, 255, (len(blocks), engine.kv_spec.bytes_per_block),
+                                               dtype=torch.uint8))
+    before = storage.read_blocks(blocks)
+    disk = engine.offload.tier
+    entries = sorted(p.name for p in disk.dir.iterdir())
+    for tier in (disk, HostTier(4 * engine.kv_spec.bytes_per_block, engine.kv_spec.bytes_per_block)):
+        engine.offload.tier = tier
+        write, read = engine.offload.measure_transfer()
+        assert write > 0 and read > 0 and tier.num_blocks == 0 and tier.used_bytes == 0
+        assert torch.equal(storage.read_blocks(blocks), before)
+    assert sorted(p.name for p in disk.dir.iterdir()) == entries
+
+
+def test_stats_reach_the_metrics(ckpt, tmp_path):
+    llm = tiered(ckpt, tmp_path / "tier")
+    llm.generate(prompts(A, B, C, A), GREEDY, use_tqdm=False)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(llm.stats, "tiny"))
+    text = generate_latest(registry).decode()
+    assert 'kvserve:kv_offload_hit_tokens_total{model_name="tiny"} 20.0' in text
+    assert 'kvserve:kv_offload_loads_total{model_name="tiny"} 5.0' in text
+    assert 'kvserve:kv_offload_swap_outs_total{model_name="tiny"} 0.0' in text
+    assert f'kvserve:kv_offload_recomputes_total{{model_name="tiny"}} {float(llm.stats()["num_preemptions"])}' in text
+    assert f'kvserve:kv_offload_bytes{{model_name="tiny"}} {float(llm.stats()["kv_offload_bytes"])}' in text
+    plain = CollectorRegistry()
+    plain.register(EngineCollector(LLM(str(ckpt), block_size=BS, num_kv_blocks=8).stats, "tiny"))
+    assert "kv_offload" not in generate_latest(plain).decode()
+
+
+def test_engine_flags(tmp_path):
+    args = build_parser().parse_args(["generate", "hi", "--kv-offload", f"disk:{tmp_path}",
+                                      "--kv-offload-size", "2GiB"])
+    kwargs = engine_kwargs(args)
+    assert kwargs["kv_offload"] == f"disk:{tmp_path}" and kwargs["kv_offload_size"] == "2GiB"
+    assert kwargs["preemption_mode"] is None
+    args = build_parser().parse_args(["generate", "hi", "--kv-offload", f"disk:{tmp_path}", "--preemption-mode", "swap"])
+    assert engine_kwargs(args)["preemption_mode"] == "swap"
+
+
+def test_plan_counts_the_prefix_tokens_a_tier_keeps(capsys):
+    from kvserve.cli import main
+    from kvserve.planner import load_model_config, plan
+
+    _, cfg = load_model_config("llama-3.1-8b")
+    int8 = KVSpec.from_model(cfg, torch.bfloat16, 16, "int8")
+    result = plan("llama-3.1-8b", 80 * 2**30, 4096, kv_dtype="int8", offload_size=64 * 2**30)
+    assert result.offload_tokens == 64 * 2**30 // int8.bytes_per_block * 16       # quantized, with its scales
+    assert plan("llama-3.1-8b", 80 * 2**30, 4096).offload_tokens is None
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--kv-dtype", "int8",
+                 "--kv-offload-size", "64GiB"]) == 0
+    assert f"offload tier of 64.00 GiB: keeps {result.offload_tokens:,} more prefix tokens" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--kv-offload-size", "lots"]) == 2
+    assert "--kv-offload-size" in capsys.readouterr().err
