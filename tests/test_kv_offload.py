@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvserve import LLM, SamplingParams
 from kvserve.cli import build_parser, engine_kwargs
+from kvserve.config import EngineConfig
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv import offload as offload_module
 from kvserve.kv.blocks import BlockKey, block_key
@@ -517,3 +518,15 @@ def test_plan_counts_the_prefix_tokens_a_tier_keeps(capsys):
     assert f"offload tier of 64.00 GiB: keeps {result.offload_tokens:,} more prefix tokens" in capsys.readouterr().out
     assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--kv-offload-size", "lots"]) == 2
     assert "--kv-offload-size" in capsys.readouterr().err
+
+
+def test_the_tier_is_refused_where_it_would_miss_blocks(tmp_path):
+    """Under tensor parallelism the tier would see rank 0's heads only; a hybrid cache keeps each layer group's
+    blocks apart: both refused before anything starts, the second with the flag that lifts it."""
+    with pytest.raises(ValueError, match="kv_offload with tensor_parallel_size 2"):
+        EngineConfig(model=None, kv_offload=f"disk:{tmp_path}", tensor_parallel_size=2)
+    gemma3 = make_checkpoint(tmp_path / "gemma3", "gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3,
+                             sliding_window_pattern=3)
+    with pytest.raises(ValueError, match="kv_offload with a hybrid KV cache.*disable_hybrid_kv_cache_manager"):
+        LLM(str(gemma3), block_size=4, num_kv_blocks=64, kv_offload=f"disk:{tmp_path / 'tier'}")
+    assert not (tmp_path / "tier").exists()

@@ -213,9 +213,6 @@ class LLMEngine:
         if self.kv_groups:
             raise ValueError("kv_offload with a hybrid KV cache (sliding-window layers): the tier keeps blocks of "
                              "every layer; set disable_hybrid_kv_cache_manager, so that every layer keeps every token")
-        if config.tensor_parallel_size > 1:
-            raise ValueError(f"kv_offload with tensor_parallel_size {config.tensor_parallel_size}: the tier reads and "
-                             f"writes rank 0's pool only")
         size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
         kv_spec = self.kv_spec
         if spec.kind == "cpu":
