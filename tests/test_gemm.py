@@ -18,12 +18,11 @@ def _own_gemm(dtype: torch.dtype) -> bool:
     return gemm_pack(torch.zeros(1, 1, dtype=dtype)) is not None
 
 
-def _use_own_gemm(own: bool, dtype: torch.dtype, monkeypatch) -> None:
-    """Linear.pack takes csrc/gemm.c (skip where it does not multiply dtype), or (own False) oneDNN's."""
+def _format(own: bool, dtype: torch.dtype) -> str:
+    """The weight format of csrc/gemm.c (skip where it does not multiply dtype), or (own False) oneDNN's."""
     if own and not _own_gemm(dtype):
         pytest.skip(f"csrc/gemm.c does not multiply {dtype} on this CPU")
-    if not own:
-        monkeypatch.setattr(layers, "gemm_pack", lambda w, gated=False: None)
+    return "gemm" if own else "onednn"
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -66,15 +65,13 @@ def test_gemm_takes_strided_rows_and_leading_dimensions(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("own", [True, False])
-def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own, monkeypatch):
-    """Linear.pack takes csrc/gemm.c where built, else oneDNN's prepacked GEMM: both compute F.linear."""
-    _use_own_gemm(own, dtype, monkeypatch)
+def test_linear_packs_for_either_gemm_and_drops_the_plain_weight(dtype, own):
+    """Linear.load holds the weight packed for csrc/gemm.c or for oneDNN's GEMM: both compute F.linear."""
     w, b, x = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype), torch.randn(3, 24).to(dtype)
     lin = Linear(24, 40, bias=True, dtype=dtype)
-    lin.weight.data.copy_(w)
     lin.bias.data.copy_(b)
-    assert lin.pack()
-    assert lin.own_gemm == own and lin.weight.numel() == 0
+    assert lin.load(w.clone(), _format(own, dtype)) == _format(own, dtype)
+    assert lin.own_gemm == own and lin.weight.numel() == 0 and lin.weight.dtype == dtype
     _check(lin(x), x, w, b)
 
 
@@ -104,13 +101,12 @@ def test_gated_gemm_writes_silu_of_gate_times_up(dtype, m, n, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("own", [True, False])
-def test_gate_up_linear_is_swiglu_packed_or_not(dtype, own, monkeypatch):
-    _use_own_gemm(own, dtype, monkeypatch)
+def test_gate_up_linear_is_swiglu_packed_or_not(dtype, own):
     w, x = torch.randn(80, 24).to(dtype), torch.randn(5, 24).to(dtype)
     lin = GateUpLinear(24, 80, bias=False, dtype=dtype)
-    lin.weight.data.copy_(w)
+    lin.load(w.clone(), "plain")
     unpacked = lin(x)
-    assert lin.pack() and lin.own_gemm == own
+    assert lin.load(w.clone(), _format(own, dtype)) != "plain" and lin.own_gemm == own
     ref = _swiglu_reference(x, w, None)
     for out in (unpacked, lin(x)):
         assert out.shape == (5, 40)
@@ -157,5 +153,6 @@ def test_strict_mode_raises_where_a_linear_layer_would_fall_back(monkeypatch):
         layers.onednn_pack(torch.zeros(4, 4))
     monkeypatch.setenv(kernels.STRICT_ENV, "0")
     lin = Linear(4, 4, bias=False)
-    lin.weight.data.zero_()
-    assert not lin.pack() and lin.packed is None and lin.weight.numel() == 16
+    for weight_format in ("gemm", "onednn"):
+        assert lin.load(torch.zeros(4, 4), weight_format) == "plain"
+        assert lin.packed is None and lin.weight.numel() == 16

@@ -38,8 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU for weights, activations and the KV cache (when its size is not given)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="decode op by op: no CUDA graphs on a GPU; on the CPU, no native decode step (nor the "
-                        "second copy of the weights it reads)")
+                   help="decode op by op: no CUDA graphs on a GPU; on the CPU, no native decode step")
     p.add_argument("--cpu-allocator-tuning", default=True, action=argparse.BooleanOptionalAction,
                    help="on the CPU, keep freed memory in the process for the next step's tensors (glibc malloc "
                         "settings, process-wide)")

@@ -57,6 +57,8 @@ SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     "gemm_packed_size": ((_I, _I, _I, _I), _I64),
     "gemm_pack": ((_P, _I, _I, _I, _I, _P), None),
     "gemm": ((_P, _P, _I, _P, _I64, _I, _I, _I, _P, _I, _I), None),
+    # packed, dtype, k, ids, count, out, threads
+    "gemm_rows": ((_P, _I, _I, _P, _I, _P, _I), None),
     # csrc/layer_ops.c
     "add_rms_norm": ((_P, _P, _P, _P, _I, _I, _F, _I, _I), Status),
     "rope": ((_P, _I64, _I, _I, _I, _P, _P, _I, _I), None),

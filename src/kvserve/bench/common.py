@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -193,6 +195,49 @@ def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int
         fn()
         best = max(best, nbytes / min(timed(fn, device) for _ in range(repeats)))
     return best
+
+
+_MEMORY_CHILD = """
+import json, sys
+import torch
+job = json.loads(sys.argv[1])
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+if job["side"] == "kvserve":
+    from kvserve import LLM, SamplingParams
+    before = status("VmRSS:")
+    llm = LLM(job["path"], **job["kwargs"])
+    loaded = status("VmRSS:")
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+else:
+    from transformers import AutoModelForCausalLM
+    before = status("VmRSS:")
+    model = AutoModelForCausalLM.from_pretrained(job["path"], dtype=getattr(torch, job["dtype"]),
+                                                 attn_implementation="sdpa").eval()
+    loaded = status("VmRSS:")
+    ids = torch.tensor(job["prompts"])
+    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=job["tokens"],
+                   min_new_tokens=job["tokens"])
+print(json.dumps({"before_load": before, "after_load": loaded, "peak": status("VmHWM:")}))
+"""
+
+
+def process_memory(side: str, path: Path, prompts: list[list[int]], tokens: int, dtype: str,
+                   kwargs: dict | None = None) -> dict[str, int]:
+    """Resident memory (bytes) of a fresh process that loads the checkpoint by `side` ("kvserve", LLM(path,
+    **kwargs); or "transformers", in dtype) and generates `tokens` greedy tokens for the prompts as one batch:
+    before loading (its libraries imported), after loading, and at its peak (VmHWM: what the system must have
+    free for it). A process of its own, so that neither side's memory, nor the bench's, counts in the other's."""
+    job = {"side": side, "path": str(path), "prompts": prompts, "tokens": tokens, "dtype": dtype,
+           "kwargs": kwargs or {}}
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, json.dumps(job)], capture_output=True, text=True,
+                         check=False)
+    if out.returncode:
+        raise RuntimeError(f"the {side} memory measurement failed: {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def linear_params(cfg: ModelConfig) -> tuple[int, int]:

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_params, make_checkpoint,
-                                  matmul_rate, model_shape, pick_device, print_table, random_prompts, read_bandwidth,
-                                  step_times, sync, write_json)
+                                  matmul_rate, model_shape, pick_device, print_table, process_memory, random_prompts,
+                                  read_bandwidth, step_times, sync, write_json)
 from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
@@ -215,6 +215,13 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
     batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager) for _ in range(w.repeats)]
     by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if llm.engine.runner.native is not None else None
+    # each side's resident memory, in a process of its own: the batch's prompts and a few tokens (its peak);
+    # not in a quick run, whose processes would take longer than the rest of it
+    memory = None
+    if device.type == "cpu" and not args.quick:
+        kwargs = engine_kwargs(args, w, dtype, device)
+        memory = {side: process_memory(side, path, prompts, _WARMUP_TOKENS, dtype, kwargs)
+                  for side in ("kvserve", "transformers")}
     prefill_tokens = min(w.requests * w.prompt_len, llm.engine.scheduler_config.max_num_batched_tokens)
     flop_s = matmul_rate(torch_dtype, prefill_tokens, cfg.hidden_size, 2 * cfg.intermediate_size, device)
     lim = limits(cfg, w, torch_dtype, flop_s, bandwidth)
@@ -240,6 +247,8 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "batch1_fraction_of_bandwidth_limit": statistics.median(r["ours"] * weight_bytes / r["bandwidth"]
                                                                 for r in batch1),
         "native_by_batch": by_batch,
+        # bytes: {"kvserve" | "transformers": {"before_load", "after_load", "peak"}} (CPU, not --quick)
+        "process_memory": memory,
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "native_decode": llm.engine.runner.native is not None,
         "native_max_batch": llm.engine.runner.native.max_batch if llm.engine.runner.native is not None else None,
@@ -259,6 +268,11 @@ def _decode_path(r: dict) -> str:
     if r["native_max_batch"] is None:
         return "native C step (packed GEMMs)"
     return f"native C step up to {r['native_max_batch']} seqs (matrix-vector products)"
+
+
+def _peak_rss(r: dict) -> str:
+    memory = r["process_memory"]
+    return "-" if memory is None else " | ".join(f"{memory[side]['peak'] / 1e9:.2f}" for side in ("kvserve", "transformers"))
 
 
 def _rate(tok_s: float | None) -> str:
@@ -283,6 +297,7 @@ def report(results: dict[str, dict]) -> None:
         ["fraction of limit", lambda r: _vs_target(r["fraction_of_limit"], TARGET_FRACTION_OF_LIMIT,
                                                     f"{r['fraction_of_limit']:.0%}"),
          f">= {TARGET_FRACTION_OF_LIMIT:.0%}"],
+        ["peak RSS GB, kvserve | transformers", _peak_rss, ""],
         ["batch-1 decode tok/s, kvserve", lambda r: f"{r['batch1_tok_s']:.1f}", ""],
         ["batch-1 decode tok/s, kvserve op by op", lambda r: _rate(r["batch1_eager_tok_s"]), ""],
         ["batch-1 decode tok/s, transformers", lambda r: f"{r['hf_batch1_tok_s']:.1f}", ""],

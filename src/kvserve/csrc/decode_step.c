@@ -38,7 +38,7 @@ typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, dtype;
     int num_blocks, block_size;
     float eps, scale;
-    const void *embed, *norm;
+    const void *embed, *norm;      /* embed NULL: the rows of lm_head's packed weight (tied embeddings) */
     Proj lm_head;
     const Layer *layers;
 } Model;
@@ -275,8 +275,15 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
     float *rows = malloc(sizeof(float) * widest * threads);                  /* a float row per thread */
     int failed = !x || !a || !b || !qkv || (!gemm && (!gate_up || !y)) || !rows;
     if (failed) goto done;
-    for (int t = 0; t < n; t++)
+    for (int t = 0; t < n; t++) {
+#if AVX512_BW_VL
+        if (!m->embed) {            /* the table's only copy is the tied lm_head's packed weight */
+            gemm_row(m->lm_head.packed, dt, hdim, input_ids[t], x + (size_t)t * hdim);
+            continue;
+        }
+#endif
         for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
+    }
     #pragma omp parallel num_threads(threads)
     {
         float *row = rows + (size_t)omp_get_thread_num() * widest;

@@ -46,6 +46,12 @@ static int panel_column(int p, int j, int n, int gated) {
     return col < half ? (p % 2) * half + col : -1;
 }
 
+/* Where number kk of column j of panel p lies in a packed weight of `depth` k rows a panel (bfloat16: pairs
+ * of k rows interleaved, column by column). */
+static inline int64_t packed_at(int dtype, int p, int depth, int kk, int j) {
+    return dtype == BF16 ? ((int64_t)p * depth + kk / 2 * 2) * NR + 2 * j + kk % 2 : ((int64_t)p * depth + kk) * NR + j;
+}
+
 void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) {
     const int panels = num_panels(n, gated), depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
     const size_t size = elem_size(dtype);
@@ -54,14 +60,32 @@ void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) 
         for (int kk = 0; kk < depth; kk++)
             for (int j = 0; j < NR; j++) {
                 const int col = panel_column(p, j, n, gated);
-                /* bfloat16: pairs of k rows interleaved, column by column */
-                const int64_t to = dtype == BF16 ? ((int64_t)p * depth + kk / 2 * 2) * NR + 2 * j + kk % 2
-                                                 : ((int64_t)p * depth + kk) * NR + j;
+                const int64_t to = packed_at(dtype, p, depth, kk, j);
                 if (col >= 0 && kk < k)
                     memcpy((char *)packed + to * size, (const char *)w + ((int64_t)col * k + kk) * size, size);
                 else
                     memset((char *)packed + to * size, 0, size);
             }
+}
+
+/* Row `col` of a (not gated) weight [n, k] as floats, from its packed copy: an embedding table whose only copy
+ * is the packed weight of the tied lm_head. */
+void gemm_row(const void *packed, int dtype, int k, int64_t col, float *out) {
+    const int depth = dtype == BF16 ? (k + 1) / 2 * 2 : k, p = (int)(col / NR), j = (int)(col % NR);
+    for (int kk = 0; kk < k; kk++) out[kk] = param(packed, dtype, packed_at(dtype, p, depth, kk, j));
+}
+
+/* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of its dtype. */
+void gemm_rows(const void *packed, int dtype, int k, const int64_t *ids, int count, void *out, int threads) {
+    const int depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
+    const size_t size = elem_size(dtype);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < count; i++) {
+        const int p = (int)(ids[i] / NR), j = (int)(ids[i] % NR);
+        for (int kk = 0; kk < k; kk++)
+            memcpy((char *)out + ((int64_t)i * k + kk) * size,
+                   (const char *)packed + packed_at(dtype, p, depth, kk, j) * size, size);
+    }
 }
 
 /* What a panel's last k-chunk writes: y; or (a gated weight's) its gate sums, or silu(gate) * up. */

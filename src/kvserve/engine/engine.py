@@ -14,9 +14,8 @@ from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
-from kvserve.engine.executor import build_executors, native_decode_wanted
+from kvserve.engine.executor import build_executors, native_decode_wanted, weight_format
 from kvserve.engine.gpu_memory import profile_kv_memory
-from kvserve.engine.native_decode import prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
@@ -52,9 +51,7 @@ class LLMEngine:
         self.backend = get_backend(config.attention_backend, self.device)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
-                                pack_weights=not native)
-        if native:
-            prepare_weights(self.model)
+                                weight_format(self.device, self.dtype, native))
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole

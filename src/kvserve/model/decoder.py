@@ -97,14 +97,6 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
 
-    def pack_weights(self, keep_weights: bool = False) -> None:
-        """Prepack every linear layer's weight for the CPU's fastest matmul, where possible; the plain
-        weights are dropped unless kept (for the native decode step, which reads them)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                tied = module is self.lm_head and self.config.tie_word_embeddings
-                module.pack(free_weight=not (keep_weights or tied))
-
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         cfg = self.config
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)

@@ -12,43 +12,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.cpu_memory import cpu_tensor
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _PACK_BATCH_HINT = 64
 
 
+WEIGHT_FORMATS = ("gemm", "onednn", "plain")
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be packed once for a CPU GEMM: the project's own (csrc/gemm.c) where this
-    CPU's build multiplies the dtype, else oneDNN's prepacked one (2-3x faster than MKL's on many CPUs)."""
+    """nn.Linear whose weight is held once, in one of WEIGHT_FORMATS (`weight_format`): gemm (packed in
+    panels for csrc/gemm.c, `packed`), onednn (oneDNN's prepacked weight, `packed`) or plain (`weight`
+    [out, in], as torch keeps it). A packed layer's `weight` is an empty placeholder of its dtype."""
 
     packed: torch.Tensor | None = None
-    own_gemm: bool = False     # packed for csrc/gemm.c (else for oneDNN)
+    weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
 
     def reset_parameters(self) -> None:
         pass
 
-    def pack(self, free_weight: bool = True) -> bool:
-        """Pack the weight (CPU, float32/bfloat16); False if neither GEMM takes it here.
+    @property
+    def own_gemm(self) -> bool:
+        """Whether csrc/gemm.c multiplies the layer (its weight packed for it)."""
+        return self.weight_format == "gemm"
 
-        The plain weight is then dropped, unless it is shared (tied embeddings), to not hold it twice.
-        """
-        w = self.weight.detach()
-        if w.device.type != "cpu" or w.dtype not in COMPUTE_DTYPES:
-            return False
-        self.packed = gemm_pack(w, self.gated)
-        self.own_gemm = self.packed is not None
-        if not self.own_gemm:
-            self.packed = onednn_pack(w)
-            if self.packed is None:
-                return False
-        if free_weight:
-            self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
-        return True
+    def load(self, w: torch.Tensor, weight_format: str) -> str:
+        """Hold w [out, in] in weight_format, and no other copy of it: plain where that packing does not take
+        it (not on the CPU, not float32/bfloat16, or a fallback: see kvserve.kernels). Returns the format held."""
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        packed = None
+        if weight_format != "plain" and w.device.type == "cpu" and w.dtype in COMPUTE_DTYPES:
+            packed = gemm_pack(w, self.gated) if weight_format == "gemm" else onednn_pack(w)
+        self.packed = packed
+        self.weight_format = "plain" if packed is None else weight_format
+        self.weight = nn.Parameter(w if packed is None else w.new_empty(0), requires_grad=False)
+        return self.weight_format
+
+    def pack(self) -> bool:
+        """Pack the weight for csrc/gemm.c where it multiplies the dtype here, else for oneDNN (CPU,
+        float32/bfloat16), dropping the plain copy; False (left plain) if neither takes it."""
+        return self.load(self.weight.detach(), "gemm" if gemm_packs(self.weight.dtype) else "onednn") != "plain"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.weight_format == "plain":
             return F.linear(x, self.weight, self.bias)
         if self.own_gemm:
             return gemm(x, self.packed, self.bias, self.out_features)
@@ -112,7 +122,7 @@ def gemm_pack(w: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     kind, (n, k) = DTYPE_KINDS[w.dtype], w.shape
     if gated and n % 2:
         raise ValueError(f"a gated weight has an even number of rows (gate and up), got {n}")
-    packed = torch.empty(size(kind, n, k, gated), dtype=w.dtype)
+    packed = cpu_tensor((size(kind, n, k, gated),), w.dtype)
     pack(w.contiguous().data_ptr(), kind, n, k, gated, packed.data_ptr())
     return packed
 
@@ -139,8 +149,31 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
 
 
 class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be the packed weight of a tied lm_head (`rows_of`), its only copy."""
+
+    rows_of: Linear | None = None
+
     def reset_parameters(self) -> None:
         pass
+
+    def share_with(self, lm_head: Linear) -> None:
+        """Read the table's rows from lm_head's weight, packed for csrc/gemm.c from this table, and drop the
+        table's own copy."""
+        if not lm_head.own_gemm:
+            raise ValueError("an embedding reads its rows only from a weight packed for csrc/gemm.c")
+        object.__setattr__(self, "rows_of", lm_head)      # not a submodule: lm_head stays the model's alone
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows_of is None:
+            return super().forward(ids)
+        flat = ids.reshape(-1).contiguous()
+        out = torch.empty(len(flat), self.embedding_dim, dtype=self.weight.dtype)
+        if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {flat.min()}..{flat.max()}")
+        function("gemm_rows")(self.rows_of.packed.data_ptr(), DTYPE_KINDS[out.dtype], self.embedding_dim,
+                              flat.data_ptr(), len(flat), out.data_ptr(), torch.get_num_threads())
+        return out.view(*ids.shape, self.embedding_dim)
 
 
 def _layer_op(name: str, x: torch.Tensor, *contiguous: torch.Tensor):
