@@ -16,7 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
 from kvserve.kernels import COMPUTE_DTYPES, library
-from kvserve.model.layers import gemm, gemm_pack, onednn_linear, onednn_pack
+from kvserve.model.layers import NEVER, gemm, gemm_kernels, gemm_pack, onednn_linear, onednn_pack
 from kvserve.sampling import SamplingParams
 
 # bench flag -> LlamaConfig field
@@ -155,13 +155,15 @@ def decode_rate(llm, prompts: list[list[int]], tokens: int, repeats: int = 3) ->
 
 def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """x @ w.T by each GEMM the engine may run here: F.linear, oneDNN's prepacked one and csrc/gemm.c's
-    (on the CPU, where built)."""
+    kernels (on the CPU, where built)."""
     linears = [lambda x: F.linear(x, w)]
     if w.device.type == "cpu" and w.dtype in COMPUTE_DTYPES:
         if (prepacked := onednn_pack(w)) is not None:
             linears.append(lambda x: onednn_linear(x, prepacked, None))
         if (own := gemm_pack(w)) is not None:
-            linears.append(lambda x: gemm(x, own, None, w.shape[0]))
+            for kernel in gemm_kernels(w.dtype):
+                amx_from = 1 if kernel == "amx" else NEVER
+                linears.append(lambda x, amx_from=amx_from: gemm(x, own, None, w.shape[0], amx_from=amx_from))
     return linears
 
 

@@ -253,6 +253,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "native_decode": llm.engine.runner.native is not None,
         "native_max_batch": llm.engine.runner.native.max_batch if llm.engine.runner.native is not None else None,
         "native_gemm": llm.engine.runner.native.packed if llm.engine.runner.native is not None else None,
+        "gemm": llm.engine.gemm.report(),        # how the linear layers multiply, and the timings that chose it
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
                  "batch1_tok_s": [r["ours"] for r in batch1], "hf_batch1_tok_s": [r["hf"] for r in batch1],
                  "batch1_eager_tok_s": [r["eager"] for r in batch1],
@@ -268,6 +269,12 @@ def _decode_path(r: dict) -> str:
     if r["native_max_batch"] is None:
         return "native C step (packed GEMMs)"
     return f"native C step up to {r['native_max_batch']} seqs (matrix-vector products)"
+
+
+def _gemm(report: dict) -> str:
+    amx = sorted({v for v in report["amx_from"].values() if v is not None})
+    kernels = f", AMX from {'/'.join(map(str, amx))} rows" if report["weight_format"] == "gemm" and amx else ""
+    return f"{report['weight_format']}{kernels} ({report['source']})"
 
 
 def _peak_rss(r: dict) -> str:
@@ -292,6 +299,7 @@ def report(results: dict[str, dict]) -> None:
          f">= {TARGET_RATIO_VS_HF}x"],
         ["matmul GFLOP/s (measured)", lambda r: f"{r['matmul_flop_s'] / 1e9:.1f}", ""],
         ["kvserve's decode steps", _decode_path, ""],
+        ["kvserve's GEMMs", lambda r: _gemm(r["gemm"]), ""],
         ["limit s: compute | memory", lambda r: f"{r['compute_limit_s']:.3f} | {r['memory_limit_s']:.3f}", ""],
         ["limit s (per phase) | kvserve s", lambda r: f"{r['limit_s']:.3f} | {r['ours_s']:.3f}", ""],
         ["fraction of limit", lambda r: _vs_target(r["fraction_of_limit"], TARGET_FRACTION_OF_LIMIT,

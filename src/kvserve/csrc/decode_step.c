@@ -23,9 +23,11 @@
 #include "common.h"
 
 /* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
- * keeps it, for the matrix-vector products; and its bias (or NULL). */
+ * keeps it, for the matrix-vector products; its bias (or NULL); and the rows from which csrc/gemm.c
+ * multiplies it by AMX's tiles (measured at start-up), not AVX-512's. */
 typedef struct {
     const void *w, *b, *packed;
+    int amx_from;
 } Proj;
 
 typedef struct {
@@ -51,7 +53,7 @@ static const struct {
     const char *type, *field;
     size_t at;
 } LAYOUT[] = {
-    SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed),
+    SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed), FIELD(Proj, amx_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
@@ -174,7 +176,7 @@ static inline void narrow(void *rows, int dtype, int t, int width, const float *
 static void project(const Proj *p, int gated, int dtype, const void *x, int n, int in, int out, void *y) {
 #if AVX512_BW_VL
     if (p->packed) {
-        gemm_team(p->packed, p->b, dtype, x, in, n, in, out, y, gated);
+        gemm_team(p->packed, p->b, dtype, x, in, n, in, out, y, gated, n >= p->amx_from ? GEMM_AMX : GEMM_AVX512);
         #pragma omp barrier
         return;
     }

@@ -1,13 +1,18 @@
 /* y[m][n] = x[m][k] . W[n][k]^T (+ bias[n]): the CPU's linear layers, float32 or bfloat16 (`dtype`: F32
  * or BF16 of common.h), with AVX-512 F, BW and VL (bfloat16: also its BF16 extension). A GotoBLAS-style
  * GEMM over a weight packed once at load: panels of NR = 32 output columns, each stored k-row by k-row
- * (bfloat16: pairs of k rows interleaved, as VDPBF16PS reads them). A tile of up to MR = 14 input rows
- * by one panel keeps its 28 sums in registers while a k-chunk of the panel (32 KiB, in L1) and of the
- * rows (in L2) goes by; the threads share the panels. oneDNN's prepacked GEMM is tuned for large
- * matrices; this one for the few rows of decode steps, where it takes less time, while prefill's
- * thousands of rows run about as fast in either (docs/performance.md). Sums run in float32, in
- * k order within chunks of KC (at a few rows and k of hundreds, float32 errors up to a few times
- * those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
+ * (bfloat16: pairs of k rows interleaved, as VDPBF16PS and AMX's TDPBF16PS read them, and k padded with
+ * zeros to a whole number of AMX tile depths, 32). Two kernels read the same panels (`kernel`):
+ *
+ * - AVX512: a tile of up to MR = 14 input rows by one panel keeps its 28 sums in registers while a
+ *   k-chunk of the panel (32 KiB, in L1) and of the rows (in L2) goes by; the threads share the panels.
+ * - AMX (bfloat16, where the CPU has AMX and the OS grants this process its tile data: gemm_kernels):
+ *   16 or 32 rows by one panel in 2 or 4 tiles of sums, fed 32 k at a time from two tiles of the rows
+ *   and two of the panel. Its tiles do 16 times the multiplications per instruction, and win from a few
+ *   rows on; which kernel runs at which row count is measured at start-up (kvserve.model.gemm_choice).
+ *
+ * Sums run in float32, in k order within chunks of KC (at a few rows and k of hundreds, float32 errors
+ * up to a few times those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
  *
  * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
  * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
@@ -15,12 +20,31 @@
 #include "common.h"
 
 #if AVX512_BW_VL
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define AMX 0
+#endif
 
 #define NV 2                 /* vectors of 16 columns per panel */
 #define NR (16 * NV)
 #define MR 14                /* rows per tile: 28 sums + 2 weight vectors + 1 broadcast in 32 registers */
 #define MC (18 * MR)         /* rows that share a pass over the panels: their k-chunk stays in L2 */
 #define KC 256               /* k per chunk (bfloat16: 512): NR x KC of the panel fills half of L1 */
+#define KT 32                /* k of an AMX tile (bfloat16): a panel's k is padded to a multiple of it */
+
+static int amx_granted;     /* the OS lets this process use AMX's tile data (gemm_kernels asked) */
+
+/* Bits of the kernels this build can run in this process: 1 << GEMM_AVX512, and 1 << GEMM_AMX where
+ * the CPU has AMX (BF16) and the OS grants its tile state (asked here, once: call before gemm runs AMX). */
+int gemm_kernels(void) {
+#if AMX
+    if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#endif
+    return 1 << GEMM_AVX512 | (amx_granted ? 1 << GEMM_AMX : 0);
+}
 
 /* Bits of the dtypes this build multiplies (1 << F32 | 1 << BF16). */
 int gemm_dtypes(void) {
@@ -34,9 +58,12 @@ int gemm_dtypes(void) {
 /* Panels of a weight of n output columns (gated: n = 2 x its outputs; a pair of panels per 32 outputs). */
 static int num_panels(int n, int gated) { return gated ? 2 * ((n / 2 + NR - 1) / NR) : (n + NR - 1) / NR; }
 
+/* k rows of a panel: bfloat16 pads k to whole AMX tiles (the rows past k are zeros). */
+static int panel_depth(int dtype, int k) { return dtype == BF16 ? (k + KT - 1) / KT * KT : k; }
+
 /* Numbers (of the weight's dtype) the packed copy of an [n, k] weight takes. */
 int64_t gemm_packed_size(int dtype, int n, int k, int gated) {
-    return (int64_t)num_panels(n, gated) * (dtype == BF16 ? (k + 1) / 2 * 2 : k) * NR;
+    return (int64_t)num_panels(n, gated) * panel_depth(dtype, k) * NR;
 }
 
 /* The weight's row (output column) that column j of panel p holds, or -1 for none (padding). */
@@ -53,7 +80,7 @@ static inline int64_t packed_at(int dtype, int p, int depth, int kk, int j) {
 }
 
 void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) {
-    const int panels = num_panels(n, gated), depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
+    const int panels = num_panels(n, gated), depth = panel_depth(dtype, k);
     const size_t size = elem_size(dtype);
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++)
@@ -71,13 +98,13 @@ void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) 
 /* Row `col` of a (not gated) weight [n, k] as floats, from its packed copy: an embedding table whose only copy
  * is the packed weight of the tied lm_head. */
 void gemm_row(const void *packed, int dtype, int k, int64_t col, float *out) {
-    const int depth = dtype == BF16 ? (k + 1) / 2 * 2 : k, p = (int)(col / NR), j = (int)(col % NR);
+    const int depth = panel_depth(dtype, k), p = (int)(col / NR), j = (int)(col % NR);
     for (int kk = 0; kk < k; kk++) out[kk] = param(packed, dtype, packed_at(dtype, p, depth, kk, j));
 }
 
 /* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of its dtype. */
 void gemm_rows(const void *packed, int dtype, int k, const int64_t *ids, int count, void *out, int threads) {
-    const int depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
+    const int depth = panel_depth(dtype, k);
     const size_t size = elem_size(dtype);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int i = 0; i < count; i++) {
@@ -117,41 +144,44 @@ static inline __m512 rounded(__m512 v, int dtype) {
     return v;
 }
 
+/* Vector j of row r of a tile's whole sums, v, into y with the bias: or (a gated weight's) its gate sums,
+ * or silu(gate) * up. */
+static inline __attribute__((always_inline)) void emit(__m512 v, int r, int j, const Chunk *c, int dtype, void *y,
+                                                      int ldy) {
+    const __mmask16 m = lanes16(c->cols - 16 * j);
+    /* not load16: its whole-vector branch, inlined here, slows the bfloat16 tiles */
+    if (c->bias)
+        v = _mm512_add_ps(v, dtype == BF16
+            ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                  _mm256_maskz_loadu_epi16(m, (const uint16_t *)c->bias + 16 * j)), 16))
+            : _mm512_maskz_loadu_ps(m, (const float *)c->bias + 16 * j));
+    if (c->out != PLAIN) {       /* as swiglu() rounds, the gate and up sums first */
+        float *gate = c->gate + r * NR + 16 * j;
+        v = rounded(v, dtype);
+        if (c->out == GATE) {
+            _mm512_storeu_ps(gate, v);
+            return;
+        }
+        v = rounded(_mm512_mul_ps(rounded(silu16(_mm512_loadu_ps(gate)), dtype), v), dtype);
+    }
+    if (dtype == BF16) {
+#if defined(__AVX512BF16__)
+        _mm256_mask_storeu_epi16((uint16_t *)y + (int64_t)r * ldy + 16 * j, m, (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+    } else {
+        _mm512_mask_storeu_ps((float *)y + (int64_t)r * ldy + 16 * j, m, v);
+    }
+}
+
 /* The chunk's sums join the earlier chunks' in `partial` (sums of chunks, not one running sum: the
  * rounding error grows with KC, not k), or (last chunk) go with the bias to y. */
 static inline __attribute__((always_inline)) void finish(__m512 acc[MR][NV], float *partial, int mr, const Chunk *c,
                                                         int dtype, void *y, int ldy) {
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < NV; j++) {
-            __m512 v = c->first ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(partial + r * NR + 16 * j), acc[r][j]);
-            if (!c->last) {
-                _mm512_storeu_ps(partial + r * NR + 16 * j, v);
-                continue;
-            }
-            const __mmask16 m = lanes16(c->cols - 16 * j);
-            /* not load16: its whole-vector branch, inlined here, slows the bfloat16 tiles */
-            if (c->bias)
-                v = _mm512_add_ps(v, dtype == BF16
-                    ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                          _mm256_maskz_loadu_epi16(m, (const uint16_t *)c->bias + 16 * j)), 16))
-                    : _mm512_maskz_loadu_ps(m, (const float *)c->bias + 16 * j));
-            if (c->out != PLAIN) {       /* as swiglu() rounds, the gate and up sums first */
-                float *gate = c->gate + r * NR + 16 * j;
-                v = rounded(v, dtype);
-                if (c->out == GATE) {
-                    _mm512_storeu_ps(gate, v);
-                    continue;
-                }
-                v = rounded(_mm512_mul_ps(rounded(silu16(_mm512_loadu_ps(gate)), dtype), v), dtype);
-            }
-            if (dtype == BF16) {
-#if defined(__AVX512BF16__)
-                _mm256_mask_storeu_epi16((uint16_t *)y + (int64_t)r * ldy + 16 * j, m,
-                                         (__m256i)_mm512_cvtneps_pbh(v));
-#endif
-            } else {
-                _mm512_mask_storeu_ps((float *)y + (int64_t)r * ldy + 16 * j, m, v);
-            }
+            const __m512 v = c->first ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(partial + r * NR + 16 * j), acc[r][j]);
+            if (c->last) emit(v, r, j, c, dtype, y, ldy);
+            else _mm512_storeu_ps(partial + r * NR + 16 * j, v);
         }
 }
 
@@ -226,12 +256,128 @@ static void tile(int dtype, const void *panel, const void *next, const void *x, 
 #undef ROWS_BF16
 }
 
+#if AMX
+/* AMX's tile configuration (palette 1): tiles 0-3 the sums (16 rows of 16 floats), 4-5 the rows (16 rows of
+ * KT numbers), 6-7 the panel (16 pairs of k rows of 16 columns). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* A thread's copy of the rows, kept from call to call (grown as needed); NULL where memory ran out. */
+static __thread uint16_t *rows_copy;
+static __thread size_t rows_copy_size;
+
+static uint16_t *rows_buffer(size_t numbers) {
+    if (numbers > rows_copy_size) {
+        free(rows_copy);
+        const size_t bytes = (2 * numbers + 63) / 64 * 64;
+        rows_copy = aligned_alloc(64, bytes);
+        rows_copy_size = rows_copy ? bytes / 2 : 0;
+    }
+    return rows_copy;
+}
+
+/* Rows x[0 .. rows) (ldx apart, k numbers each) as AMX's tiles read them: groups of 16 rows (the last one
+ * filled with zero rows), each k-step of a group a block of 16 x KT numbers of its own (tile loads of whole
+ * cache lines, one after another: the rows themselves, some power of two apart, would share a few cache
+ * sets), k padded with zeros to whole steps. */
+static void copy_rows(const uint16_t *x, int64_t ldx, int rows, int k, uint16_t *to) {
+    const int steps = (k + KT - 1) / KT, groups = (rows + 15) / 16;
+    for (int g = 0; g < groups; g++)
+        for (int s = 0; s < steps; s++) {
+            uint16_t *block = to + ((int64_t)g * steps + s) * 16 * KT;
+            const int width = k - s * KT < KT ? k - s * KT : KT;
+            for (int r = 0; r < 16; r++) {
+                const int row = g * 16 + r, have = row < rows ? width : 0;
+                if (have) memcpy(block + r * KT, x + (int64_t)row * ldx + s * KT, 2 * (size_t)have);
+                if (have < KT) memset(block + r * KT + have, 0, 2 * (size_t)(KT - have));
+            }
+        }
+}
+
+/* The sums of one group of 16 rows (two: and the next group) of the rows' copy `a` (copy_rows, `steps` k-steps
+ * a group) by a panel of `steps` k-steps, `b`, into sums (NR a row). */
+static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, const uint16_t *a, int steps,
+                                                          float *sums, int two) {
+    const uint16_t *a2 = a + (int64_t)steps * 16 * KT;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int s = 0; s < steps; s++) {
+        _tile_loadd(6, b + (int64_t)s * KT * NR, 4 * NR);
+        _tile_loadd(7, b + (int64_t)s * KT * NR + 32, 4 * NR);
+        _tile_loadd(4, a + (int64_t)s * 16 * KT, 2 * KT);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a2 + (int64_t)s * 16 * KT, 2 * KT);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums, NR * 4);
+    _tile_stored(1, sums + 16, NR * 4);
+    if (two) {
+        _tile_stored(2, sums + 16 * NR, NR * 4);
+        _tile_stored(3, sums + 16 * NR + 16, NR * 4);
+    }
+}
+
+#define MC_AMX_MAX 256
+#define ROWS_COPY_BYTES (1 << 20)      /* AMX: the rows a pass over the panels shares, copied: they stay in L2 */
+
+/* gemm_team by AMX's tiles (bfloat16): each thread copies a block of rows (copy_rows), then multiplies it by its
+ * panels, 32 rows (or 16) a tile, over the whole k. 0, or -1 where the copy's memory ran out (nothing done). */
+static int amx_team(const uint16_t *packed, const uint16_t *bias, const uint16_t *x, int64_t ldx, int m, int k,
+                    int n, uint16_t *y, int gated) {
+    const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(BF16, k), steps = depth / KT;
+    const int per_unit = gated ? 2 : 1, fit = ROWS_COPY_BYTES / (2 * depth) / 32 * 32;
+    const int mc = fit < 32 ? 32 : fit > MC_AMX_MAX ? MC_AMX_MAX : fit;
+    float sums[(MC_AMX_MAX + 16) * NR] __attribute__((aligned(64))), gate[(MC_AMX_MAX + 16) * NR];
+    uint16_t *a = rows_buffer((size_t)((m < mc ? m : mc) + 15) / 16 * 16 * depth);
+    if (!a) return -1;
+    TileConfig cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.bytes[t] = 64;
+    _tile_loadconfig(&cfg);
+    for (int m0 = 0; m0 < m; m0 += mc) {
+        const int mb = m - m0 < mc ? m - m0 : mc, groups = (mb + 15) / 16;
+        copy_rows(x + (int64_t)m0 * ldx, ldx, mb, k, a);
+        #pragma omp for schedule(static) nowait
+        for (int u = 0; u < panels / per_unit; u++)
+            for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
+                for (int g = 0; g < groups; g += 2)
+                    amx_tile(packed + (int64_t)p * depth * NR, a + (int64_t)g * steps * 16 * KT, steps,
+                             sums + g * 16 * NR, g + 1 < groups);
+                const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
+                const Chunk c = {1, 1, n - u * NR < NR ? n - u * NR : NR,
+                                 bias ? bias + (gated && p % 2 ? n : 0) + (int64_t)u * NR : NULL, out, gate};
+                for (int r = 0; r < mb; r++)
+                    for (int j = 0; j < NV; j++)
+                        emit(_mm512_loadu_ps(sums + r * NR + 16 * j), r, j, &c, BF16, y + (int64_t)m0 * n + u * NR, n);
+            }
+    }
+    _tile_release();
+    return 0;
+}
+#endif
+
 /* gemm's share of one thread of a team: call from every thread of a parallel region; y is whole once
  * they have all returned and met at a barrier (this ends without one). y has n columns; a gated
- * weight holds 2n (packed with gated set) and y = silu(gate) * up. */
+ * weight holds 2n (packed with gated set) and y = silu(gate) * up. kernel: GEMM_AVX512, or GEMM_AMX
+ * (bfloat16 only; where gemm_kernels reports it, else AVX512 runs). */
 void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
-               void *y, int gated) {
-    const int panels = num_panels(gated ? 2 * n : n, gated), depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
+               void *y, int gated, int kernel) {
+#if AMX
+    /* (where the rows' copy finds no memory, AVX-512's kernel, which needs none) */
+    if (kernel == GEMM_AMX && dtype == BF16 && amx_granted && amx_team(packed, bias, x, ldx, m, k, n, y, gated) == 0)
+        return;
+#else
+    (void)kernel;
+#endif
+    const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(dtype, k);
     const int kc_max = dtype == BF16 ? 2 * KC : KC, per_unit = gated ? 2 : 1;
     const size_t size = elem_size(dtype);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
@@ -268,10 +414,11 @@ void gemm_team(const void *packed, const void *bias, int dtype, const void *x, i
 /* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack (gated: W
  * [2n, k] and y = silu(gate) * up, gate and up each with their half of the bias). */
 void gemm(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n, void *y,
-          int gated, int threads) {
+          int gated, int kernel, int threads) {
     #pragma omp parallel num_threads(threads)
-    gemm_team(packed, bias, dtype, x, ldx, m, k, n, y, gated);
+    gemm_team(packed, bias, dtype, x, ldx, m, k, n, y, gated, kernel);
 }
 #else
 int gemm_dtypes(void) { return 0; }
+int gemm_kernels(void) { return 0; }
 #endif

@@ -14,7 +14,7 @@ from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
-from kvserve.engine.executor import build_executors, native_decode_wanted, weight_format
+from kvserve.engine.executor import build_executors, native_decode_wanted
 from kvserve.engine.gpu_memory import profile_kv_memory
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -23,6 +23,7 @@ from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
 from kvserve.kv.quant import resolve_kv_cache_dtype
+from kvserve.model.gemm_choice import choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
@@ -50,8 +51,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
+        self.gemm = choose_gemm(mcfg, self.dtype, self.device, native)      # measured, or cached
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
-                                weight_format(self.device, self.dtype, native))
+                                self.gemm.weight_format)
+        self.gemm.apply(self.model)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
@@ -431,4 +434,5 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
+            "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
         }

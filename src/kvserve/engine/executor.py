@@ -32,7 +32,6 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.kernels import function
 from kvserve.kv import KVSpec, KVStorage, NoKVStorage
 from kvserve.model.decoder import CausalLM
-from kvserve.model.layers import gemm_packs
 
 log = logging.getLogger(__name__)
 
@@ -211,21 +210,10 @@ class Eager:
 def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
     """The native executors: on the CPU unless enforce_eager, a float32 or bfloat16 model whose attention the
     native backend runs over a full-precision cache, and the kernels built. (Asked before the model loads,
-    whose weights are then held as the C step reads them: weight_format.)"""
+    whose weights are then held as the C step reads them where the GEMM choice allows: model/gemm_choice.py.)"""
     return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
             and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
-
-
-def weight_format(device: torch.device, dtype: torch.dtype, native: bool) -> str:
-    """How the linear layers hold their weights (Linear.load; one copy, whatever runs): packed for csrc/gemm.c
-    where it multiplies dtype here; else plain for the native step's matrix-vector products (and torch's
-    F.linear op by op), or packed for oneDNN where the model runs op by op only. Off the CPU, plain."""
-    if device.type != "cpu" or dtype not in DTYPES:
-        return "plain"
-    if gemm_packs(dtype):
-        return "gemm"
-    return "plain" if native else "onednn"
 
 
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend) -> bool:
@@ -240,7 +228,7 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
                     max_model_len: int) -> list[Executor]:
     """The engine's executors, in the order a step tries them; eager, last, takes what the others do not."""
     executors: list[Executor] = []
-    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend):
+    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend) and NativeDecode.reads(model):
         native = NativeDecode(model, storage)
         if config.num_scheduler_steps > 1:
             executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,

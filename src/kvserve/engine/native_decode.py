@@ -31,7 +31,7 @@ MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
 # copies of csrc/decode_step.c's structs (NativeDecode checks them against the library's: check_layout)
 class _Proj(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "packed")]
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "b", "packed")), ("amx_from", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -53,10 +53,10 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 
 def _proj(linear: Linear) -> _Proj:
-    """A linear layer as the C step takes it: the weight (where not packed for csrc/gemm.c), bias, and the
-    packed copy (where packed for csrc/gemm.c)."""
+    """A linear layer as the C step takes it: the weight (where not packed for csrc/gemm.c), bias, the
+    packed copy (where packed for csrc/gemm.c) and the rows from which it runs AMX's kernel."""
     packed = _address(linear.packed) if linear.own_gemm else None
-    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed)
+    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed, linear.amx_from)
 
 
 def _table(model: CausalLM) -> int | None:
@@ -84,6 +84,13 @@ def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
 class NativeDecode:
     """The model's weights and cache pages as the C step reads them, `run` for one step and `run_steps`
     for several; `steps` counts the decode steps run."""
+
+    @staticmethod
+    def reads(model: CausalLM) -> bool:
+        """Whether the step reads the model's weights: every linear layer packed for csrc/gemm.c, or every one
+        plain (not packed for oneDNN, where the GEMM choice took oneDNN's)."""
+        formats = {m.weight_format for m in model.modules() if isinstance(m, Linear)}
+        return formats in ({"gemm"}, {"plain"})
 
     def __init__(self, model: CausalLM, storage: KVStorage):
         for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):

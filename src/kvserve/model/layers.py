@@ -17,6 +17,8 @@ from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _PACK_BATCH_HINT = 64
+GEMM_KERNELS = ("avx512", "amx")     # csrc/gemm.c's kernels, as it numbers them
+NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
 
 
 WEIGHT_FORMATS = ("gemm", "onednn", "plain")
@@ -30,6 +32,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
+    amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not AVX-512's
 
     def reset_parameters(self) -> None:
         pass
@@ -61,7 +64,7 @@ class Linear(nn.Linear):
         if self.weight_format == "plain":
             return F.linear(x, self.weight, self.bias)
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, self.out_features)
+            return gemm(x, self.packed, self.bias, self.out_features, amx_from=self.amx_from)
         return onednn_linear(x, self.packed, self.bias)
 
 
@@ -76,7 +79,7 @@ class GateUpLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         half = self.out_features // 2
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, half, gated=True)
+            return gemm(x, self.packed, self.bias, half, gated=True, amx_from=self.amx_from)
         gate, up = super().forward(x).split(half, dim=-1)
         return F.silu(gate).mul_(up)
 
@@ -127,10 +130,21 @@ def gemm_pack(w: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     return packed
 
 
+def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels csrc/gemm.c runs for dtype in this process, of GEMM_KERNELS: avx512 wherever it multiplies
+    dtype; amx for bfloat16 where the CPU has AMX and the OS grants this process its tile state (asked here)."""
+    fn = _gemm_function("gemm_kernels", dtype)
+    if fn is None:
+        return ()
+    bits = fn()
+    return tuple(k for i, k in enumerate(GEMM_KERNELS) if bits >> i & 1 and (k != "amx" or dtype == torch.bfloat16))
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, amx_from: int = NEVER) -> torch.Tensor:
     """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack; gated: silu(gate) * up of out_features
-    each, w packed gated."""
+    each, w packed gated. Products of amx_from rows or more run AMX's kernel (where gemm_kernels has it),
+    others AVX-512's."""
     if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
         raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be the "
                         f"weight's dtype {packed.dtype}")
@@ -144,7 +158,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
         rows = rows.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     fn(packed.data_ptr(), None if bias is None else bias.data_ptr(), DTYPE_KINDS[x.dtype], rows.data_ptr(),
-       rows.stride(0), rows.shape[0], rows.shape[1], out_features, y.data_ptr(), gated, torch.get_num_threads())
+       rows.stride(0), rows.shape[0], rows.shape[1], out_features, y.data_ptr(), gated,
+       GEMM_KERNELS.index("amx" if rows.shape[0] >= amx_from else "avx512"), torch.get_num_threads())
     return y
 
 
