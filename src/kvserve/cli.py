@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from kvserve.bench import MissingDependency
-from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES, ServerConfig
+from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES, QUANTIZATIONS, ServerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
 
 
@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-scheduler-steps", type=int, default=8,
                    help="decode steps one native CPU call may run where nobody sees the steps between (offline "
                         "greedy batches); 1: one a call")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weight-only quantization of every linear layer (lm_head too) at load, CPU only: int8, per "
+                        "output channel")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, and outputs have token ids but no text")
 
@@ -61,7 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
-            "cpu_allocator_tuning", "skip_tokenizer_init"]
+            "cpu_allocator_tuning", "skip_tokenizer_init", "quantization"]
     return {k: getattr(args, k) for k in keys}
 
 

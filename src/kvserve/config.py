@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = (
 CACHE_MODES = ("paged", "contiguous", "none")
 ATTENTION_BACKENDS = ("auto", "sdpa", "native", "flash", "triton", "textbook")
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "int4")
+# weight-only quantizations of the linear layers (vLLM's --quantization), CPU only: csrc/gemm.c's panels
+QUANTIZATIONS = ("int8",)
 # full-precision pages: auto, or the model's dtype by name (vLLM's --kv-cache-dtype bfloat16, and the short names)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", *QUANTIZED_KV_CACHE_DTYPES)
 _DTYPES = {
@@ -207,6 +209,8 @@ class EngineConfig:
     cpu_allocator_tuning: bool = False
     # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
     skip_tokenizer_init: bool = False
+    # weight-only quantization of every linear layer, lm_head included, at load (QUANTIZATIONS; None: none)
+    quantization: str | None = None
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -227,6 +231,8 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), got {self.quantization!r}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -54,13 +54,14 @@ SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     "struct_layout": ((_I, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)), _I64),
     # csrc/gemm.c
     "gemm_dtypes": ((), _I),
-    "gemm_packed_size": ((_I, _I, _I, _I), _I64),
-    "gemm_pack": ((_P, _I, _I, _I, _I, _P), None),
+    # (kind: of the weight's numbers, the dtype's or int8; dtype: the products')
+    "gemm_packed_size": ((_I, _I, _I, _I, _I), _I64),
+    "gemm_pack": ((_P, _I, _I, _I, _I, _I, _P), None),
     "gemm_kernels": ((), _I),
-    # packed, bias, dtype, x, ldx, m, k, n, y, gated, kernel, threads
-    "gemm": ((_P, _P, _I, _P, _I64, _I, _I, _I, _P, _I, _I, _I), None),
-    # packed, dtype, k, ids, count, out, threads
-    "gemm_rows": ((_P, _I, _I, _P, _I, _P, _I), None),
+    # packed, scales, kind, bias, dtype, x, ldx, m, k, n, y, gated, kernel, threads
+    "gemm": ((_P, _P, _I, _P, _I, _P, _I64, _I, _I, _I, _P, _I, _I, _I), None),
+    # packed, scales, kind, dtype, k, ids, count, out, threads
+    "gemm_rows": ((_P, _P, _I, _I, _I, _P, _I, _P, _I), None),
     # csrc/layer_ops.c
     "add_rms_norm": ((_P, _P, _P, _P, _I, _I, _F, _I, _I), Status),
     "rope": ((_P, _I64, _I, _I, _I, _P, _P, _I, _I), None),

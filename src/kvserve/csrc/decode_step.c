@@ -23,11 +23,13 @@
 #include "common.h"
 
 /* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
- * keeps it, for the matrix-vector products; its bias (or NULL); and the rows from which csrc/gemm.c
+ * keeps it, for the matrix-vector products; its bias (or NULL); the packed numbers' kind (the model's
+ * dtype, or INT8 with a float32 scale per output column); and the rows from which csrc/gemm.c
  * multiplies it by AMX's tiles (measured at start-up), not AVX-512's. */
 typedef struct {
     const void *w, *b, *packed;
-    int amx_from;
+    const float *scales;
+    int kind, amx_from;
 } Proj;
 
 typedef struct {
@@ -53,7 +55,8 @@ static const struct {
     const char *type, *field;
     size_t at;
 } LAYOUT[] = {
-    SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed), FIELD(Proj, amx_from),
+    SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed), FIELD(Proj, scales), FIELD(Proj, kind),
+    FIELD(Proj, amx_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
@@ -176,7 +179,8 @@ static inline void narrow(void *rows, int dtype, int t, int width, const float *
 static void project(const Proj *p, int gated, int dtype, const void *x, int n, int in, int out, void *y) {
 #if AVX512_BW_VL
     if (p->packed) {
-        gemm_team(p->packed, p->b, dtype, x, in, n, in, out, y, gated, n >= p->amx_from ? GEMM_AMX : GEMM_AVX512);
+        gemm_team(p->packed, p->scales, p->kind, p->b, dtype, x, in, n, in, out, y, gated,
+                  n >= p->amx_from ? GEMM_AMX : GEMM_AVX512);
         #pragma omp barrier
         return;
     }
@@ -280,7 +284,8 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
     for (int t = 0; t < n; t++) {
 #if AVX512_BW_VL
         if (!m->embed) {            /* the table's only copy is the tied lm_head's packed weight */
-            gemm_row(m->lm_head.packed, dt, hdim, input_ids[t], x + (size_t)t * hdim);
+            const Proj *head = &m->lm_head;
+            gemm_row(head->packed, head->scales, head->kind, dt, hdim, input_ids[t], x + (size_t)t * hdim);
             continue;
         }
 #endif

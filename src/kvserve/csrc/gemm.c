@@ -14,6 +14,11 @@
  * Sums run in float32, in k order within chunks of KC (at a few rows and k of hundreds, float32 errors
  * up to a few times those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
  *
+ * Weight-only int8 (`kind` INT8): the panels hold the weight's numbers as int8, in the layout of the
+ * dtype the products take, with a float32 scale per output column. A thread widens each chunk of a panel
+ * it multiplies into the dtype (exactly: |q| <= 127), in L1, and the sums are scaled as they are written:
+ * the products are those of the dequantized weight q * scale, up to the order of the sums.
+ *
  * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
  * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
  * (SwiGLU): the 2n products are never stored, nor read back by a separate activation pass. */
@@ -61,8 +66,9 @@ static int num_panels(int n, int gated) { return gated ? 2 * ((n / 2 + NR - 1) /
 /* k rows of a panel: bfloat16 pads k to whole AMX tiles (the rows past k are zeros). */
 static int panel_depth(int dtype, int k) { return dtype == BF16 ? (k + KT - 1) / KT * KT : k; }
 
-/* Numbers (of the weight's dtype) the packed copy of an [n, k] weight takes. */
-int64_t gemm_packed_size(int dtype, int n, int k, int gated) {
+/* Numbers (of `kind`) the packed copy of an [n, k] weight takes, laid out for products in dtype. */
+int64_t gemm_packed_size(int kind, int dtype, int n, int k, int gated) {
+    (void)kind;
     return (int64_t)num_panels(n, gated) * panel_depth(dtype, k) * NR;
 }
 
@@ -79,9 +85,10 @@ static inline int64_t packed_at(int dtype, int p, int depth, int kk, int j) {
     return dtype == BF16 ? ((int64_t)p * depth + kk / 2 * 2) * NR + 2 * j + kk % 2 : ((int64_t)p * depth + kk) * NR + j;
 }
 
-void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) {
+/* w [n, k] of `kind` (the dtype's, or INT8) packed for products in dtype. */
+void gemm_pack(const void *w, int kind, int dtype, int n, int k, int gated, void *packed) {
     const int panels = num_panels(n, gated), depth = panel_depth(dtype, k);
-    const size_t size = elem_size(dtype);
+    const size_t size = elem_size(kind);
     #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; p++)
         for (int kk = 0; kk < depth; kk++)
@@ -95,23 +102,48 @@ void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) 
             }
 }
 
-/* Row `col` of a (not gated) weight [n, k] as floats, from its packed copy: an embedding table whose only copy
- * is the packed weight of the tied lm_head. */
-void gemm_row(const void *packed, int dtype, int k, int64_t col, float *out) {
-    const int depth = panel_depth(dtype, k), p = (int)(col / NR), j = (int)(col % NR);
-    for (int kk = 0; kk < k; kk++) out[kk] = param(packed, dtype, packed_at(dtype, p, depth, kk, j));
+/* Number i of a packed weight of `kind` (INT8: scaled by its column's scale) as a float. */
+static inline float packed_value(const void *packed, const float *scales, int kind, int64_t i, int64_t col) {
+    return kind == INT8 ? ((const int8_t *)packed)[i] * scales[col] : param(packed, kind, i);
 }
 
-/* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of its dtype. */
-void gemm_rows(const void *packed, int dtype, int k, const int64_t *ids, int count, void *out, int threads) {
+/* Row `col` of a (not gated) weight [n, k] from its packed copy (products in dtype), as floats that dtype holds
+ * (an int8 weight's rounded there, as gemm_rows stores them): an embedding table whose only copy is the packed
+ * weight of the tied lm_head. */
+void gemm_row(const void *packed, const float *scales, int kind, int dtype, int k, int64_t col, float *out) {
+    const int depth = panel_depth(dtype, k), p = (int)(col / NR), j = (int)(col % NR);
+    for (int kk = 0; kk < k; kk++)
+        out[kk] = as_dtype(packed_value(packed, scales, kind, packed_at(dtype, p, depth, kk, j), col), dtype);
+}
+
+/* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of dtype (an
+ * int8 weight's numbers times their scale, rounded to dtype). */
+void gemm_rows(const void *packed, const float *scales, int kind, int dtype, int k, const int64_t *ids, int count,
+               void *out, int threads) {
     const int depth = panel_depth(dtype, k);
-    const size_t size = elem_size(dtype);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int i = 0; i < count; i++) {
         const int p = (int)(ids[i] / NR), j = (int)(ids[i] % NR);
         for (int kk = 0; kk < k; kk++)
-            memcpy((char *)out + ((int64_t)i * k + kk) * size,
-                   (const char *)packed + packed_at(dtype, p, depth, kk, j) * size, size);
+            store(out, dtype, (int64_t)i * k + kk, packed_value(packed, scales, kind, packed_at(dtype, p, depth, kk, j), ids[i]));
+    }
+}
+
+/* `count` int8 numbers (a multiple of 32) as dtype's, into `to`: exact, |q| <= 127 (BF16: builds with its
+ * extension). `next`, if any, is prefetched: what the thread widens next. */
+static void widen_int8(const int8_t *from, const int8_t *next, int64_t count, int dtype, void *to) {
+    for (int64_t i = 0; i < count; i += 32) {
+        if (next && i % 64 == 0) _mm_prefetch((const char *)(next + i), _MM_HINT_T1);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(from + i))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(from + i + 16))));
+        if (dtype == BF16) {
+#if defined(__AVX512BF16__)
+            _mm512_storeu_si512((uint16_t *)to + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#endif
+        } else {
+            _mm512_storeu_ps((float *)to + i, lo);
+            _mm512_storeu_ps((float *)to + i + 16, hi);
+        }
     }
 }
 
@@ -122,6 +154,7 @@ typedef struct {
     int first, last;        /* the k-chunk starts the sums / ends them (the output is written) */
     int cols;               /* columns of the panel that are real (the last panel may be partial) */
     const void *bias;       /* NULL: none */
+    const float *scale;     /* the panel's columns' scales (an int8 weight), or NULL */
     int out;                /* PLAIN, GATE or SWIGLU */
     float *gate;            /* GATE, SWIGLU: the tile's gate sums, as the dtype rounds them, NR a row */
 } Chunk;
@@ -149,6 +182,7 @@ static inline __m512 rounded(__m512 v, int dtype) {
 static inline __attribute__((always_inline)) void emit(__m512 v, int r, int j, const Chunk *c, int dtype, void *y,
                                                       int ldy) {
     const __mmask16 m = lanes16(c->cols - 16 * j);
+    if (c->scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, c->scale + 16 * j));
     /* not load16: its whole-vector branch, inlined here, slows the bfloat16 tiles */
     if (c->bias)
         v = _mm512_add_ps(v, dtype == BF16
@@ -265,18 +299,23 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* A thread's copy of the rows, kept from call to call (grown as needed); NULL where memory ran out. */
-static __thread uint16_t *rows_copy;
-static __thread size_t rows_copy_size;
+/* Memory of a thread's own, kept from call to call (grown as needed). */
+typedef struct {
+    void *data;
+    size_t bytes;
+} Scratch;
 
-static uint16_t *rows_buffer(size_t numbers) {
-    if (numbers > rows_copy_size) {
-        free(rows_copy);
-        const size_t bytes = (2 * numbers + 63) / 64 * 64;
-        rows_copy = aligned_alloc(64, bytes);
-        rows_copy_size = rows_copy ? bytes / 2 : 0;
+static __thread Scratch rows_copy, panel_copy;     /* AMX: the rows, and an int8 panel widened */
+
+/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. */
+static void *scratch(Scratch *s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->data);
+        s->bytes = (bytes + 63) / 64 * 64;
+        s->data = aligned_alloc(64, s->bytes);
+        if (!s->data) s->bytes = 0;
     }
-    return rows_copy;
+    return s->data;
 }
 
 /* Rows x[0 .. rows) (ldx apart, k numbers each) as AMX's tiles read them: groups of 16 rows (the last one
@@ -330,15 +369,18 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, co
 #define ROWS_COPY_BYTES (1 << 20)      /* AMX: the rows a pass over the panels shares, copied: they stay in L2 */
 
 /* gemm_team by AMX's tiles (bfloat16): each thread copies a block of rows (copy_rows), then multiplies it by its
- * panels, 32 rows (or 16) a tile, over the whole k. 0, or -1 where the copy's memory ran out (nothing done). */
-static int amx_team(const uint16_t *packed, const uint16_t *bias, const uint16_t *x, int64_t ldx, int m, int k,
-                    int n, uint16_t *y, int gated) {
+ * panels (an int8 one widened first), 32 rows (or 16) a tile, over the whole k. 0, or -1 where the copies'
+ * memory ran out (nothing done). */
+static int amx_team(const void *packed, const float *scales, int kind, const uint16_t *bias, const uint16_t *x,
+                    int64_t ldx, int m, int k, int n, uint16_t *y, int gated) {
     const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(BF16, k), steps = depth / KT;
     const int per_unit = gated ? 2 : 1, fit = ROWS_COPY_BYTES / (2 * depth) / 32 * 32;
     const int mc = fit < 32 ? 32 : fit > MC_AMX_MAX ? MC_AMX_MAX : fit;
+    const size_t wsize = elem_size(kind);
     float sums[(MC_AMX_MAX + 16) * NR] __attribute__((aligned(64))), gate[(MC_AMX_MAX + 16) * NR];
-    uint16_t *a = rows_buffer((size_t)((m < mc ? m : mc) + 15) / 16 * 16 * depth);
-    if (!a) return -1;
+    uint16_t *a = scratch(&rows_copy, 2 * ((size_t)((m < mc ? m : mc) + 15) / 16 * 16 * depth));
+    uint16_t *widened = kind == INT8 ? scratch(&panel_copy, 2 * (size_t)depth * NR) : NULL;
+    if (!a || (kind == INT8 && !widened)) return -1;
     TileConfig cfg = {.palette = 1};
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.bytes[t] = 64;
     _tile_loadconfig(&cfg);
@@ -348,12 +390,17 @@ static int amx_team(const uint16_t *packed, const uint16_t *bias, const uint16_t
         #pragma omp for schedule(static) nowait
         for (int u = 0; u < panels / per_unit; u++)
             for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
+                const void *panel = (const char *)packed + (int64_t)p * depth * NR * wsize;
+                if (kind == INT8) {
+                    widen_int8(panel, NULL, (int64_t)depth * NR, BF16, widened);
+                    panel = widened;
+                }
                 for (int g = 0; g < groups; g += 2)
-                    amx_tile(packed + (int64_t)p * depth * NR, a + (int64_t)g * steps * 16 * KT, steps,
-                             sums + g * 16 * NR, g + 1 < groups);
+                    amx_tile(panel, a + (int64_t)g * steps * 16 * KT, steps, sums + g * 16 * NR, g + 1 < groups);
                 const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
-                const Chunk c = {1, 1, n - u * NR < NR ? n - u * NR : NR,
-                                 bias ? bias + (gated && p % 2 ? n : 0) + (int64_t)u * NR : NULL, out, gate};
+                const int64_t at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
+                const Chunk c = {1, 1, n - u * NR < NR ? n - u * NR : NR, bias ? bias + at : NULL,
+                                 scales ? scales + at : NULL, out, gate};
                 for (int r = 0; r < mb; r++)
                     for (int j = 0; j < NV; j++)
                         emit(_mm512_loadu_ps(sums + r * NR + 16 * j), r, j, &c, BF16, y + (int64_t)m0 * n + u * NR, n);
@@ -366,44 +413,54 @@ static int amx_team(const uint16_t *packed, const uint16_t *bias, const uint16_t
 
 /* gemm's share of one thread of a team: call from every thread of a parallel region; y is whole once
  * they have all returned and met at a barrier (this ends without one). y has n columns; a gated
- * weight holds 2n (packed with gated set) and y = silu(gate) * up. kernel: GEMM_AVX512, or GEMM_AMX
- * (bfloat16 only; where gemm_kernels reports it, else AVX512 runs). */
-void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
-               void *y, int gated, int kernel) {
+ * weight holds 2n (packed with gated set) and y = silu(gate) * up. The weight's numbers are of `kind`:
+ * dtype's, or INT8 with `scales`. kernel: GEMM_AVX512, or GEMM_AMX (bfloat16 only; where gemm_kernels
+ * reports it, else AVX512 runs). */
+void gemm_team(const void *packed, const float *scales, int kind, const void *bias, int dtype, const void *x,
+               int64_t ldx, int m, int k, int n, void *y, int gated, int kernel) {
 #if AMX
-    /* (where the rows' copy finds no memory, AVX-512's kernel, which needs none) */
-    if (kernel == GEMM_AMX && dtype == BF16 && amx_granted && amx_team(packed, bias, x, ldx, m, k, n, y, gated) == 0)
+    /* (where its copies find no memory, AVX-512's kernel, which needs none) */
+    if (kernel == GEMM_AMX && dtype == BF16 && amx_granted &&
+        amx_team(packed, scales, kind, bias, x, ldx, m, k, n, y, gated) == 0)
         return;
 #else
     (void)kernel;
 #endif
     const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(dtype, k);
     const int kc_max = dtype == BF16 ? 2 * KC : KC, per_unit = gated ? 2 : 1;
-    const size_t size = elem_size(dtype);
+    const size_t size = elem_size(dtype), wsize = elem_size(kind);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
+    float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
     for (int m0 = 0; m0 < m; m0 += MC) {
         const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
         /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
         for (int u = 0; u < panels / per_unit; u++)
             for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
-                const char *panel = (const char *)packed + (int64_t)p * depth * NR * size;
+                const char *panel = (const char *)packed + (int64_t)p * depth * NR * wsize;
                 const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
-                const int64_t bias_at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
+                const int64_t at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
                 for (int k0 = 0; k0 < k; k0 += kc_max) {
                     const int kc = k - k0 < kc_max ? k - k0 : kc_max;
                     const Chunk c = {k0 == 0, k0 + kc >= k, n - u * NR < NR ? n - u * NR : NR,
-                                     bias ? (const char *)bias + bias_at * size : NULL, out, gate};
+                                     bias ? (const char *)bias + at * size : NULL, scales ? scales + at : NULL,
+                                     out, gate};
                     /* the thread's next chunk: this panel's next k-chunk, else the next panel's first */
-                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * size : NULL)
-                                              : panel + (int64_t)(k0 + kc) * NR * size;
+                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * wsize : NULL)
+                                              : panel + (int64_t)(k0 + kc) * NR * wsize;
+                    const void *chunk = panel + (int64_t)k0 * NR * wsize;
+                    if (kind == INT8) {     /* (the pairs of k rows of bfloat16: the last one padded) */
+                        widen_int8(chunk, (const int8_t *)next, (int64_t)(dtype == BF16 ? (kc + 1) / 2 * 2 : kc) * NR,
+                                   dtype, widened);
+                        chunk = widened, next = NULL;
+                    }
                     for (int g = 0, r0 = 0; g < groups; g++) {
                         const int mr = mb / groups + (g < mb % groups);
                         Chunk rows = c;
                         rows.gate = gate + r0 * NR;
-                        tile(dtype, panel + (int64_t)k0 * NR * size, g == 0 ? next : NULL,
-                             (const char *)x + ((m0 + r0) * ldx + k0) * size, ldx, kc, mr, partial + r0 * NR, &rows,
-                             (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size, n);
+                        tile(dtype, chunk, g == 0 ? next : NULL, (const char *)x + ((m0 + r0) * ldx + k0) * size,
+                             ldx, kc, mr, partial + r0 * NR, &rows, (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size,
+                             n);
                         r0 += mr;
                     }
                 }
@@ -413,10 +470,10 @@ void gemm_team(const void *packed, const void *bias, int dtype, const void *x, i
 
 /* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack (gated: W
  * [2n, k] and y = silu(gate) * up, gate and up each with their half of the bias). */
-void gemm(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n, void *y,
-          int gated, int kernel, int threads) {
+void gemm(const void *packed, const float *scales, int kind, const void *bias, int dtype, const void *x, int64_t ldx,
+          int m, int k, int n, void *y, int gated, int kernel, int threads) {
     #pragma omp parallel num_threads(threads)
-    gemm_team(packed, bias, dtype, x, ldx, m, k, n, y, gated, kernel);
+    gemm_team(packed, scales, kind, bias, dtype, x, ldx, m, k, n, y, gated, kernel);
 }
 #else
 int gemm_dtypes(void) { return 0; }

@@ -51,9 +51,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
-        self.gemm = choose_gemm(mcfg, self.dtype, self.device, native)      # measured, or cached
+        self.gemm = choose_gemm(mcfg, self.dtype, self.device, native, config.quantization)   # measured, or cached
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
-                                self.gemm.weight_format)
+                                self.gemm.weight_format, config.quantization)
         self.gemm.apply(self.model)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":

@@ -20,7 +20,7 @@ from kvserve.attention.native import DTYPE_KINDS
 from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
-from kvserve.model.layers import Linear
+from kvserve.model.layers import WEIGHT_KINDS, Linear
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Where the model is not packed for csrc/gemm.c, the step takes at most this many sequences: its
@@ -31,7 +31,8 @@ MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
 # copies of csrc/decode_step.c's structs (NativeDecode checks them against the library's: check_layout)
 class _Proj(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "b", "packed")), ("amx_from", ctypes.c_int)]
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "b", "packed", "scales")),
+                *((name, ctypes.c_int) for name in ("kind", "amx_from"))]
 
 
 class _Layer(ctypes.Structure):
@@ -54,9 +55,12 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 def _proj(linear: Linear) -> _Proj:
     """A linear layer as the C step takes it: the weight (where not packed for csrc/gemm.c), bias, the
-    packed copy (where packed for csrc/gemm.c) and the rows from which it runs AMX's kernel."""
+    packed copy (where packed for csrc/gemm.c) with its numbers' kind and an int8 weight's scales, and the
+    rows from which it runs AMX's kernel."""
     packed = _address(linear.packed) if linear.own_gemm else None
-    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed, linear.amx_from)
+    kind = WEIGHT_KINDS[linear.packed.dtype if packed else linear.weight.dtype]
+    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed, _address(linear.scales),
+                 kind, linear.amx_from)
 
 
 def _table(model: CausalLM) -> int | None:

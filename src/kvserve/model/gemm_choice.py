@@ -148,13 +148,17 @@ def decide(shapes: list[Shape], seconds: Timings, source: str) -> GemmChoice:
     return choice
 
 
-def choose_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, native: bool) -> GemmChoice:
+def choose_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, native: bool,
+                quantization: str | None = None) -> GemmChoice:
     """How the model's linear layers will multiply (GemmChoice): measured here, or read from the cache, or
     forced by KVSERVE_GEMM. Off the CPU, or in another dtype, plain weights; where csrc/gemm.c does not
-    multiply dtype, plain for the native step (native) or oneDNN's without it."""
+    multiply dtype, plain for the native step (native) or oneDNN's without it. Quantized weights are
+    csrc/gemm.c's alone (its kernels are measured): a ValueError where it cannot take them."""
     forced = os.environ.get(GEMM_ENV) or "measure"
     if forced not in CHOICES:
         raise ValueError(f"{GEMM_ENV} must be one of {', '.join(CHOICES)}, got {forced!r}")
+    if quantization is not None:
+        _check_quantizable(quantization, dtype, device, forced)
     if device.type != "cpu" or dtype not in COMPUTE_DTYPES:
         return GemmChoice("plain", f"{device.type} {dtype}: torch's own GEMMs")
     if forced == "onednn":
@@ -171,10 +175,11 @@ def choose_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, nati
     cache = TimingCache(dtype)
     seconds, measured = {}, False
     for s in shapes:
-        timed = cache.get(s.key)
+        key = s.key if quantization is None else f"{s.key}-{quantization}"
+        timed = cache.get(key)
         if timed is None:
-            timed, measured = time_shape(s, dtype, kernels), True
-            cache.put(s.key, timed)
+            timed, measured = time_shape(s, dtype, kernels, quantization), True
+            cache.put(key, timed)
         seconds[s.name] = timed
     if measured:
         cache.save()
@@ -183,18 +188,34 @@ def choose_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, nati
     return choice
 
 
-def time_shape(shape: Shape, dtype: torch.dtype, kernels: tuple[str, ...]) -> dict[int, dict[str, float]]:
+def _check_quantizable(quantization: str, dtype: torch.dtype, device: torch.device, forced: str) -> None:
+    """A ValueError unless csrc/gemm.c multiplies the quantized weights here."""
+    where = None
+    if device.type != "cpu":
+        where = f"the CPU only (csrc/gemm.c), not {device.type}"
+    elif dtype not in COMPUTE_DTYPES or not gemm_packs(dtype):
+        where = (f"csrc/gemm.c, which needs AVX-512 (F, BW, VL; bfloat16 also BF16), a C compiler and a float32 or "
+                 f"bfloat16 model; here it does not multiply {dtype}")
+    elif forced == "onednn":
+        where = f"csrc/gemm.c, not oneDNN ({GEMM_ENV}=onednn)"
+    if where:
+        raise ValueError(f"quantization={quantization!r} runs on {where}")
+
+
+def time_shape(shape: Shape, dtype: torch.dtype, kernels: tuple[str, ...],
+               quantization: str | None = None) -> dict[int, dict[str, float]]:
     """Seconds of one product of a random weight of the shape by each candidate, at each of ROWS: the best of
-    _REPEATS, the candidates taking turns (a shared machine slows them alike)."""
+    _REPEATS, the candidates taking turns (a shared machine slows them alike). Quantized: csrc/gemm.c's kernels
+    over its quantized panels."""
     n, k = shape.out_features, shape.in_features
     unit = 64 if shape.gated else 32            # whole panels (a gated weight's: pairs)
     timed_n = n if n * k <= _MAX_TIMED else max(unit, _MAX_TIMED // k // unit * unit)
     g = torch.Generator().manual_seed(n * 31 + k)
     w = torch.randn(timed_n, k, generator=g, dtype=dtype)
     packed = {}
-    for fmt in ("gemm", "onednn"):
+    for fmt in ("gemm",) if quantization else ("gemm", "onednn"):
         layer = (GateUpLinear if shape.gated else Linear)(k, timed_n, bias=False, dtype=dtype)
-        if layer.load(w.clone(), fmt) == fmt:
+        if layer.load(w.clone(), fmt, quantization) == fmt:
             packed[fmt] = layer
     del w
     # candidate -> (layer, its amx_from): csrc/gemm.c's kernels share one packed weight

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.config import QUANTIZATIONS
 from kvserve.engine.cpu_memory import cpu_tensor
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 
@@ -19,9 +20,9 @@ ROPE_TYPES = ("default", "linear", "llama3")
 _PACK_BATCH_HINT = 64
 GEMM_KERNELS = ("avx512", "amx")     # csrc/gemm.c's kernels, as it numbers them
 NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
-
-
 WEIGHT_FORMATS = ("gemm", "onednn", "plain")
+# the numbers of a packed weight, as csrc/common.h numbers their kinds
+WEIGHT_KINDS = {**DTYPE_KINDS, torch.int8: 3}
 
 
 class Linear(nn.Linear):
@@ -30,6 +31,8 @@ class Linear(nn.Linear):
     [out, in], as torch keeps it). A packed layer's `weight` is an empty placeholder of its dtype."""
 
     packed: torch.Tensor | None = None
+    scales: torch.Tensor | None = None      # quantized: float32, one per output column
+    quantization: str | None = None         # of QUANTIZATIONS
     weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
     amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not AVX-512's
@@ -42,18 +45,35 @@ class Linear(nn.Linear):
         """Whether csrc/gemm.c multiplies the layer (its weight packed for it)."""
         return self.weight_format == "gemm"
 
-    def load(self, w: torch.Tensor, weight_format: str) -> str:
+    def load(self, w: torch.Tensor, weight_format: str, quantization: str | None = None) -> str:
         """Hold w [out, in] in weight_format, and no other copy of it: plain where that packing does not take
-        it (not on the CPU, not float32/bfloat16, or a fallback: see kvserve.kernels). Returns the format held."""
+        it (not on the CPU, not float32/bfloat16, or a fallback: see kvserve.kernels). Returns the format held.
+        quantization "int8": w is quantized per output column (quantize_int8) into csrc/gemm.c's panels, whose
+        products are those of the dequantized weight; a ValueError where csrc/gemm.c cannot take it."""
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        if quantization is not None:
+            self._load_quantized(w, weight_format, quantization)
+            return self.weight_format
         packed = None
         if weight_format != "plain" and w.device.type == "cpu" and w.dtype in COMPUTE_DTYPES:
             packed = gemm_pack(w, self.gated) if weight_format == "gemm" else onednn_pack(w)
-        self.packed = packed
+        self.packed, self.scales, self.quantization = packed, None, None
         self.weight_format = "plain" if packed is None else weight_format
         self.weight = nn.Parameter(w if packed is None else w.new_empty(0), requires_grad=False)
         return self.weight_format
+
+    def _load_quantized(self, w: torch.Tensor, weight_format: str, quantization: str) -> None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
+        if weight_format != "gemm" or w.device.type != "cpu" or not gemm_packs(w.dtype):
+            raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: a CPU with AVX-512 "
+                             f"(F, BW, VL; for bfloat16 also BF16), a C compiler and a float32 or bfloat16 model; got a "
+                             f"{w.dtype} weight on {w.device.type} packed as {weight_format!r}")
+        q, self.scales = quantize_int8(w)
+        self.packed = gemm_pack(q, self.gated, dtype=w.dtype)
+        self.quantization, self.weight_format = quantization, "gemm"
+        self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
     def pack(self) -> bool:
         """Pack the weight for csrc/gemm.c where it multiplies the dtype here, else for oneDNN (CPU,
@@ -64,7 +84,7 @@ class Linear(nn.Linear):
         if self.weight_format == "plain":
             return F.linear(x, self.weight, self.bias)
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, self.out_features, amx_from=self.amx_from)
+            return gemm(x, self.packed, self.bias, self.out_features, amx_from=self.amx_from, scales=self.scales)
         return onednn_linear(x, self.packed, self.bias)
 
 
@@ -79,7 +99,7 @@ class GateUpLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         half = self.out_features // 2
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, half, gated=True, amx_from=self.amx_from)
+            return gemm(x, self.packed, self.bias, half, gated=True, amx_from=self.amx_from, scales=self.scales)
         gate, up = super().forward(x).split(half, dim=-1)
         return F.silu(gate).mul_(up)
 
@@ -115,18 +135,43 @@ def gemm_packs(dtype: torch.dtype) -> bool:
     return _gemm_function("gemm", dtype) is not None
 
 
-def gemm_pack(w: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] as int8 q and a float32 scale per output column, symmetric: scale = max |w| / 127 of the
+    column (1 for a column of zeros), q = round(w / scale); w's dequantized weight is q * scale (in float32).
+    In blocks of columns, so that no float32 copy of the whole weight is held."""
+    q = cpu_tensor(tuple(w.shape), torch.int8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    block = max(1, 2**22 // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], block):
+        part = w[start:start + block].to(torch.float32, copy=True)
+        scale = part.abs().amax(dim=1) / 127
+        scale[scale == 0] = 1.0
+        q[start:start + block] = part.div_(scale[:, None]).round_().clamp_(-127, 127)
+        scales[start:start + block] = scale
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weight (float32) whose products an int8 layer computes: q * scale, column by column."""
+    return q.float() * scales[:, None]
+
+
+def gemm_pack(w: torch.Tensor, gated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """w [out, in] packed for gemm(), or None (a fallback: see kvserve.kernels) where csrc/gemm.c does not
-    multiply its dtype here. gated: w is [gate; up], for gemm(gated=True)."""
-    size, pack = _gemm_function("gemm_packed_size", w.dtype), _gemm_function("gemm_pack", w.dtype)
+    multiply the products' dtype here. dtype: that of the products, w's unless w is int8 (quantize_int8).
+    gated: w is [gate; up], for gemm(gated=True)."""
+    dtype = dtype or w.dtype
+    size, pack = _gemm_function("gemm_packed_size", dtype), _gemm_function("gemm_pack", dtype)
     if pack is None:
-        fallback("gemm_pack", f"csrc/gemm.c does not multiply {w.dtype} on this CPU (or the kernels are not built)")
+        fallback("gemm_pack", f"csrc/gemm.c does not multiply {dtype} on this CPU (or the kernels are not built)")
         return None
-    kind, (n, k) = DTYPE_KINDS[w.dtype], w.shape
+    if w.dtype not in (dtype, torch.int8):
+        raise TypeError(f"gemm_pack takes a weight of the products' dtype {dtype} or int8, got {w.dtype}")
+    kind, (n, k) = WEIGHT_KINDS[w.dtype], w.shape
     if gated and n % 2:
         raise ValueError(f"a gated weight has an even number of rows (gate and up), got {n}")
-    packed = cpu_tensor((size(kind, n, k, gated),), w.dtype)
-    pack(w.contiguous().data_ptr(), kind, n, k, gated, packed.data_ptr())
+    packed = cpu_tensor((size(kind, DTYPE_KINDS[dtype], n, k, gated),), w.dtype)
+    pack(w.contiguous().data_ptr(), kind, DTYPE_KINDS[dtype], n, k, gated, packed.data_ptr())
     return packed
 
 
@@ -141,13 +186,15 @@ def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         gated: bool = False, amx_from: int = NEVER) -> torch.Tensor:
-    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack; gated: silu(gate) * up of out_features
-    each, w packed gated. Products of amx_from rows or more run AMX's kernel (where gemm_kernels has it),
-    others AVX-512's."""
-    if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
-        raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be the "
-                        f"weight's dtype {packed.dtype}")
+         gated: bool = False, amx_from: int = NEVER, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack (int8: with its scales, and w its dequantized
+    weight); gated: silu(gate) * up of out_features each, w packed gated. Products of amx_from rows or more
+    run AMX's kernel (where gemm_kernels has it), others AVX-512's."""
+    int8 = packed.dtype == torch.int8
+    if int8 != (scales is not None) or (not int8 and x.dtype != packed.dtype) or \
+            (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be of one "
+                        f"dtype, the weight's {packed.dtype} unless int8 (with scales: {scales is not None})")
     if x.shape[-1] == 0:        # no products: the bias alone, as F.linear gives
         y = torch.zeros(*x.shape[:-1], out_features * (1 + gated), dtype=x.dtype)
         y = y if bias is None else y.add_(bias)
@@ -157,8 +204,9 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    fn(packed.data_ptr(), None if bias is None else bias.data_ptr(), DTYPE_KINDS[x.dtype], rows.data_ptr(),
-       rows.stride(0), rows.shape[0], rows.shape[1], out_features, y.data_ptr(), gated,
+    fn(packed.data_ptr(), None if scales is None else scales.data_ptr(), WEIGHT_KINDS[packed.dtype],
+       None if bias is None else bias.data_ptr(), DTYPE_KINDS[x.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0],
+       rows.shape[1], out_features, y.data_ptr(), gated,
        GEMM_KERNELS.index("amx" if rows.shape[0] >= amx_from else "avx512"), torch.get_num_threads())
     return y
 
@@ -186,7 +234,9 @@ class Embedding(nn.Embedding):
         out = torch.empty(len(flat), self.embedding_dim, dtype=self.weight.dtype)
         if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {flat.min()}..{flat.max()}")
-        function("gemm_rows")(self.rows_of.packed.data_ptr(), DTYPE_KINDS[out.dtype], self.embedding_dim,
+        head = self.rows_of
+        function("gemm_rows")(head.packed.data_ptr(), None if head.scales is None else head.scales.data_ptr(),
+                              WEIGHT_KINDS[head.packed.dtype], DTYPE_KINDS[out.dtype], self.embedding_dim,
                               flat.data_ptr(), len(flat), out.data_ptr(), torch.get_num_threads())
         return out.view(*ids.shape, self.embedding_dim)
 

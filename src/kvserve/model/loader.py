@@ -65,11 +65,12 @@ def choose_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devic
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, weight_format: str = "plain") -> CausalLM:
-    """The checkpoint's model, each linear layer's weight held once in weight_format (Linear.load): packed as
-    it is read, so that at most a layer's plain weight is held beside the packed ones."""
+               max_positions: int, weight_format: str = "plain", quantization: str | None = None) -> CausalLM:
+    """The checkpoint's model, each linear layer's weight held once in weight_format (Linear.load; quantized:
+    every one, lm_head too): packed as it is read, so that at most a layer's plain weight is held beside the
+    packed ones."""
     model = _empty_model(cfg, dtype, device)
-    load_weights(model, path, weight_format)
+    load_weights(model, path, weight_format, quantization)
     model.init_rope(max_positions, device)
     return model.eval().requires_grad_(False)
 
@@ -86,11 +87,12 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
         torch.set_default_dtype(default)
 
 
-def load_weights(model: CausalLM, path: Path, weight_format: str = "plain") -> None:
+def load_weights(model: CausalLM, path: Path, weight_format: str = "plain", quantization: str | None = None) -> None:
     """Copy every tensor of the *.safetensors files into the model; all parameters must be covered. A linear
     layer's weight is assembled from its checkpoint tensors (q, k, v; gate, up) in a buffer of its own and,
-    once whole, handed to Linear.load in weight_format; a tied lm_head packs the embedding table, which then
-    reads its rows from it (Embedding.share_with) where csrc/gemm.c packs it."""
+    once whole, handed to Linear.load in weight_format (and quantization); a tied lm_head packs the embedding
+    table, which then reads its rows from it (Embedding.share_with: quantized, its rows dequantized) where
+    csrc/gemm.c packs it."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -119,14 +121,14 @@ def load_weights(model: CausalLM, path: Path, weight_format: str = "plain") -> N
             read(name, dst)
             missing.discard(_part(target, shard))
             if target in linears and not any(_part(target, s) in missing for s in _shards_of(target)):
-                linears[target].load(building.pop(target), weight_format)
+                linears[target].load(building.pop(target), weight_format, quantization)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(sorted(missing))}")
     if tied:
         # packed for oneDNN, the table would be held twice: a tied lm_head is packed only where the table can
         # read its rows back from it (csrc/gemm.c's panels), else it multiplies by the table as it is
         embed, head = model.model.embed_tokens, model.lm_head
-        if head.load(embed.weight.detach(), "gemm" if weight_format == "gemm" else "plain") == "gemm":
+        if head.load(embed.weight.detach(), "gemm" if weight_format == "gemm" else "plain", quantization) == "gemm":
             embed.share_with(head)
         else:
             head.weight = embed.weight
