@@ -79,10 +79,27 @@ static int panel_column(int p, int j, int n, int gated) {
     return col < half ? (p % 2) * half + col : -1;
 }
 
-/* Where number kk of column j of panel p lies in a packed weight of `depth` k rows a panel (bfloat16: pairs
- * of k rows interleaved, column by column). */
-static inline int64_t packed_at(int dtype, int p, int depth, int kk, int j) {
-    return dtype == BF16 ? ((int64_t)p * depth + kk / 2 * 2) * NR + 2 * j + kk % 2 : ((int64_t)p * depth + kk) * NR + j;
+/* int8 numbers for bfloat16 products are widened 64 at a time (a pair of k rows of a panel) by byte lookups
+ * (VBMI's VPERMI2B: the high and low bytes of each |q| as bfloat16) whose two halves are then interleaved
+ * 128-bit lane by lane (VPUNPCKLBW, VPUNPCKHBW): so the 64 are stored in the order those lanes take them.
+ * Elsewhere (no VBMI) they are widened through float32, in their own order. */
+#if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#define INT8_BY_BYTES 1
+#else
+#define INT8_BY_BYTES 0
+#endif
+
+/* Where number v (of 64) of a pair of k rows lies as stored (INT8_BY_BYTES): the unpacks take bytes 8l..8l+7
+ * of 128-bit lane l to the low half of the pair, the next 8 to the high half. */
+static inline int int8_order(int v) { return v < 32 ? v / 8 * 16 + v % 8 : (v - 32) / 8 * 16 + 8 + v % 8; }
+
+/* Where number kk of column j of panel p lies in a packed weight of `kind` for products in dtype, `depth` k
+ * rows a panel (bfloat16: pairs of k rows interleaved, column by column; int8 for them: see int8_order). */
+static inline int64_t packed_at(int kind, int dtype, int p, int depth, int kk, int j) {
+    if (dtype != BF16) return ((int64_t)p * depth + kk) * NR + j;
+    const int64_t pair = ((int64_t)p * depth + kk / 2 * 2) * NR;
+    const int v = 2 * j + kk % 2;
+    return pair + (kind == INT8 && INT8_BY_BYTES ? int8_order(v) : v);
 }
 
 /* w [n, k] of `kind` (the dtype's, or INT8) packed for products in dtype. */
@@ -94,7 +111,7 @@ void gemm_pack(const void *w, int kind, int dtype, int n, int k, int gated, void
         for (int kk = 0; kk < depth; kk++)
             for (int j = 0; j < NR; j++) {
                 const int col = panel_column(p, j, n, gated);
-                const int64_t to = packed_at(dtype, p, depth, kk, j);
+                const int64_t to = packed_at(kind, dtype, p, depth, kk, j);
                 if (col >= 0 && kk < k)
                     memcpy((char *)packed + to * size, (const char *)w + ((int64_t)col * k + kk) * size, size);
                 else
@@ -113,7 +130,7 @@ static inline float packed_value(const void *packed, const float *scales, int ki
 void gemm_row(const void *packed, const float *scales, int kind, int dtype, int k, int64_t col, float *out) {
     const int depth = panel_depth(dtype, k), p = (int)(col / NR), j = (int)(col % NR);
     for (int kk = 0; kk < k; kk++)
-        out[kk] = as_dtype(packed_value(packed, scales, kind, packed_at(dtype, p, depth, kk, j), col), dtype);
+        out[kk] = as_dtype(packed_value(packed, scales, kind, packed_at(kind, dtype, p, depth, kk, j), col), dtype);
 }
 
 /* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of dtype (an
@@ -125,13 +142,54 @@ void gemm_rows(const void *packed, const float *scales, int kind, int dtype, int
     for (int i = 0; i < count; i++) {
         const int p = (int)(ids[i] / NR), j = (int)(ids[i] % NR);
         for (int kk = 0; kk < k; kk++)
-            store(out, dtype, (int64_t)i * k + kk, packed_value(packed, scales, kind, packed_at(dtype, p, depth, kk, j), ids[i]));
+            store(out, dtype, (int64_t)i * k + kk,
+                  packed_value(packed, scales, kind, packed_at(kind, dtype, p, depth, kk, j), ids[i]));
     }
 }
 
-/* `count` int8 numbers (a multiple of 32) as dtype's, into `to`: exact, |q| <= 127 (BF16: builds with its
- * extension). `next`, if any, is prefetched: what the thread widens next. */
+#if INT8_BY_BYTES
+/* bfloat16 of 0..127, its high bytes and its low bytes, 64 a register (the tables of widen64). */
+typedef struct {
+    __m512i high[2], low[2];
+} Int8Tables;
+
+static inline Int8Tables int8_tables(void) {
+    uint8_t high[128], low[128];
+    for (int i = 0; i < 128; i++) {
+        const float f = (float)i;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        high[i] = (uint8_t)(u >> 24), low[i] = (uint8_t)(u >> 16);
+    }
+    return (Int8Tables){{_mm512_loadu_si512(high), _mm512_loadu_si512(high + 64)},
+                        {_mm512_loadu_si512(low), _mm512_loadu_si512(low + 64)}};
+}
+
+/* 64 int8 numbers (a pair of k rows of a panel, as stored: int8_order) as bfloat16, in pair order, into to:
+ * the bytes of |q| looked up, the sign bit or-ed on. */
+static inline __attribute__((always_inline)) void widen64(const Int8Tables *t, const int8_t *from, uint16_t *to) {
+    const __m512i q = _mm512_loadu_si512(from), a = _mm512_abs_epi8(q);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->high[0], a, t->high[1]), q,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8);     /* hi | (q & 0x80) */
+    const __m512i lo = _mm512_permutex2var_epi8(t->low[0], a, t->low[1]);
+    _mm512_storeu_si512(to, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_storeu_si512(to + 32, _mm512_unpackhi_epi8(lo, hi));
+}
+#endif
+
+/* `count` int8 numbers (a multiple of 64) of a panel as dtype's, in the panel's order, into `to`: exact, |q| <=
+ * 127 (BF16: builds with its extension). `next`, if any, is prefetched: what the thread widens next. */
 static void widen_int8(const int8_t *from, const int8_t *next, int64_t count, int dtype, void *to) {
+#if INT8_BY_BYTES
+    if (dtype == BF16) {
+        const Int8Tables t = int8_tables();
+        for (int64_t i = 0; i < count; i += 64) {
+            if (next) _mm_prefetch((const char *)(next + i), _MM_HINT_T1);
+            widen64(&t, from + i, (uint16_t *)to + i);
+        }
+        return;
+    }
+#endif
     for (int64_t i = 0; i < count; i += 32) {
         if (next && i % 64 == 0) _mm_prefetch((const char *)(next + i), _MM_HINT_T1);
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(from + i))));
@@ -272,6 +330,71 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
 }
 #endif
 
+#define MR_INT8 2            /* rows up to which an int8 panel is multiplied in registers (tile_int8) */
+
+/* mr (<= MR_INT8) rows of x by kc k of an int8 panel, read as it is: each 16 numbers widened to float32 in
+ * registers and multiplied there (at a row or two, widening to bfloat16 in L1 and VDPBF16PS over it would
+ * convert and store as much, then read it back). bfloat16: the panel's pairs of k rows interleaved, so each
+ * lane sums one column's even or odd k, x's pair broadcast, and the two are added at the end. `next`, if
+ * any, is prefetched. */
+static inline __attribute__((always_inline)) void tile_int8(int dtype, const int8_t *panel, const int8_t *next,
+                                                           const void *x, int64_t ldx, int kc, int mr, float *partial,
+                                                           const Chunk *c, void *y, int ldy) {
+    __m512 acc[MR_INT8][4], sums[MR][NV];
+    for (int r = 0; r < MR_INT8; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    if (dtype == BF16) {
+        float rows[MR_INT8][2 * KC + 2] __attribute__((aligned(64)));
+        for (int r = 0; r < mr; r++) {      /* x's chunk as floats, an odd k's pair completed by a zero */
+            load_row(rows[r], (const uint16_t *)x + r * ldx, BF16, kc);
+            rows[r][kc] = 0.0f;
+        }
+        for (int kk = 0; kk < kc; kk += 2) {
+            const int8_t *b = panel + (int64_t)kk * NR;
+            if (next) _mm_prefetch((const char *)(next + (int64_t)kk * NR), _MM_HINT_T1);
+            __m512 w[4];
+            for (int v = 0; v < 4; v++)
+                w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * v))));
+            for (int r = 0; r < mr; r++) {
+                double pair;
+                memcpy(&pair, rows[r] + kk, 8);
+                const __m512 a = _mm512_castpd_ps(_mm512_set1_pd(pair));
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(a, w[v], acc[r][v]);
+            }
+        }
+        /* acc[r][v]: the sums of numbers 16v..16v+15 of each pair as stored; first those in pair order (32
+         * a half: int8_order), then each column's even and odd k added */
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < NV; j++) {
+#if INT8_BY_BYTES
+                const __m512i half = _mm512_add_epi32(_mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3,
+                                                                       2, 1, 0), _mm512_set1_epi32(8 * j));
+                const __m512 a = _mm512_permutex2var_ps(acc[r][0], half, acc[r][1]);
+                const __m512 b = _mm512_permutex2var_ps(acc[r][2], half, acc[r][3]);
+#else
+                const __m512 a = acc[r][2 * j], b = acc[r][2 * j + 1];
+#endif
+                sums[r][j] = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+            }
+    } else {
+        for (int kk = 0; kk < kc; kk++) {
+            const int8_t *b = panel + (int64_t)kk * NR;
+            if (next && kk % 2 == 0) _mm_prefetch((const char *)(next + (int64_t)kk * NR), _MM_HINT_T1);
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))));
+            for (int r = 0; r < mr; r++) {
+                const __m512 a = _mm512_set1_ps(((const float *)x)[r * ldx + kk]);
+                acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < mr; r++) sums[r][0] = acc[r][0], sums[r][1] = acc[r][1];
+    }
+    finish(sums, partial, mr, c, dtype, y, ldy);
+}
+
 /* One tile, its row count a constant in each case, so that the sums stay in registers. */
 static void tile(int dtype, const void *panel, const void *next, const void *x, int64_t ldx, int kc, int mr,
                  float *partial, const Chunk *c, void *y, int ldy) {
@@ -337,17 +460,29 @@ static void copy_rows(const uint16_t *x, int64_t ldx, int rows, int k, uint16_t 
 }
 
 /* The sums of one group of 16 rows (two: and the next group) of the rows' copy `a` (copy_rows, `steps` k-steps
- * a group) by a panel of `steps` k-steps, `b`, into sums (NR a row). */
-static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, const uint16_t *a, int steps,
-                                                          float *sums, int two) {
+ * a group) by a panel of `steps` k-steps, `b`, into sums (NR a row). An int8 panel (`q`, INT8_BY_BYTES; b
+ * unused) is widened a k-step at a time, in L1, as its tiles are loaded. */
+static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, const int8_t *q, const uint16_t *a,
+                                                          int steps, float *sums, int two) {
     const uint16_t *a2 = a + (int64_t)steps * 16 * KT;
+#if INT8_BY_BYTES
+    uint16_t step[KT * NR] __attribute__((aligned(64)));
+    const Int8Tables t = int8_tables();
+#endif
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int s = 0; s < steps; s++) {
-        _tile_loadd(6, b + (int64_t)s * KT * NR, 4 * NR);
-        _tile_loadd(7, b + (int64_t)s * KT * NR + 32, 4 * NR);
+        const uint16_t *bs = b + (int64_t)s * KT * NR;
+#if INT8_BY_BYTES
+        if (q) {
+            for (int i = 0; i < KT * NR; i += 64) widen64(&t, q + (int64_t)s * KT * NR + i, step + i);
+            bs = step;
+        }
+#endif
+        _tile_loadd(6, bs, 4 * NR);
+        _tile_loadd(7, bs + 32, 4 * NR);
         _tile_loadd(4, a + (int64_t)s * 16 * KT, 2 * KT);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
@@ -391,12 +526,14 @@ static int amx_team(const void *packed, const float *scales, int kind, const uin
         for (int u = 0; u < panels / per_unit; u++)
             for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
                 const void *panel = (const char *)packed + (int64_t)p * depth * NR * wsize;
-                if (kind == INT8) {
+                /* an int8 panel that one pass of tiles reads: widened as it goes; else first, for all */
+                const int8_t *q = kind == INT8 && INT8_BY_BYTES && groups <= 4 ? panel : NULL;
+                if (kind == INT8 && !q) {
                     widen_int8(panel, NULL, (int64_t)depth * NR, BF16, widened);
                     panel = widened;
                 }
                 for (int g = 0; g < groups; g += 2)
-                    amx_tile(panel, a + (int64_t)g * steps * 16 * KT, steps, sums + g * 16 * NR, g + 1 < groups);
+                    amx_tile(panel, q, a + (int64_t)g * steps * 16 * KT, steps, sums + g * 16 * NR, g + 1 < groups);
                 const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
                 const int64_t at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
                 const Chunk c = {1, 1, n - u * NR < NR ? n - u * NR : NR, bias ? bias + at : NULL,
@@ -449,6 +586,16 @@ void gemm_team(const void *packed, const float *scales, int kind, const void *bi
                     const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * wsize : NULL)
                                               : panel + (int64_t)(k0 + kc) * NR * wsize;
                     const void *chunk = panel + (int64_t)k0 * NR * wsize;
+                    if (kind == INT8 && mb <= MR_INT8) {
+                        Chunk rows = c;
+                        if (mb == 1) tile_int8(dtype, chunk, (const int8_t *)next,
+                                               (const char *)x + (int64_t)m0 * ldx * size + k0 * size, ldx, kc, 1,
+                                               partial, &rows, (char *)y + ((int64_t)m0 * n + u * NR) * size, n);
+                        else tile_int8(dtype, chunk, (const int8_t *)next,
+                                       (const char *)x + (int64_t)m0 * ldx * size + k0 * size, ldx, kc, 2,
+                                       partial, &rows, (char *)y + ((int64_t)m0 * n + u * NR) * size, n);
+                        continue;
+                    }
                     if (kind == INT8) {     /* (the pairs of k rows of bfloat16: the last one padded) */
                         widen_int8(chunk, (const int8_t *)next, (int64_t)(dtype == BF16 ? (kc + 1) / 2 * 2 : kc) * NR,
                                    dtype, widened);
