@@ -46,8 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps one native CPU call may run where nobody sees the steps between (offline "
                         "greedy batches); 1: one a call")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="weight-only quantization of every linear layer (lm_head too) at load, CPU only: int8, per "
-                        "output channel")
+                   help="weight-only quantization of every linear layer (lm_head too) at load, CPU only: int8 per "
+                        "output channel, int4 in groups of 32")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, and outputs have token ids but no text")
 

@@ -19,7 +19,7 @@ CACHE_MODES = ("paged", "contiguous", "none")
 ATTENTION_BACKENDS = ("auto", "sdpa", "native", "flash", "triton", "textbook")
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "int4")
 # weight-only quantizations of the linear layers (vLLM's --quantization), CPU only: csrc/gemm.c's panels
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 # full-precision pages: auto, or the model's dtype by name (vLLM's --kv-cache-dtype bfloat16, and the short names)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", *QUANTIZED_KV_CACHE_DTYPES)
 _DTYPES = {
@@ -209,7 +209,8 @@ class EngineConfig:
     cpu_allocator_tuning: bool = False
     # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
     skip_tokenizer_init: bool = False
-    # weight-only quantization of every linear layer, lm_head included, at load (QUANTIZATIONS; None: none)
+    # weight-only quantization of every linear layer, lm_head included, at load (QUANTIZATIONS; None: none):
+    # int8 per output channel, int4 in groups of 32 k with a scale and a minimum each
     quantization: str | None = None
 
     def __post_init__(self):

@@ -54,9 +54,12 @@ SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     "struct_layout": ((_I, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)), _I64),
     # csrc/gemm.c
     "gemm_dtypes": ((), _I),
-    # (kind: of the weight's numbers, the dtype's or int8; dtype: the products')
+    # (kind: of the weight's numbers, the dtype's, int8 or int4; dtype: the products')
     "gemm_packed_size": ((_I, _I, _I, _I, _I), _I64),
     "gemm_pack": ((_P, _I, _I, _I, _I, _I, _P), None),
+    # int4's scales and minimums: dtype, n, k, gated; scales, mins, dtype, n, k, gated, out
+    "gemm_groups_size": ((_I, _I, _I, _I), _I64),
+    "gemm_pack_groups": ((_P, _P, _I, _I, _I, _I, _P), None),
     "gemm_kernels": ((), _I),
     # packed, scales, kind, bias, dtype, x, ldx, m, k, n, y, gated, kernel, threads
     "gemm": ((_P, _P, _I, _P, _I, _P, _I64, _I, _I, _I, _P, _I, _I, _I), None),

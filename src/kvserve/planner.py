@@ -86,8 +86,9 @@ def load_model_config(model: str) -> tuple[str, ModelConfig]:
 
 
 def weight_bytes(cfg: ModelConfig, bytes_per_number: int, quantization: str | None = None) -> int:
-    """Bytes of the weights; quantized (int8), each linear layer's numbers (lm_head's too, and so a tied
-    embedding table's) take a byte, and a float32 scale per output column."""
+    """Bytes of the weights; quantized, each linear layer's numbers (lm_head's too, and so a tied embedding
+    table's) take a byte and a float32 scale per output column (int8), or half a byte and a float16 scale and
+    minimum per output column and group of 32 (int4)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     layer = attn + 3 * h * i + 2 * h
@@ -96,7 +97,13 @@ def weight_bytes(cfg: ModelConfig, bytes_per_number: int, quantization: str | No
     if quantization is None:
         return total
     linear = cfg.num_layers * (attn + 3 * h * i) + cfg.vocab_size * h
-    columns = cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size + 2 * h + 2 * i) + cfg.vocab_size
+    # (out, in) of the linear layers, and how many of each
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, h, cfg.num_layers), (h, cfg.q_size, cfg.num_layers),
+              (2 * i, h, cfg.num_layers), (h, i, cfg.num_layers), (cfg.vocab_size, h, 1)]
+    if quantization == "int4":      # a group's scale and minimum: 4 bytes
+        groups = sum(out * -(-in_ // 32) * n for out, in_, n in shapes)
+        return total - linear * bytes_per_number + linear // 2 + 4 * groups
+    columns = sum(out * n for out, _, n in shapes)
     return total - linear * (bytes_per_number - 1) + 4 * columns
 
 
@@ -191,7 +198,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="pages of the contiguous, paged and sink+window rows (int8/fp8/int4 rows are always "
                         "shown); bfloat16, bf16, float16, fp16 name the model's --dtype, as auto does")
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="weight-only quantization (int8)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="weight-only quantization")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)

@@ -264,10 +264,12 @@ def process_memory(side: str, path: Path, prompts: list[list[int]], tokens: int,
 
 def linear_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
     """Bytes of the linear layers' weights, lm_head's included: what a decode step reads (int8: a byte a number,
-    and a float32 scale per output column)."""
+    and a float32 scale per output column; int4: half a byte, and 4 bytes a group of 32)."""
     layers, head = linear_params(cfg)
     if quantization is None:
         return (layers + head) * dtype.itemsize
+    if quantization == "int4":
+        return (layers + head) // 2 + (layers + head) // 8
     columns = cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
     return layers + head + 4 * (columns + cfg.vocab_size)
 

@@ -24,11 +24,10 @@
 
 /* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
  * keeps it, for the matrix-vector products; its bias (or NULL); the packed numbers' kind (the model's
- * dtype, or INT8 with a float32 scale per output column); and the rows from which csrc/gemm.c
- * multiplies it by AMX's tiles (measured at start-up), not AVX-512's. */
+ * dtype, INT8 with a float32 scale per output column, or INT4 with its groups' scales and minimums); and
+ * the rows from which csrc/gemm.c multiplies it by AMX's tiles (measured at start-up), not AVX-512's. */
 typedef struct {
-    const void *w, *b, *packed;
-    const float *scales;
+    const void *w, *b, *packed, *scales;
     int kind, amx_from;
 } Proj;
 

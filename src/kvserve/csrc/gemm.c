@@ -19,6 +19,10 @@
  * it multiplies into the dtype (exactly: |q| <= 127), in L1, and the sums are scaled as they are written:
  * the products are those of the dequantized weight q * scale, up to the order of the sums.
  *
+ * Weight-only int4 (`kind` INT4), group-wise: two numbers a byte (0..15), and for each group of G4 k rows
+ * of a panel its columns' scales and minimums (float16). A thread widens each chunk into the dequantized
+ * weight q * scale + min, rounded to the dtype: the products are those of that weight.
+ *
  * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
  * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
  * (SwiGLU): the 2n products are never stored, nor read back by a separate activation pass. */
@@ -66,10 +70,31 @@ static int num_panels(int n, int gated) { return gated ? 2 * ((n / 2 + NR - 1) /
 /* k rows of a panel: bfloat16 pads k to whole AMX tiles (the rows past k are zeros). */
 static int panel_depth(int dtype, int k) { return dtype == BF16 ? (k + KT - 1) / KT * KT : k; }
 
-/* Numbers (of `kind`) the packed copy of an [n, k] weight takes, laid out for products in dtype. */
+/* Numbers (of `kind`; INT4: two a byte) the packed copy of an [n, k] weight takes, laid out for products in
+ * dtype. */
 int64_t gemm_packed_size(int kind, int dtype, int n, int k, int gated) {
     (void)kind;
     return (int64_t)num_panels(n, gated) * panel_depth(dtype, k) * NR;
+}
+
+#define G4 32        /* k rows of an int4 group: a chunk and an AMX tile hold whole groups */
+
+/* Groups of an int4 weight's k rows, each with NR scales and NR minimums a panel. */
+static int int4_groups(int dtype, int k) { return (panel_depth(dtype, k) + G4 - 1) / G4; }
+
+/* Float16 numbers an int4 weight's scales and minimums take (gemm_pack_groups). */
+int64_t gemm_groups_size(int dtype, int n, int k, int gated) {
+    return (int64_t)num_panels(n, gated) * int4_groups(dtype, k) * 2 * NR;
+}
+
+/* An int4 panel is widened a unit at a time: a pair of k rows (bfloat16 products: 64 numbers, 32 bytes) or a
+ * k row (float32: 32 numbers, 16 bytes); byte j of a unit holds its number j in its low half and number
+ * j + half in its high half, so that the two halves widen to the unit's numbers in order. The byte and half
+ * of number i of a panel (packed_at's order). */
+static inline int64_t int4_byte(int dtype, int64_t i, int *high) {
+    const int numbers = dtype == BF16 ? 2 * NR : NR, half = numbers / 2, v = (int)(i % numbers);
+    *high = v >= half;
+    return i / numbers * half + v % half;
 }
 
 /* The weight's row (output column) that column j of panel p holds, or -1 for none (padding). */
@@ -102,48 +127,126 @@ static inline int64_t packed_at(int kind, int dtype, int p, int depth, int kk, i
     return pair + (kind == INT8 && INT8_BY_BYTES ? int8_order(v) : v);
 }
 
-/* w [n, k] of `kind` (the dtype's, or INT8) packed for products in dtype. */
+/* w [n, k] of `kind` (the dtype's, INT8, or INT4: one number 0..15 a byte) packed for products in dtype. */
 void gemm_pack(const void *w, int kind, int dtype, int n, int k, int gated, void *packed) {
     const int panels = num_panels(n, gated), depth = panel_depth(dtype, k);
     const size_t size = elem_size(kind);
     #pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++)
+    for (int p = 0; p < panels; p++) {
+        if (kind == INT4) memset((uint8_t *)packed + (int64_t)p * depth * NR / 2, 0, (size_t)depth * NR / 2);
         for (int kk = 0; kk < depth; kk++)
             for (int j = 0; j < NR; j++) {
-                const int col = panel_column(p, j, n, gated);
+                const int col = panel_column(p, j, n, gated), real = col >= 0 && kk < k;
                 const int64_t to = packed_at(kind, dtype, p, depth, kk, j);
-                if (col >= 0 && kk < k)
+                if (kind == INT4) {
+                    int high;
+                    const int64_t byte = int4_byte(dtype, to, &high);
+                    const uint8_t q = real ? ((const uint8_t *)w)[(int64_t)col * k + kk] & 15 : 0;
+                    ((uint8_t *)packed)[byte] |= (uint8_t)(q << (high ? 4 : 0));
+                } else if (real) {
                     memcpy((char *)packed + to * size, (const char *)w + ((int64_t)col * k + kk) * size, size);
-                else
+                } else {
                     memset((char *)packed + to * size, 0, size);
+                }
+            }
+    }
+}
+
+/* An int4 weight's scales and minimums, [n][groups] each (float16), as the panels' groups hold them: for each
+ * panel and group of G4 k rows, its NR columns' scales, then their minimums (padding: zeros). */
+void gemm_pack_groups(const uint16_t *scales, const uint16_t *mins, int dtype, int n, int k, int gated,
+                      uint16_t *out) {
+    const int panels = num_panels(n, gated), groups = int4_groups(dtype, k), given = (k + G4 - 1) / G4;
+    for (int p = 0; p < panels; p++)
+        for (int g = 0; g < groups; g++)
+            for (int j = 0; j < NR; j++) {
+                const int col = panel_column(p, j, n, gated), real = col >= 0 && g < given;
+                uint16_t *at = out + ((int64_t)p * groups + g) * 2 * NR + j;
+                at[0] = real ? scales[(int64_t)col * given + g] : 0;
+                at[NR] = real ? mins[(int64_t)col * given + g] : 0;
             }
 }
 
-/* Number i of a packed weight of `kind` (INT8: scaled by its column's scale) as a float. */
-static inline float packed_value(const void *packed, const float *scales, int kind, int64_t i, int64_t col) {
-    return kind == INT8 ? ((const int8_t *)packed)[i] * scales[col] : param(packed, kind, i);
+/* Number kk of column j of panel p of a packed weight of `kind` (INT8: times its column's scale; INT4: times
+ * its group's scale, plus its minimum) as a float. */
+static inline float packed_value(const void *packed, const void *scales, int kind, int dtype, int p, int k, int kk,
+                                 int j, int64_t col) {
+    const int depth = panel_depth(dtype, k);
+    const int64_t i = packed_at(kind, dtype, p, depth, kk, j);
+    if (kind == INT8) return ((const int8_t *)packed)[i] * ((const float *)scales)[col];
+    if (kind != INT4) return param(packed, kind, i);
+    int high;
+    const uint8_t byte = ((const uint8_t *)packed)[int4_byte(dtype, i, &high)];
+    const uint16_t *group = (const uint16_t *)scales + ((int64_t)p * int4_groups(dtype, k) + kk / G4) * 2 * NR + j;
+    return (float)(high ? byte >> 4 : byte & 15) * f16_to_float(group[0]) + f16_to_float(group[NR]);
 }
 
 /* Row `col` of a (not gated) weight [n, k] from its packed copy (products in dtype), as floats that dtype holds
- * (an int8 weight's rounded there, as gemm_rows stores them): an embedding table whose only copy is the packed
- * weight of the tied lm_head. */
-void gemm_row(const void *packed, const float *scales, int kind, int dtype, int k, int64_t col, float *out) {
-    const int depth = panel_depth(dtype, k), p = (int)(col / NR), j = (int)(col % NR);
-    for (int kk = 0; kk < k; kk++)
-        out[kk] = as_dtype(packed_value(packed, scales, kind, packed_at(kind, dtype, p, depth, kk, j), col), dtype);
+ * (a quantized weight's rounded there, as gemm_rows stores them): an embedding table whose only copy is the
+ * packed weight of the tied lm_head. */
+void gemm_row(const void *packed, const void *scales, int kind, int dtype, int k, int64_t col, float *out) {
+    const int p = (int)(col / NR), j = (int)(col % NR);
+    for (int kk = 0; kk < k; kk++) out[kk] = as_dtype(packed_value(packed, scales, kind, dtype, p, k, kk, j, col), dtype);
 }
 
-/* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of dtype (an
- * int8 weight's numbers times their scale, rounded to dtype). */
-void gemm_rows(const void *packed, const float *scales, int kind, int dtype, int k, const int64_t *ids, int count,
+/* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of dtype (a
+ * quantized weight's dequantized numbers, rounded to dtype). */
+void gemm_rows(const void *packed, const void *scales, int kind, int dtype, int k, const int64_t *ids, int count,
                void *out, int threads) {
-    const int depth = panel_depth(dtype, k);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int i = 0; i < count; i++) {
         const int p = (int)(ids[i] / NR), j = (int)(ids[i] % NR);
         for (int kk = 0; kk < k; kk++)
-            store(out, dtype, (int64_t)i * k + kk,
-                  packed_value(packed, scales, kind, packed_at(kind, dtype, p, depth, kk, j), ids[i]));
+            store(out, dtype, (int64_t)i * k + kk, packed_value(packed, scales, kind, dtype, p, k, kk, j, ids[i]));
+    }
+}
+
+/* The scales and minimums of an int4 group (NR of each, float16) as four vectors of each, one a lane of a unit
+ * (int4_byte): bfloat16 products, columns 0-7, 8-15, 16-23, 24-31, each twice (even and odd k); float32,
+ * columns 0-15 and 16-31. */
+static inline void int4_group(const uint16_t *group, int dtype, __m512 s[4], __m512 m[4]) {
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group));
+    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16)));
+    const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR)));
+    const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16)));
+    if (dtype != BF16) {
+        s[0] = s0, s[1] = s1, m[0] = m0, m[1] = m1;
+        return;
+    }
+    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    s[0] = _mm512_permutexvar_ps(low, s0), s[1] = _mm512_permutexvar_ps(high, s0);
+    s[2] = _mm512_permutexvar_ps(low, s1), s[3] = _mm512_permutexvar_ps(high, s1);
+    m[0] = _mm512_permutexvar_ps(low, m0), m[1] = _mm512_permutexvar_ps(high, m0);
+    m[2] = _mm512_permutexvar_ps(low, m1), m[3] = _mm512_permutexvar_ps(high, m1);
+}
+
+/* k rows k0 .. k0 + rows (bfloat16: k0 and rows even) of an int4 panel (its bytes, and its groups' scales and
+ * minimums) dequantized, q * scale + min rounded to dtype, into `to` in the panel's order. (q * scale is exact
+ * in float32, 4 bits by 11: the one rounding is the sum's, fused or not.) */
+static void widen_int4(const uint8_t *panel, const uint16_t *groups, int k0, int rows, int dtype, void *to) {
+    const int unit = dtype == BF16 ? 2 : 1, half = unit * NR / 2;
+    const __m512i nibble = _mm512_set1_epi32(15);
+    __m512 s[4], m[4];
+    for (int kk = k0; kk < k0 + rows; kk += unit) {
+        if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, dtype, s, m);
+        const uint8_t *b = panel + (int64_t)(kk / unit) * half;
+        __m512 f[4];
+        for (int v = 0; v < 2 * unit; v++) {        /* low halves, then high halves: the unit's numbers */
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * (v % unit))));
+            const __m512i q = v < unit ? _mm512_and_si512(bytes, nibble) : _mm512_srli_epi32(bytes, 4);
+            f[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s[v], m[v]);
+        }
+        if (dtype == BF16) {
+#if defined(__AVX512BF16__)
+            uint16_t *out = (uint16_t *)to + (int64_t)(kk - k0) * NR;
+            _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+            _mm512_storeu_si512(out + 32, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+#endif
+        } else {
+            _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR, f[0]);
+            _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR + 16, f[1]);
+        }
     }
 }
 
@@ -460,13 +563,15 @@ static void copy_rows(const uint16_t *x, int64_t ldx, int rows, int k, uint16_t 
 }
 
 /* The sums of one group of 16 rows (two: and the next group) of the rows' copy `a` (copy_rows, `steps` k-steps
- * a group) by a panel of `steps` k-steps, `b`, into sums (NR a row). An int8 panel (`q`, INT8_BY_BYTES; b
- * unused) is widened a k-step at a time, in L1, as its tiles are loaded. */
-static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, const int8_t *q, const uint16_t *a,
-                                                          int steps, float *sums, int two) {
+ * a group) by a panel of `steps` k-steps, `b`, into sums (NR a row). A quantized panel (`q` of `kind`, INT8
+ * where INT8_BY_BYTES or INT4 with its `groups`; b unused) is widened a k-step at a time, in L1, as its tiles
+ * are loaded. */
+static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, const void *q, int kind,
+                                                          const uint16_t *groups, const uint16_t *a, int steps,
+                                                          float *sums, int two) {
     const uint16_t *a2 = a + (int64_t)steps * 16 * KT;
-#if INT8_BY_BYTES
     uint16_t step[KT * NR] __attribute__((aligned(64)));
+#if INT8_BY_BYTES
     const Int8Tables t = int8_tables();
 #endif
     _tile_zero(0);
@@ -475,9 +580,13 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, co
     _tile_zero(3);
     for (int s = 0; s < steps; s++) {
         const uint16_t *bs = b + (int64_t)s * KT * NR;
+        if (q && kind == INT4) {
+            widen_int4(q, groups, s * KT, KT, BF16, step);
+            bs = step;
+        }
 #if INT8_BY_BYTES
-        if (q) {
-            for (int i = 0; i < KT * NR; i += 64) widen64(&t, q + (int64_t)s * KT * NR + i, step + i);
+        if (q && kind == INT8) {
+            for (int i = 0; i < KT * NR; i += 64) widen64(&t, (const int8_t *)q + (int64_t)s * KT * NR + i, step + i);
             bs = step;
         }
 #endif
@@ -506,16 +615,16 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, co
 /* gemm_team by AMX's tiles (bfloat16): each thread copies a block of rows (copy_rows), then multiplies it by its
  * panels (an int8 one widened first), 32 rows (or 16) a tile, over the whole k. 0, or -1 where the copies'
  * memory ran out (nothing done). */
-static int amx_team(const void *packed, const float *scales, int kind, const uint16_t *bias, const uint16_t *x,
+static int amx_team(const void *packed, const void *scales, int kind, const uint16_t *bias, const uint16_t *x,
                     int64_t ldx, int m, int k, int n, uint16_t *y, int gated) {
     const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(BF16, k), steps = depth / KT;
     const int per_unit = gated ? 2 : 1, fit = ROWS_COPY_BYTES / (2 * depth) / 32 * 32;
-    const int mc = fit < 32 ? 32 : fit > MC_AMX_MAX ? MC_AMX_MAX : fit;
-    const size_t wsize = elem_size(kind);
+    const int mc = fit < 32 ? 32 : fit > MC_AMX_MAX ? MC_AMX_MAX : fit, quantized = kind == INT8 || kind == INT4;
+    const int64_t panel_bytes = kind == INT4 ? (int64_t)depth * NR / 2 : (int64_t)depth * NR * elem_size(kind);
     float sums[(MC_AMX_MAX + 16) * NR] __attribute__((aligned(64))), gate[(MC_AMX_MAX + 16) * NR];
     uint16_t *a = scratch(&rows_copy, 2 * ((size_t)((m < mc ? m : mc) + 15) / 16 * 16 * depth));
-    uint16_t *widened = kind == INT8 ? scratch(&panel_copy, 2 * (size_t)depth * NR) : NULL;
-    if (!a || (kind == INT8 && !widened)) return -1;
+    uint16_t *widened = quantized ? scratch(&panel_copy, 2 * (size_t)depth * NR) : NULL;
+    if (!a || (quantized && !widened)) return -1;
     TileConfig cfg = {.palette = 1};
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.bytes[t] = 64;
     _tile_loadconfig(&cfg);
@@ -525,19 +634,22 @@ static int amx_team(const void *packed, const float *scales, int kind, const uin
         #pragma omp for schedule(static) nowait
         for (int u = 0; u < panels / per_unit; u++)
             for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
-                const void *panel = (const char *)packed + (int64_t)p * depth * NR * wsize;
-                /* an int8 panel that one pass of tiles reads: widened as it goes; else first, for all */
-                const int8_t *q = kind == INT8 && INT8_BY_BYTES && groups <= 4 ? panel : NULL;
-                if (kind == INT8 && !q) {
-                    widen_int8(panel, NULL, (int64_t)depth * NR, BF16, widened);
+                const void *panel = (const char *)packed + p * panel_bytes;
+                const uint16_t *groups4 = kind == INT4 ? (const uint16_t *)scales + (int64_t)p * steps * 2 * NR : NULL;
+                /* a quantized panel that few passes of tiles read: widened as they go; else first, for all */
+                const void *q = groups <= 4 && (kind == INT4 || (kind == INT8 && INT8_BY_BYTES)) ? panel : NULL;
+                if (quantized && !q) {
+                    if (kind == INT4) widen_int4(panel, groups4, 0, depth, BF16, widened);
+                    else widen_int8(panel, NULL, (int64_t)depth * NR, BF16, widened);
                     panel = widened;
                 }
                 for (int g = 0; g < groups; g += 2)
-                    amx_tile(panel, q, a + (int64_t)g * steps * 16 * KT, steps, sums + g * 16 * NR, g + 1 < groups);
+                    amx_tile(panel, q, kind, groups4, a + (int64_t)g * steps * 16 * KT, steps, sums + g * 16 * NR,
+                             g + 1 < groups);
                 const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
                 const int64_t at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
                 const Chunk c = {1, 1, n - u * NR < NR ? n - u * NR : NR, bias ? bias + at : NULL,
-                                 scales ? scales + at : NULL, out, gate};
+                                 kind == INT8 ? (const float *)scales + at : NULL, out, gate};
                 for (int r = 0; r < mb; r++)
                     for (int j = 0; j < NV; j++)
                         emit(_mm512_loadu_ps(sums + r * NR + 16 * j), r, j, &c, BF16, y + (int64_t)m0 * n + u * NR, n);
@@ -551,9 +663,9 @@ static int amx_team(const void *packed, const float *scales, int kind, const uin
 /* gemm's share of one thread of a team: call from every thread of a parallel region; y is whole once
  * they have all returned and met at a barrier (this ends without one). y has n columns; a gated
  * weight holds 2n (packed with gated set) and y = silu(gate) * up. The weight's numbers are of `kind`:
- * dtype's, or INT8 with `scales`. kernel: GEMM_AVX512, or GEMM_AMX (bfloat16 only; where gemm_kernels
+ * dtype's, INT8 with `scales` (float32, a column each) or INT4 with its groups' (gemm_pack_groups). kernel: GEMM_AVX512, or GEMM_AMX (bfloat16 only; where gemm_kernels
  * reports it, else AVX512 runs). */
-void gemm_team(const void *packed, const float *scales, int kind, const void *bias, int dtype, const void *x,
+void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,
                int64_t ldx, int m, int k, int n, void *y, int gated, int kernel) {
 #if AMX
     /* (where its copies find no memory, AVX-512's kernel, which needs none) */
@@ -566,6 +678,8 @@ void gemm_team(const void *packed, const float *scales, int kind, const void *bi
     const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(dtype, k);
     const int kc_max = dtype == BF16 ? 2 * KC : KC, per_unit = gated ? 2 : 1;
     const size_t size = elem_size(dtype), wsize = elem_size(kind);
+    /* bytes of a panel's k row (int4: a pair's, halved), and an int4 weight's groups a panel */
+    const int64_t row_bytes = kind == INT4 ? NR / 2 : (int64_t)NR * wsize, groups4 = int4_groups(dtype, k);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
     float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
     for (int m0 = 0; m0 < m; m0 += MC) {
@@ -574,18 +688,23 @@ void gemm_team(const void *packed, const float *scales, int kind, const void *bi
         #pragma omp for schedule(static) nowait
         for (int u = 0; u < panels / per_unit; u++)
             for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
-                const char *panel = (const char *)packed + (int64_t)p * depth * NR * wsize;
+                const char *panel = (const char *)packed + (int64_t)p * depth * row_bytes;
                 const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
                 const int64_t at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
                 for (int k0 = 0; k0 < k; k0 += kc_max) {
                     const int kc = k - k0 < kc_max ? k - k0 : kc_max;
                     const Chunk c = {k0 == 0, k0 + kc >= k, n - u * NR < NR ? n - u * NR : NR,
-                                     bias ? (const char *)bias + at * size : NULL, scales ? scales + at : NULL,
-                                     out, gate};
+                                     bias ? (const char *)bias + at * size : NULL,
+                                     kind == INT8 ? (const float *)scales + at : NULL, out, gate};
                     /* the thread's next chunk: this panel's next k-chunk, else the next panel's first */
-                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * wsize : NULL)
-                                              : panel + (int64_t)(k0 + kc) * NR * wsize;
-                    const void *chunk = panel + (int64_t)k0 * NR * wsize;
+                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * row_bytes : NULL)
+                                              : panel + (int64_t)(k0 + kc) * row_bytes;
+                    const void *chunk = panel + (int64_t)k0 * row_bytes;
+                    if (kind == INT4) {
+                        widen_int4((const uint8_t *)panel, (const uint16_t *)scales + p * groups4 * 2 * NR, k0,
+                                   dtype == BF16 ? (kc + 1) / 2 * 2 : kc, dtype, widened);
+                        chunk = widened, next = NULL;
+                    }
                     if (kind == INT8 && mb <= MR_INT8) {
                         Chunk rows = c;
                         if (mb == 1) tile_int8(dtype, chunk, (const int8_t *)next,
@@ -617,7 +736,7 @@ void gemm_team(const void *packed, const float *scales, int kind, const void *bi
 
 /* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack (gated: W
  * [2n, k] and y = silu(gate) * up, gate and up each with their half of the bias). */
-void gemm(const void *packed, const float *scales, int kind, const void *bias, int dtype, const void *x, int64_t ldx,
+void gemm(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x, int64_t ldx,
           int m, int k, int n, void *y, int gated, int kernel, int threads) {
     #pragma omp parallel num_threads(threads)
     gemm_team(packed, scales, kind, bias, dtype, x, ldx, m, k, n, y, gated, kernel);

@@ -22,7 +22,9 @@ GEMM_KERNELS = ("avx512", "amx")     # csrc/gemm.c's kernels, as it numbers them
 NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
 WEIGHT_FORMATS = ("gemm", "onednn", "plain")
 # the numbers of a packed weight, as csrc/common.h numbers their kinds
-WEIGHT_KINDS = {**DTYPE_KINDS, torch.int8: 3}
+# (uint8: int4 numbers 0..15, one a byte unpacked, two a byte packed)
+WEIGHT_KINDS = {**DTYPE_KINDS, torch.int8: 3, torch.uint8: 5}
+INT4_GROUP = 32                      # k numbers of an int4 group (csrc/gemm.c's G4)
 
 
 class Linear(nn.Linear):
@@ -31,7 +33,7 @@ class Linear(nn.Linear):
     [out, in], as torch keeps it). A packed layer's `weight` is an empty placeholder of its dtype."""
 
     packed: torch.Tensor | None = None
-    scales: torch.Tensor | None = None      # quantized: float32, one per output column
+    scales: torch.Tensor | None = None      # int8: float32, one per output column; int4: its groups' (float16)
     quantization: str | None = None         # of QUANTIZATIONS
     weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
@@ -70,7 +72,11 @@ class Linear(nn.Linear):
             raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: a CPU with AVX-512 "
                              f"(F, BW, VL; for bfloat16 also BF16), a C compiler and a float32 or bfloat16 model; got a "
                              f"{w.dtype} weight on {w.device.type} packed as {weight_format!r}")
-        q, self.scales = quantize_int8(w)
+        if quantization == "int8":
+            q, self.scales = quantize_int8(w)
+        else:
+            q, scales, mins = quantize_int4(w)
+            self.scales = gemm_pack_groups(scales, mins, self.gated, w.dtype)
         self.packed = gemm_pack(q, self.gated, dtype=w.dtype)
         self.quantization, self.weight_format = quantization, "gemm"
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
@@ -156,21 +162,65 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales[:, None]
 
 
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] as int4 numbers q (0..15, one a byte: uint8) with a float16 scale and minimum per output column
+    and group of INT4_GROUP inputs (the last group may be shorter), asymmetric: min = the group's smallest number,
+    scale = (largest - min) / 15 (1 where they are equal), both rounded to float16, q = round((w - min) / scale).
+    dequantize_int4 gives the weight (float32) whose products an int4 layer computes, rounded to its dtype."""
+    n, k = w.shape
+    groups = -(-k // INT4_GROUP)
+    q = cpu_tensor((n, k), torch.uint8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.uint8)
+    scales = torch.empty(n, groups, dtype=torch.float16, device=w.device)
+    mins = torch.empty_like(scales)
+    block = max(1, 2**22 // max(1, k))
+    for start in range(0, n, block):
+        part = w[start:start + block].to(torch.float32, copy=True)
+        if groups * INT4_GROUP > k:     # the short group filled with its own last number: no new min or max
+            part = torch.cat((part, part[:, -1:].expand(-1, groups * INT4_GROUP - k)), dim=1)
+        g = part.view(len(part), groups, INT4_GROUP)
+        low, high = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((high - low) / 15).to(torch.float16)
+        scale[scale == 0] = 1.0
+        low = low.to(torch.float16)
+        g.sub_(low.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
+        q[start:start + block] = g.view(len(part), -1)[:, :k]
+        scales[start:start + block], mins[start:start + block] = scale, low
+    return q, scales, mins
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The weight (float32) of quantize_int4's numbers: q * scale + min, group by group."""
+    k = q.shape[1]
+    expand = lambda t: t.float().repeat_interleave(INT4_GROUP, dim=1)[:, :k]   # noqa: E731
+    return q.float() * expand(scales) + expand(mins)
+
+
+def gemm_pack_groups(scales: torch.Tensor, mins: torch.Tensor, gated: bool, dtype: torch.dtype) -> torch.Tensor:
+    """An int4 weight's scales and minimums ([out, groups], float16) laid out beside its panels (gemm_pack of
+    its numbers for products in dtype), as gemm() takes them."""
+    size, pack = _gemm_function("gemm_groups_size", dtype), _gemm_function("gemm_pack_groups", dtype)
+    n, k = scales.shape[0], scales.shape[1] * INT4_GROUP
+    out = torch.empty(size(DTYPE_KINDS[dtype], n, k, gated), dtype=torch.float16)
+    pack(scales.contiguous().data_ptr(), mins.contiguous().data_ptr(), DTYPE_KINDS[dtype], n, k, gated, out.data_ptr())
+    return out
+
+
 def gemm_pack(w: torch.Tensor, gated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """w [out, in] packed for gemm(), or None (a fallback: see kvserve.kernels) where csrc/gemm.c does not
-    multiply the products' dtype here. dtype: that of the products, w's unless w is int8 (quantize_int8).
-    gated: w is [gate; up], for gemm(gated=True)."""
+    multiply the products' dtype here. dtype: that of the products, w's unless w is int8 (quantize_int8) or int4
+    (uint8, quantize_int4: packed two a byte). gated: w is [gate; up], for gemm(gated=True)."""
     dtype = dtype or w.dtype
     size, pack = _gemm_function("gemm_packed_size", dtype), _gemm_function("gemm_pack", dtype)
     if pack is None:
         fallback("gemm_pack", f"csrc/gemm.c does not multiply {dtype} on this CPU (or the kernels are not built)")
         return None
-    if w.dtype not in (dtype, torch.int8):
-        raise TypeError(f"gemm_pack takes a weight of the products' dtype {dtype} or int8, got {w.dtype}")
+    if w.dtype not in (dtype, torch.int8, torch.uint8):
+        raise TypeError(f"gemm_pack takes a weight of the products' dtype {dtype}, int8 or int4 (uint8), got {w.dtype}")
     kind, (n, k) = WEIGHT_KINDS[w.dtype], w.shape
     if gated and n % 2:
         raise ValueError(f"a gated weight has an even number of rows (gate and up), got {n}")
-    packed = cpu_tensor((size(kind, DTYPE_KINDS[dtype], n, k, gated),), w.dtype)
+    numbers = size(kind, DTYPE_KINDS[dtype], n, k, gated)
+    packed = cpu_tensor((numbers // 2 if w.dtype == torch.uint8 else numbers,), w.dtype)
     pack(w.contiguous().data_ptr(), kind, DTYPE_KINDS[dtype], n, k, gated, packed.data_ptr())
     return packed
 
@@ -187,14 +237,14 @@ def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
          gated: bool = False, amx_from: int = NEVER, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack (int8: with its scales, and w its dequantized
-    weight); gated: silu(gate) * up of out_features each, w packed gated. Products of amx_from rows or more
-    run AMX's kernel (where gemm_kernels has it), others AVX-512's."""
-    int8 = packed.dtype == torch.int8
-    if int8 != (scales is not None) or (not int8 and x.dtype != packed.dtype) or \
+    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack (quantized: with its scales, int8's or int4's
+    gemm_pack_groups, and w its dequantized weight); gated: silu(gate) * up of out_features each, w packed gated.
+    Products of amx_from rows or more run AMX's kernel (where gemm_kernels has it), others AVX-512's."""
+    quantized = packed.dtype in (torch.int8, torch.uint8)
+    if quantized != (scales is not None) or (not quantized and x.dtype != packed.dtype) or \
             (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be of one "
-                        f"dtype, the weight's {packed.dtype} unless int8 (with scales: {scales is not None})")
+                        f"dtype, the weight's {packed.dtype} unless quantized (with scales: {scales is not None})")
     if x.shape[-1] == 0:        # no products: the bias alone, as F.linear gives
         y = torch.zeros(*x.shape[:-1], out_features * (1 + gated), dtype=x.dtype)
         y = y if bias is None else y.add_(bias)
