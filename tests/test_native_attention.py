@@ -126,7 +126,8 @@ def test_a_block_as_long_as_a_whole_context_decodes():
 
 @pytest.mark.skipif(shutil.which("cc") is None or platform.machine() != "x86_64", reason="no C compiler, or not x86")
 def test_the_portable_fallbacks_compute_the_same(tmp_path, monkeypatch):
-    """CPUs without AVX-512 run the kernels' plain C loops: built so here, they decode as the textbook does."""
+    """CPUs without AVX-512 run the kernels' plain C loops: built so here, they decode as the textbook does, within
+    sliding windows and with soft-capped scores too."""
     wrapper = tmp_path / "cc-no-avx512"
     wrapper.write_text('#!/bin/sh\nexec cc -mno-avx512f "$@"\n')
     wrapper.chmod(0o755)
@@ -141,6 +142,7 @@ def test_the_portable_fallbacks_compute_the_same(tmp_path, monkeypatch):
         out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         q, k, v, kv_cache, batch = make_case([1, 9, 21], [9, 30, 21], 1, heads, kv_heads, head_dim, block_size=4)
-        ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
-        torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5), ref,
-                                   atol=1e-5, rtol=1e-5)
+        for limits in ((None, None), (5, 1.5)):       # (sliding window, soft cap)
+            ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5, *limits)
+            torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5, *limits),
+                                       ref, atol=1e-5, rtol=1e-5)

@@ -359,6 +359,24 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(ckpt, where)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_a_stream_whose_step_fails_ends_with_an_error_event_then_done(ckpt):
+    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
+    real, calls = engine.step, []
+
+    def failing_second(*args):
+        calls.append(1)
+        if len(calls) == 2:         # after the first chunk is sent: the status is 200 by then
+            raise RuntimeError("boom")
+        return real(*args)
+    engine.step = failing_second
+    with ServerThread(build_app(engine, MODEL)) as base:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200
+        assert "boom" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+
+
 def wait_for(condition, what: str, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while not condition():

@@ -6,12 +6,14 @@ import json
 import logging
 import socket
 
+import fastapi.routing
 import httpx
 import pytest
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import ServerConfig, build_app
+from kvserve.server.http import MAX_HEAD_BYTES
 from test_server import ENGINE_ARGS, KEY, MODEL, ServerThread, wait_for
 from tiny_models import make_checkpoint
 
@@ -109,6 +111,21 @@ def test_a_long_tokenize_does_not_hold_the_other_endpoints(served, url):
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
 
 
+def test_json_bodies_are_not_encoded_item_by_item_on_the_event_loop(in_thread, monkeypatch):
+    """FastAPI encodes a returned dict by visiting every item (jsonable_encoder) on the event loop:
+    the million token ids of a long /tokenize held every other request for a second. The endpoints
+    return finished responses, which FastAPI passes through."""
+    def item_by_item(*args, **kwargs):
+        raise AssertionError("FastAPI encoded a response item by item")
+    monkeypatch.setattr(fastapi.routing, "serialize_response", item_by_item)
+    base = f"http://127.0.0.1:{in_thread[1].port}"
+    for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [5, 6]}),
+                       ("/v1/completions", {"prompt": "a", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = httpx.post(f"{base}{path}", json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+
+
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(url):
     for path, body in (("/v1/completions", {"prompt": "y" * 200_000}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 200_000}]})):
@@ -136,6 +153,20 @@ def test_a_request_body_that_never_completes_is_timed_out(served):
         assert status == 408 and headers["connection"] == "close"
         assert "body" in openai_error(body, 408)["message"]
         assert closed(sock)
+
+
+def test_a_request_head_past_the_size_limit_is_refused(served):
+    many_headers = "".join(f"X-Header-{i}: {'v' * 20}\r\n" for i in range(MAX_HEAD_BYTES // 16))
+    with connect(served.port) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: test\r\n{many_headers}\r\n".encode())
+        status, headers, body = read_response(sock)
+        assert status == 431 and headers["connection"] == "close"
+        assert str(MAX_HEAD_BYTES) in openai_error(body, 431)["message"]
+    # a small head and a large body in one write: only the head counts
+    body = json.dumps({"prompt": "y" * (4 * MAX_HEAD_BYTES)}).encode()
+    with connect(served.port) as sock:
+        sock.sendall(request("POST", "/tokenize", body, {**AUTH, "Content-Type": "application/json"}))
+        assert read_response(sock)[0] == 200
 
 
 def test_connections_past_the_limit_are_refused_at_once(in_thread):
@@ -188,6 +219,21 @@ def test_every_error_has_openai_s_shape(url, method, path, body, status):
     assert r.status_code == status
     error = openai_error(r.content, status)
     assert error["param"] is None                 # a byte offset into bad JSON is no field
+
+
+@pytest.mark.parametrize("body, content_type, text", [
+    (b'{"prompt": "\xff\xfe"}', "application/json", "not valid UTF-8"),
+    (b"[" * 50_000 + b"]" * 50_000, "application/json", "RecursionError"),
+    (b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", "digits"),
+    (b"", "application/json", "no body"),
+    (b"[1, 2]", "application/json", "a JSON object, not an array"),
+    (b"null", "application/json", "a JSON object, not null"),
+    (b'{"prompt": "a"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
+], ids=["not-utf8", "too-deep", "long-number", "empty", "array", "null", "form-encoded"])
+def test_a_body_that_is_no_json_object_says_why(url, body, content_type, text):
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={**AUTH, "Content-Type": content_type})
+    error = openai_error(r.content, 400)
+    assert r.status_code == 400 and text in error["message"] and error["param"] is None
 
 
 def test_an_unexpected_error_is_a_json_500_logged_on_a_connection_that_stays_open(in_thread, monkeypatch, caplog):

@@ -13,7 +13,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.cli import build_parser
 from kvserve.config import EngineConfig
 from kvserve.server.app import ServerConfig, build_app
-from kvserve.server.tokenization import load_chat_template
+from kvserve.model.loader import load_tokenizer
+from kvserve.server.tokenization import ServerTokenizer, load_chat_template
 from test_server import ENGINE_ARGS, MODEL, ServerThread
 from tiny_models import make_checkpoint
 
@@ -96,6 +97,10 @@ def test_top_k_of_minus_one_is_off(url):
     ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"presence_penalty": 0.0, "frequency_penalty": 0}, 200, None),
+    ({"eviction": {"policy": []}}, 400, "eviction"),
+    ({"eviction": {"policy": "sink", "sinks": 1e300}}, 400, "eviction"),
+    ({"seed": 2**63}, 400, "seed"),
+    ({"prompt": [5, 10**6]}, 400, "prompt"),
 ])
 def test_known_completion_fields_are_honoured_or_refused_by_name(url, body, status, param):
     r = complete(url, max_tokens=2, **body)
@@ -199,19 +204,44 @@ def test_load_chat_template_takes_a_file_or_the_template_itself(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
 
 
+def test_a_chat_template_that_does_not_parse_stops_the_server_at_start(ckpt):
+    tokenizer = load_tokenizer(ckpt)
+    with pytest.raises(ValueError, match="--chat-template is not a valid jinja template"):
+        ServerTokenizer(tokenizer, 128, "{% for m in messages %}{{ m['content'] }")
+    # one that parses but refuses some conversations is the requests' business
+    ServerTokenizer(tokenizer, 128, "{{ raise_exception('a system message first') }}").close()
+
+
 # ---- no tokenizer ----------------------------------------------------------------------
 
-def test_without_a_tokenizer_token_ids_in_token_ids_out(ckpt):
+@pytest.fixture(scope="module")
+def no_tokenizer(ckpt):
+    """Served as `kvserve serve --skip-tokenizer-init` serves it."""
     config = EngineConfig(model=str(ckpt), skip_tokenizer_init=True, **ENGINE_ARGS)
     with ServerThread(build_app(config, MODEL)) as base:
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1,
-                                                       "temperature": 0}, timeout=60)
-        assert r.status_code == 200
-        choice = r.json()["choices"][0]
-        assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"] == [5, 6, 7]
-        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
-        for path, body in (("/v1/completions", {"prompt": "text"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                           ("/tokenize", {"prompt": "text"}), ("/detokenize", {"tokens": [5]})):
-            r = httpx.post(f"{base}{path}", json=body, timeout=60)
-            assert r.status_code == 400 and "--skip-tokenizer-init" in r.json()["error"]["message"]
+        yield base
+
+
+def test_without_a_tokenizer_token_ids_in_token_ids_out(no_tokenizer):
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1, "temperature": 0}
+    r = httpx.post(f"{no_tokenizer}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert len(choice["token_ids"]) == 3 and choice["prompt_token_ids"] == [5, 6, 7]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for path, body in (("/v1/completions", {"prompt": "text"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/tokenize", {"prompt": "text"}), ("/detokenize", {"tokens": [5]})):
+        r = httpx.post(f"{no_tokenizer}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and "--skip-tokenizer-init" in r.json()["error"]["message"]
+
+
+def test_echo_without_a_tokenizer_has_no_text_and_token_id_logprobs(no_tokenizer):
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 1, "echo": True, "temperature": 0}
+    r = httpx.post(f"{no_tokenizer}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "" and choice["prompt_token_ids"] == [5, 6, 7]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in [5, 6, 7, *choice["token_ids"]]]
+    assert logprobs["token_logprobs"][0] is None and None not in logprobs["token_logprobs"][1:]

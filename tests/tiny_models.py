@@ -1,4 +1,4 @@
-"""Tiny Llama-family checkpoints (config.json, model.safetensors, tokenizer) for the tests."""
+"""Tiny checkpoints of every supported family (config.json, model.safetensors, tokenizer) for the tests."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +16,10 @@ _CORPUS = [
 ] * 4
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
-CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config"}
+# Phi3Config's default pad_token_id (32000) lies outside the tiny vocabulary
+_ARCH_DEFAULTS = {"phi3": dict(pad_token_id=2)}
 
 
 def make_config(arch: str = "llama", **overrides):
@@ -24,7 +27,8 @@ def make_config(arch: str = "llama", **overrides):
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              bos_token_id=0, eos_token_id=1, initializer_range=0.2, tie_word_embeddings=False)
+              bos_token_id=0, eos_token_id=1, initializer_range=0.2, tie_word_embeddings=False,
+              **_ARCH_DEFAULTS.get(arch, {}))
     kw.update(overrides)
     return getattr(transformers, CONFIG_CLASSES[arch])(**kw)
 

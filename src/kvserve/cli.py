@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate | serve | plan | eval | bench."""
+"""The `kvserve` command: generate | serve | plan | eval | bench | top."""
 from __future__ import annotations
 
 import argparse
@@ -104,7 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           request_read_timeout=args.request_read_timeout, max_connections=args.max_connections,
                           max_n_sequences=args.max_n_sequences, max_completion_prompts=args.max_completion_prompts,
-                          chat_template=load_chat_template(args.chat_template), enable_docs=args.enable_docs)
+                          chat_template=load_chat_template(args.chat_template), enable_docs=args.enable_docs,
+                          kv_dashboard=args.kv_dashboard)
     app = build_app(EngineConfig(model=args.model, **engine_kwargs(args)), name, config)
     uvicorn.Server(uvicorn_config(app, args.host, args.port, config.request_read_timeout, config.max_connections,
                                   args.log_level)).run()
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a chat template (jinja) for /v1/chat/completions and /tokenize: a file, or the template "
                         "itself; default: the model's own")
     s.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    s.add_argument("--kv-dashboard", default=True, action=argparse.BooleanOptionalAction,
+                   help="serve the live view of the KV cache: the page /dashboard and its state, /v1/kv/state and "
+                        "/v1/kv/blocks/ID (whose tokens, as text, are the requests' own: with --api-key they need "
+                        "the key)")
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
@@ -154,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub, add_engine_args, engine_kwargs)
     from kvserve.bench import add_bench_parser
     add_bench_parser(sub)
+    from kvserve.server.top import add_top_parser
+    add_top_parser(sub)
     return parser
 
 

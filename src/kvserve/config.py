@@ -14,7 +14,13 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# the MLP's gate activation: SwiGLU's, or GeGLU's with tanh-approximated GELU (Gemma's)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 CACHE_MODES = ("paged", "contiguous", "none")
 ATTENTION_BACKENDS = ("auto", "sdpa", "native", "flash", "triton", "textbook")
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "int4")
@@ -74,7 +80,20 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     torch_dtype: torch.dtype | None
-    sliding_window: int | None = None
+    # per layer: the window W of a sliding-window layer, whose query at position p attends to the positions
+    # (p - W, p] (transformers' convention), or None for a layer that attends to the whole context
+    sliding_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"                        # the MLP's gate activation (HIDDEN_ACTS)
+    attn_logit_softcapping: float | None = None     # attention scores s become c * tanh(s / c) (Gemma 2)
+    final_logit_softcapping: float | None = None    # the same on the logits
+    query_pre_attn_scalar: float | None = None      # attention scale 1/sqrt(this), not 1/sqrt(head_dim) (Gemma)
+    # Gemma's norms: a norm scales by (1 + weight), each sublayer's output is normed before it joins the
+    # residual stream (post_attention_layernorm, post_feedforward_layernorm) and the MLP's input by
+    # pre_feedforward_layernorm
+    gemma_norms: bool = False
+    embed_scale: float = 1.0                        # the embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    rope_local_base_freq: float | None = None       # the RoPE base of sliding-window layers (Gemma 3), unscaled
+    partial_rotary_factor: float = 1.0              # RoPE rotates this share of a head's channels (Phi-4-mini)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
 
@@ -85,26 +104,29 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                              f"kvserve supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        gemma = arch in GEMMA_ARCHITECTURES
         num_heads = cfg["num_attention_heads"]
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu is supported")
-        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        # Gemma's configs name it hidden_activation, GeGLU's by default (their hidden_act is not what runs)
+        act = (cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else cfg.get("hidden_act", "silu")
+        if act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(HIDDEN_ACTS)}")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention is set: an embedding model, not a causal LM")
+        rope, theta, local_theta = _rope(cfg, arch)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         eos = cfg.get("eos_token_id")
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        num_layers = cfg["num_hidden_layers"]
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
@@ -112,14 +134,22 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),     # Gemma's configs tie by default
             # Qwen2 always has q/k/v biases; the others say so in attention_bias.
             qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
             o_bias=arch != "Qwen2ForCausalLM" and cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=_DTYPES.get(cfg.get("torch_dtype") or cfg.get("dtype") or "", None),
-            sliding_window=sliding,
+            sliding_windows=_sliding_windows(cfg, arch, num_layers),
+            hidden_act=act,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            gemma_norms=gemma,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
+            rope_local_base_freq=local_theta,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             bos_token_id=cfg.get("bos_token_id"),
         )
@@ -138,6 +168,77 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of a head that RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some layer attends within a sliding window."""
+        return any(w is not None for w in self.sliding_windows)
+
+
+# what config.json says of sliding windows, by architecture: Mistral and Phi-3 window every layer; Qwen2/3 the
+# layers from max_window_layers on, once use_sliding_window (default off) turns it on; Gemma 2 every other layer
+# and Gemma 3 five in six (sliding_window_pattern), unless layer_types names each layer's kind
+_WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA_ARCHITECTURES)
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers reads config.json."""
+    window = cfg.get("sliding_window") if arch in _WINDOWED else None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    types = cfg.get("layer_types") if arch not in ("MistralForCausalLM", "Phi3ForCausalLM") else None
+    if types is None:
+        if arch == "Gemma2ForCausalLM":
+            types = [_LAYER_TYPES[i % 2] for i in range(num_layers)]
+        elif arch == "Gemma3ForCausalLM":
+            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            types = [_LAYER_TYPES[(i + 1) % pattern == 0] for i in range(num_layers)]
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            first = cfg.get("max_window_layers", 28)
+            types = [_LAYER_TYPES[i < first] for i in range(num_layers)]
+        else:
+            types = [_LAYER_TYPES[0]] * num_layers
+    if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types must name {num_layers} layers, each one of {', '.join(_LAYER_TYPES)}; "
+                         f"got {types!r}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _rope(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], float, float | None]:
+    """The RoPE parameters of the full-attention layers (rope_scaling's keys, less rope_theta), their base, and
+    the base of the sliding layers where it differs (Gemma 3; None elsewhere)."""
+    # transformers 5 folds rope_theta and rope_scaling into rope_parameters, per layer type for Gemma 3
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    local_theta = None
+    if arch == "Gemma3ForCausalLM":
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        if "full_attention" in rope or "sliding_attention" in rope:
+            local = dict(rope.get("sliding_attention") or local)
+            rope = dict(rope.get("full_attention") or {})
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ValueError(f"unsupported RoPE of Gemma 3's sliding layers {local!r}: only their rope_theta")
+        local_theta = float(local.get("rope_theta", 10000.0))
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 1000000.0 if arch == "Gemma3ForCausalLM" else 10000.0)
+    if arch == "Phi3ForCausalLM" and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+        rope["rope_type"] = "longrope"         # transformers' names of Phi-3's rope before longrope
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        original = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if original is None:
+            raise ValueError("longrope needs original_max_position_embeddings")
+        # transformers' default factor: the context the model was extended to over the original one
+        factor = rope.get("factor") or cfg.get("max_position_embeddings", original) / original
+        rope.update(original_max_position_embeddings=original, factor=factor)
+    return rope, theta, local_theta
 
 
 @dataclass
@@ -254,6 +355,7 @@ class ServerConfig:
     max_completion_prompts: int = 128       # prompts of one /v1/completions request (VLLM_MAX_COMPLETION_PROMPTS)
     chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
     enable_docs: bool = False               # /docs, /redoc and /openapi.json
+    kv_dashboard: bool = True               # /dashboard, /v1/kv/state and /v1/kv/blocks/{id}
     engine_start_attempts: int = 3          # tries to start a new engine process after one dies
 
     def __post_init__(self):

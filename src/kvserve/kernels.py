@@ -43,9 +43,9 @@ _CACHE = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)
 # name -> (argument types, result type) of each kernel; pointers (structs by ctypes.byref too) as void *
 SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     # csrc/paged_decode.c: q, q kind, q stride, out, sequences, heads, block tables, their width, context lens,
-    # scale, the cache (and for prefill, query starts)
-    "paged_decode": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE), Status),
-    "paged_prefill": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _P), Status),
+    # scale, the cache, sliding window (0: none), soft cap (0: none) (and for prefill, query starts)
+    "paged_decode": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F), Status),
+    "paged_prefill": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F, _P), Status),
     # csrc/decode_step.c: model, n, (steps,) input ids, positions, (slots,) block tables, their width, context
     # lens, cos, sin, logits, (tokens,) threads
     "decode_step": ((_P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P, _I), Status),

@@ -66,7 +66,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
         if self.eviction is not None:
-            parse_eviction(self.eviction)
+            try:
+                parse_eviction(self.eviction)
+            except ValueError as e:         # its message names the policy's option, not this field
+                raise ValueError(f"eviction: {e}") from None
 
     @property
     def greedy(self) -> bool:

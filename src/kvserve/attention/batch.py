@@ -15,6 +15,8 @@ class AttentionBatch:
 
     A prefill computes `query_lens[i]` new tokens on top of `context_lens[i] - query_lens[i]`
     tokens already in the cache (a chunk of a long prompt, or nothing for a fresh prompt).
+    Every layer reads the same batch; what differs by layer (its sliding window, its soft cap) comes
+    with the layer's call to AttentionBackend.forward.
     """
 
     num_decodes: int
@@ -57,7 +59,17 @@ class AttentionBackend:
         KVStorage.write(kv_cache, kv, slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                batch: AttentionBatch, scale: float) -> torch.Tensor:
-        """q [T, H, D] and the step's k, v [T, KVH, D] -> [T, H, D], over the pages when kv_cache is given."""
+                batch: AttentionBatch, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """q [T, H, D] and the step's k, v [T, KVH, D] -> [T, H, D], over the pages when kv_cache is given.
+
+        A layer's own attention: with a sliding_window W, the query at position p attends to the positions
+        (p - W, p] only (the last W of its context); with logits_soft_cap c, its scores s (scaled) become
+        c * tanh(s / c) before the softmax (Gemma 2)."""
         raise NotImplementedError
 
+
+
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap): scores bounded to (-cap, cap), nearly unchanged where small (Gemma 2's)."""
+    return torch.tanh(scores / cap).mul_(cap)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.attention.batch import AttentionBackend, AttentionBatch, soft_cap
 from kvserve.kv.storage import read_pages
 
 Q_TILE = 512
@@ -25,41 +25,50 @@ class FlashBackend(AttentionBackend):
     def __init__(self, q_tile: int = Q_TILE, k_tile: int = K_TILE, decode_k_tile: int = DECODE_K_TILE):
         self.q_tile, self.k_tile, self.decode_k_tile = q_tile, k_tile, decode_k_tile
 
-    def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         nd = batch.num_decodes
         parts = []
         if nd:
             parts.append(self.decode(q[:nd], kv_cache, batch.block_tables[:nd], batch.context_lens[:nd],
-                                     batch.context_lens_list[:nd], scale))
+                                     batch.context_lens_list[:nd], scale, sliding_window, logits_soft_cap))
         if batch.num_prefills:
             q_lens, ctx = batch.query_lens[nd:], batch.context_lens_list[nd:]
             if kv_cache is None:
                 source = _padded_source(k[nd:], v[nd:], q_lens)
             else:
                 source = _paged_source(kv_cache, batch.block_tables[nd:])
-            parts.append(self.prefill(q[nd:], q_lens, ctx, source, scale))
+            parts.append(self.prefill(q[nd:], q_lens, ctx, source, scale, sliding_window, logits_soft_cap))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def decode(self, q, kv_cache, block_tables, context_lens, ctx_list: list[int], scale: float) -> torch.Tensor:
-        """One query per sequence over its pages: [B, H, D]."""
+    def decode(self, q, kv_cache, block_tables, context_lens, ctx_list: list[int], scale: float,
+               window: int | None = None, cap: float | None = None) -> torch.Tensor:
+        """One query per sequence over its pages (the last `window` of them, where given): [B, H, D]."""
         b, h, d = q.shape
         kvh = kv_cache.shape[1]
         qg = q.view(b, kvh, h // kvh, d).float() * scale                       # [B, KVH, G, D]
         state = _OnlineSoftmax(qg.shape[:-1], d, q.device)
         read = _paged_source(kv_cache, block_tables)
         shortest, longest = min(ctx_list), max(ctx_list)
-        for start in range(0, longest, self.decode_k_tile):
+        first = 0 if window is None else max(0, shortest - window)            # no window starts earlier
+        for start in range(first, longest, self.decode_k_tile):
             end = min(start + self.decode_k_tile, longest)
             keys, values = read(start, end)                                     # [B, KVH, Tk, D]
             scores = qg @ keys.transpose(-1, -2)                                # [B, KVH, G, Tk]
+            if cap is not None:
+                scores = soft_cap(scores, cap)
+            pos = torch.arange(start, start + keys.shape[2], device=q.device)
             if end > shortest:                  # past some sequence's end: hide those keys
-                pos = torch.arange(start, start + keys.shape[2], device=q.device)
                 scores.masked_fill_((pos >= context_lens[:, None])[:, None, None, :], float("-inf"))
+            if window is not None and start < longest - window:     # before some sequence's window
+                scores.masked_fill_((pos < context_lens[:, None] - window)[:, None, None, :], float("-inf"))
             state.update(scores, values)
         return state.result().view(b, h, d).to(q.dtype)
 
-    def prefill(self, q, q_lens: list[int], ctx_lens: list[int], read, scale: float) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over its whole context: flat [T, H, D]."""
+    def prefill(self, q, q_lens: list[int], ctx_lens: list[int], read, scale: float, window: int | None = None,
+                cap: float | None = None) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its context (its last `window` positions, where
+        given): flat [T, H, D]."""
         b, h, d = len(q_lens), q.shape[1], q.shape[2]
         kvh = read.num_kv_heads
         g = h // kvh
@@ -75,23 +84,33 @@ class FlashBackend(AttentionBackend):
             q_pos = offsets_t[:, None] + torch.arange(qs, qe, device=q.device)  # [B, Tq]
             last_key = max(min(c, o + qe) for c, o in zip(ctx_lens, offsets))  # causal: no key past this
             first_row = min(offsets) + qs                                       # no valid row sits earlier
-            out[:, :, :, qs:qe] = self._query_tile(qp[:, :, :, qs:qe], q_pos, ctx, first_row, last_key, read)
+            out[:, :, :, qs:qe] = self._query_tile(qp[:, :, :, qs:qe], q_pos, ctx, first_row, last_key, read,
+                                                   window, cap)
         flat = out.permute(0, 3, 1, 2, 4).reshape(b, -1, h, d)
         return torch.cat([flat[i, :n] for i, n in enumerate(q_lens)]).to(q.dtype)
 
-    def _query_tile(self, qt, q_pos, ctx, first_row: int, last_key: int, read) -> torch.Tensor:
+    def _query_tile(self, qt, q_pos, ctx, first_row: int, last_key: int, read, window: int | None,
+                    cap: float | None) -> torch.Tensor:
         b, kvh, g, tq, d = qt.shape
         qt = qt.reshape(b, kvh, g * tq, d)
         state = _OnlineSoftmax(qt.shape[:-1], d, qt.device)
         rows = q_pos.repeat(1, g)                                              # [B, G*Tq] row positions
-        for start in range(0, last_key, self.k_tile):
+        # a window: no row sees a key before the earliest row's window, and keys before the latest
+        # row's window (some row's) are masked
+        first_key = 0 if window is None else max(0, first_row - window + 1)
+        last_row = int(q_pos.max())
+        for start in range(first_key, last_key, self.k_tile):
             keys, values = read(start, min(start + self.k_tile, last_key))
             scores = qt @ keys.transpose(-1, -2)                                # [B, KVH, G*Tq, Tk]
+            if cap is not None:
+                scores = soft_cap(scores, cap)
             end = start + keys.shape[2]
+            pos = torch.arange(start, end, device=qt.device)
             if end - 1 > first_row:             # a diagonal or ragged tile: hide future and padded keys
-                pos = torch.arange(start, end, device=qt.device)
                 hidden = (pos[None, None, :] > rows[:, :, None]) | (pos >= ctx[:, None])[:, None, :]
                 scores.masked_fill_(hidden[:, None], float("-inf"))
+            if window is not None and start <= last_row - window:
+                scores.masked_fill_((pos[None, None, :] <= rows[:, :, None] - window)[:, None], float("-inf"))
             state.update(scores, values)
         return state.result().view(b, kvh, g, tq, d)
 

@@ -1,6 +1,7 @@
 """The `native` backend: attention by C kernels (`csrc/paged_decode.c`) that read the pages in place,
 dequantizing as they read: one query per sequence for decode steps, and causal tiles of a prompt's
-tokens for steps with prompts (the step's K/V are in the pages by then). What they do not run goes to
+tokens for steps with prompts (the step's K/V are in the pages by then), within a layer's sliding window
+and with its soft-capped scores where it has them. What they do not run goes to
 the `sdpa` backend: a step with no cache, and, as a fallback (an error under KVSERVE_STRICT_KERNELS=1),
 a cache they do not read or kernels that no C compiler could build (see kvserve.kernels).
 """
@@ -52,7 +53,7 @@ def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
 
 
 def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
-            scale: float, *extra) -> torch.Tensor | None:
+            scale: float, window: int | None, cap: float | None, *extra) -> torch.Tensor | None:
     """out [T, H, D] of kernel fn (called `name`) over the pages; None (a fallback: see kvserve.kernels) if it is
     unavailable or does not read this cache. float32 or bfloat16 q is read where it is (a view of the step's
     qkv rows), if its heads are adjacent, and out is of its dtype; float16 goes through float32."""
@@ -70,24 +71,27 @@ def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     fn(q.data_ptr(), DTYPE_KINDS[q.dtype], q.stride(0), out.data_ptr(), len(lens), q.shape[1], tables.data_ptr(),
-       tables.shape[1], lens.data_ptr(), scale, *cache, *extra)
+       tables.shape[1], lens.data_ptr(), scale, *cache, window or 0, cap or 0.0, *extra)
     return out.to(dtype)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """Attention of one query per sequence, q [B, H, D], over its pages; None if the kernel is unavailable
-    or does not read this cache."""
-    return _attend("paged_decode", kernel(), q, kv_cache, block_tables, context_lens, scale)
+                 context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> torch.Tensor | None:
+    """Attention of one query per sequence, q [B, H, D], over its pages (AttentionBackend.forward's window and
+    soft cap); None if the kernel is unavailable or does not read this cache."""
+    return _attend("paged_decode", kernel(), q, kv_cache, block_tables, context_lens, scale, sliding_window,
+                   logits_soft_cap)
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, query_starts: torch.Tensor, scale: float) -> torch.Tensor | None:
+                  context_lens: torch.Tensor, query_starts: torch.Tensor, scale: float,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor | None:
     """Causal attention of every query token, q [T, H, D] (tokens [query_starts[s], query_starts[s + 1])
-    of sequence s, the last of its context_lens[s] cached ones), over its sequence's pages; None if the
-    kernel is unavailable or does not read this cache."""
+    of sequence s, the last of its context_lens[s] cached ones), over its sequence's pages (AttentionBackend.
+    forward's window and soft cap); None if the kernel is unavailable or does not read this cache."""
     return _attend("paged_prefill", prefill_kernel(), q, kv_cache, block_tables, context_lens, scale,
-                   query_starts.data_ptr())
+                   sliding_window, logits_soft_cap, query_starts.data_ptr())
 
 
 def query_starts(batch: AttentionBatch) -> torch.Tensor:
@@ -114,18 +118,21 @@ class NativeBackend(AttentionBackend):
         self.calls: Counter[str] = Counter()
         self.sdpa = SdpaBackend()
 
-    def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, batch: AttentionBatch, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """A step with prompts by paged_prefill (its decodes too, as one-token queries), one of decodes only by
         paged_decode; the rest by sdpa."""
+        limits = (sliding_window, logits_soft_cap)
         if kv_cache is None:
-            return self.sdpa.forward(q, k, v, kv_cache, batch, scale)
+            return self.sdpa.forward(q, k, v, kv_cache, batch, scale, *limits)
         if batch.num_prefills:
             name = "paged_prefill"
-            out = paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, query_starts(batch), scale)
+            out = paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, query_starts(batch), scale,
+                                *limits)
         else:
             name = "paged_decode"
-            out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, scale)
+            out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, scale, *limits)
         if out is None:          # the kernel did not run: _attend has called fallback(...), saying why
-            return self.sdpa.forward(q, k, v, kv_cache, batch, scale)
+            return self.sdpa.forward(q, k, v, kv_cache, batch, scale, *limits)
         self.calls[name] += 1
         return out

@@ -237,10 +237,10 @@ static inline void rms_norm(const float *x, const void *weight, int dtype, int d
 }
 
 /* out[g][:] = softmax(q[g] . K^T * scale) V for the `groups` query heads (fp32) that share KV head
- * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table`; 0, or -1 (out
- * untouched) where memory ran out. */
+ * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table` (the last `window` of
+ * them where window > 0); 0, or -1 (out untouched) where memory ran out. */
 int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
-                 float scale, float *out);
+                 float scale, int64_t window, float *out);
 
 /* csrc/sampling.c's argmax of each row of x [rows][n] (rows `stride` numbers apart). */
 void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int64_t *out, int threads);

@@ -1,6 +1,6 @@
 /* A whole decode step of a Llama-family decoder on the CPU in one call: embedding, every layer
- * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, O, RMSNorm, gate/up and SiLU, down)
- * and the logits, for sequences of one new token each.
+ * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, over the layer's sliding window where
+ * it has one, O, RMSNorm, gate/up and SiLU, down) and the logits, for sequences of one new token each.
  *
  * Decoding a few tokens reads every weight once per step: the step is bound by memory reads, and
  * run op by op from Python it loses as much time again in dispatch and in small-matrix overheads.
@@ -35,6 +35,7 @@ typedef struct {
     Proj qkv, o, gate_up, down;
     const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
     void *kv;                                                 /* pages [2][KVH][NB][BS][D] */
+    int64_t window;                                           /* its sliding window, or 0: full attention */
 } Layer;
 
 typedef struct {
@@ -58,6 +59,7 @@ static const struct {
     FIELD(Proj, amx_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
+    FIELD(Layer, window),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
     FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, intermediate), FIELD(Model, vocab),
     FIELD(Model, dtype), FIELD(Model, num_blocks), FIELD(Model, block_size), FIELD(Model, eps), FIELD(Model, scale),
@@ -250,7 +252,7 @@ static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t
     position_and_store(m, l, own, kh, position, slot, cos_table, sin_table);
     const size_t at = (size_t)t * nh * d + q;
     float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
-    if (attend_head(cache, kh, table, ctx, own + q, groups, m->scale, o)) return -1;
+    if (attend_head(cache, kh, table, ctx, own + q, groups, m->scale, l->window, o)) return -1;
     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], m->dtype);
     if (o == local) store_row((uint16_t *)out + at, o, gdt, groups * d);
     return 0;

@@ -3,7 +3,9 @@
  * contiguous copy, never dequantized whole). One task per (sequence, KV head): its G query heads
  * share every K/V row it reads. Online softmax (FlashAttention's recurrence) over steps of a few
  * blocks. Prefill runs the same tasks over tiles of a prompt's tokens (paged_prefill), with the rows of
- * tiles of 16 or more in the lanes of vectors (attend_tile).
+ * tiles of 16 or more in the lanes of vectors (attend_tile). A layer with a sliding window W attends to the
+ * last W positions only (keys (p - W, p] of the query at p): the tasks start at the block of the window's
+ * first key, and mask the keys before it; soft-capped scores (Gemma 2) become cap * tanh(s / cap).
  *
  * Pages are [2][KVH][NB][BS][row] with K at 0 and V at 1. `kind` says what a row holds:
  *   F32, BF16, F16: full-precision numbers;
@@ -256,20 +258,20 @@ static void scores_bf16(const uint16_t *qb, int rows, const uint16_t *k, int n, 
 #define DOT_BF16 0
 #endif
 
-/* One block of the online softmax for each of `rows` query rows: the first valid[r] of the block's
- * scores of row r (at e + r * stride; the causal mask hides the rest) become their exponentials less
- * its running maximum m[r], which rises to include them, and their sum joins l[r]; the rest of its
- * n become 0. correction[r] is the factor by which its sums over earlier blocks shrink (about 1e-38,
+/* One block of the online softmax for each of `rows` query rows: the scores from[r] to valid[r] of the
+ * block's scores of row r (at e + r * stride; the causal mask hides the rest, a sliding window those
+ * before) become their exponentials less its running maximum m[r], which rises to include them, and
+ * their sum joins l[r]; the rest of its n become 0. correction[r] is the factor by which its sums over earlier blocks shrink (about 1e-38,
  * as good as 0, on its first block, where m[r] is -inf). Each step runs for all rows before the next,
  * so that the rows' chains of dependent operations overlap. */
-static void softmax_block(float *e, int stride, int n, int rows, const int *valid, float *m, float *l,
-                          float *correction) {
+static void softmax_block(float *e, int stride, int n, int rows, const int *from, const int *valid, float *m,
+                          float *l, float *correction) {
     float new_max[rows], block_sum[rows];
 #ifdef __AVX512F__
     for (int r = 0; r < rows; r++) {
         __m512 top = _mm512_set1_ps(m[r]);
-        for (int t = 0; t < valid[r]; t += 16) {
-            const __mmask16 mask = lanes16(valid[r] - t);
+        for (int t = from[r] & ~15; t < valid[r]; t += 16) {
+            const __mmask16 mask = lanes16(valid[r] - t) & ~lanes16(from[r] - t);
             top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, e + r * stride + t));
         }
         new_max[r] = _mm512_reduce_max_ps(top);
@@ -278,7 +280,7 @@ static void softmax_block(float *e, int stride, int n, int rows, const int *vali
         const __m512 shift = _mm512_set1_ps(new_max[r]);
         __m512 sum = _mm512_setzero_ps();
         for (int t = 0; t < n; t += 16) {
-            const __mmask16 mask = lanes16(n - t), kept = lanes16(valid[r] - t);
+            const __mmask16 mask = lanes16(n - t), kept = lanes16(valid[r] - t) & ~lanes16(from[r] - t);
             float *at = e + r * stride + t;
             const __m512 p = _mm512_maskz_mov_ps(kept, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(kept, at),
                                                                                        shift)));
@@ -290,15 +292,16 @@ static void softmax_block(float *e, int stride, int n, int rows, const int *vali
 #else
     for (int r = 0; r < rows; r++) {
         float *s = e + r * stride, top = m[r], sum = 0.0f;
-        const int kept = valid[r];
+        const int lo = from[r], kept = valid[r];
         #pragma omp simd reduction(max:top)
-        for (int t = 0; t < kept; t++) top = s[t] > top ? s[t] : top;
+        for (int t = lo; t < kept; t++) top = s[t] > top ? s[t] : top;
         #pragma omp simd reduction(+:sum)
-        for (int t = 0; t < kept; t++) {
+        for (int t = lo; t < kept; t++) {
             s[t] = exp_nonpositive(s[t] - top);
             sum += s[t];
         }
-        for (int t = kept; t < n; t++) s[t] = 0.0f;
+        for (int t = 0; t < lo && t < n; t++) s[t] = 0.0f;
+        for (int t = kept > lo ? kept : lo; t < n; t++) s[t] = 0.0f;
         new_max[r] = top, block_sum[r] = sum;
     }
 #endif
@@ -382,9 +385,59 @@ static void add_weighted_rows(float *acc, const float *p, int p_stride, Rows row
 /* v clamped to [0, n]: keys of n that a query row sees, or rows of a block that a step reads. */
 static inline int upto(int64_t v, int n) { return v <= 0 ? 0 : v < n ? (int)v : n; }
 
+/* cap * tanh(s / cap). tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|), where |x| >= 1/8 (1 - e loses
+ * at most two bits there); below, its series to x^7 (the next term, 62/2835 x^9, is under 2e-10). */
+static inline float soft_cap1(float s, float cap) {
+    const float x = s / cap, a = fabsf(x);
+    if (a < 0.125f) {
+        const float x2 = x * x;
+        return cap * x * (1.0f + x2 * (-1.0f / 3 + x2 * (2.0f / 15 + x2 * (-17.0f / 315))));
+    }
+    const float e = exp_nonpositive(-2.0f * a);
+    return copysignf(cap * (1.0f - e) / (1.0f + e), x);
+}
+
+#ifdef __AVX512F__
+/* soft_cap1 of sixteen scores. */
+static inline __m512 soft_cap16(__m512 s, float cap) {
+    const __m512 c = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.0f), x = _mm512_div_ps(s, c);
+    const __m512 a = _mm512_abs_ps(x), x2 = _mm512_mul_ps(x, x);
+    __m512 series = _mm512_fmadd_ps(x2, _mm512_set1_ps(-17.0f / 315), _mm512_set1_ps(2.0f / 15));
+    series = _mm512_fmadd_ps(x2, series, _mm512_set1_ps(-1.0f / 3));
+    series = _mm512_mul_ps(a, _mm512_fmadd_ps(x2, series, one));
+    const __m512 e = exp16_nonpositive(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.125f), _CMP_LT_OQ), big, series);
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_mul_ps(c, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)));
+}
+#endif
+
+/* The soft cap on the scores each row sees (row r: from[r] to valid[r], at e + r * stride). */
+static void cap_scores(float *e, int stride, int rows, const int *from, const int *valid, float cap) {
+    for (int r = 0; r < rows; r++) {
+        float *s = e + (size_t)r * stride;
+#ifdef __AVX512F__
+        for (int t = from[r]; t < valid[r]; t += 16) {
+            const __mmask16 m = lanes16(valid[r] - t);
+            _mm512_mask_storeu_ps(s + t, m, soft_cap16(_mm512_maskz_loadu_ps(m, s + t), cap));
+        }
+#else
+        for (int t = from[r]; t < valid[r]; t++) s[t] = soft_cap1(s[t], cap);
+#endif
+    }
+}
+
 /* Keys an online-softmax step takes (whole blocks; one where a block is longer): its per-step work
  * (maxima, rescaling the sums) over more keys: 64 keys (four blocks of 16) against one block. */
 #define SEGMENT 64
+
+/* The first block that a task's rows see: of the first row's window (its tokens - 1 keys before the last
+ * row's, which sees ctx), or 0. */
+static inline int64_t first_block(int64_t ctx, int tokens, int64_t window, int bs) {
+    const int64_t first_key = ctx - tokens + 1 - window;
+    return window && first_key > 0 ? first_key / bs : 0;
+}
 
 /* The query rows of a task (row r: token r / groups, head r % groups of q, `kind` F32 or BF16): as
  * float32 times the scale, for scores_of; and (DOT_BF16) as bfloat16, unscaled, for scores_bf16. */
@@ -509,15 +562,22 @@ static void scores_t_rv(int rv, const void *qt, const void *keys, int n, int d, 
 #undef RV_CASE
 }
 
-/* The online softmax over a step's n keys, rows in lanes: row r sees keys t < sees[r] (lanes of the RV
- * vectors); st becomes the exponentials (0 where unseen), m, l the running maxima and sums, corr the
+/* Which of the sixteen rows of `sees` and `from` see key t: from <= t < sees. */
+static inline __mmask16 sees_key(__m512i from, __m512i sees, int t) {
+    const __m512i at = _mm512_set1_epi32(t);
+    return _mm512_cmpgt_epi32_mask(sees, at) & _mm512_cmple_epi32_mask(from, at);
+}
+
+/* The online softmax over a step's n keys, rows in lanes: row r sees keys from[r] <= t < sees[r] (lanes of
+ * the RV vectors); st becomes the exponentials (0 where unseen), m, l the running maxima and sums, corr the
  * factors by which the sums so far shrink. */
-static void softmax_t(float *st, int n, int rv, const __m512i sees[4], __m512 m[4], __m512 l[4], __m512 corr[4]) {
+static void softmax_t(float *st, int n, int rv, const __m512i from[4], const __m512i sees[4], __m512 m[4],
+                      __m512 l[4], __m512 corr[4]) {
     const int lanes = 16 * rv;
     for (int v = 0; v < rv; v++) {
         __m512 top = m[v];
         for (int t = 0; t < n; t++) {
-            const __mmask16 seen = _mm512_cmpgt_epi32_mask(sees[v], _mm512_set1_epi32(t));
+            const __mmask16 seen = sees_key(from[v], sees[v], t);
             top = _mm512_mask_max_ps(top, seen, top, _mm512_loadu_ps(st + (size_t)t * lanes + 16 * v));
         }
         /* a row that has seen no key yet (-inf): shifted by 0, not by -inf (-inf - -inf is NaN) */
@@ -525,7 +585,7 @@ static void softmax_t(float *st, int n, int rv, const __m512i sees[4], __m512 m[
                                                   top, _mm512_setzero_ps());
         __m512 sum = _mm512_setzero_ps();
         for (int t = 0; t < n; t++) {
-            const __mmask16 seen = _mm512_cmpgt_epi32_mask(sees[v], _mm512_set1_epi32(t));
+            const __mmask16 seen = sees_key(from[v], sees[v], t);
             float *at = st + (size_t)t * lanes + 16 * v;
             const __m512 p = _mm512_maskz_mov_ps(seen, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(at), shift)));
             _mm512_storeu_ps(at, p);
@@ -652,7 +712,7 @@ static inline __attribute__((always_inline)) void add_weighted_pairs_of(float *a
  * bfloat16 (qs->bf16): rows in lanes (scores_t, softmax_t), the products with V by add_weighted_rows_of
  * (float32) or add_weighted_pairs_of (bfloat16). 0, or -1 (out untouched) where memory ran out. */
 static int attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx, const Queries *qs, int tokens,
-                        int groups, float scale, void *out, int kind, int64_t out_stride) {
+                        int groups, float scale, int64_t window, float cap, void *out, int kind, int64_t out_stride) {
     const int d = c->d, bs = c->bs, rows = tokens * groups, rv = (rows + 15) / 16, lanes = 16 * rv;
     const int pairs = c->kind == BF16, depth = pairs ? d / 2 : d;      /* bfloat16: qs->bf16, scored by pairs */
     const int per_step = bs >= SEGMENT ? 1 : SEGMENT / bs, span = ctx < bs ? (int)ctx : bs, step = per_step * span;
@@ -666,17 +726,18 @@ static int attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx,
     }
     pack_rows(pairs ? (const uint32_t *)qs->bf16 : (const uint32_t *)qs->scaled, rows, depth, rv, (uint32_t *)qt);
     __m512 m[4], l[4], corr[4];
-    __m512i sees[4];
+    __m512i sees[4], from[4];
     for (int v = 0; v < rv; v++) {
-        int32_t keys[16];
+        int32_t keys[16], firsts[16];
         for (int j = 0; j < 16; j++) {
             const int r = 16 * v + j;      /* keys row r sees (padding rows: none) */
             keys[j] = r < rows ? (int32_t)(ctx - tokens + 1 + r / groups) : INT32_MIN / 2;
+            firsts[j] = window && keys[j] > window ? keys[j] - (int32_t)window : 0;
         }
-        sees[v] = _mm512_loadu_si512(keys);
+        sees[v] = _mm512_loadu_si512(keys), from[v] = _mm512_loadu_si512(firsts);
         m[v] = _mm512_set1_ps(-INFINITY), l[v] = _mm512_setzero_ps();
     }
-    for (int64_t first = 0; first * bs < ctx; first += per_step) {
+    for (int64_t first = first_block(ctx, tokens, window, bs); first * bs < ctx; first += per_step) {
         const int n = upto(ctx - first * bs, per_step * bs);
         for (int b = 0; b * bs < n; b++) {
             const int64_t block = table[first + b];
@@ -684,9 +745,15 @@ static int attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx,
             const char *k = (const char *)c->pages + ((int64_t)h * c->nb + block) * bs * d * elem_size(c->kind);
             scores_t_rv(rv, qt, k, nb, d, scale, st + (size_t)b * bs * lanes, pairs);
         }
-        __m512i now[4];
-        for (int v = 0; v < rv; v++) now[v] = _mm512_sub_epi32(sees[v], _mm512_set1_epi32((int)(first * bs)));
-        softmax_t(st, n, rv, now, m, l, corr);
+        if (cap > 0.0f)
+            for (int64_t i = 0; i < (int64_t)n * lanes; i += 16)
+                _mm512_storeu_ps(st + i, soft_cap16(_mm512_loadu_ps(st + i), cap));
+        __m512i now[4], now_from[4];
+        for (int v = 0; v < rv; v++) {
+            now[v] = _mm512_sub_epi32(sees[v], _mm512_set1_epi32((int)(first * bs)));
+            now_from[v] = _mm512_sub_epi32(from[v], _mm512_set1_epi32((int)(first * bs)));
+        }
+        softmax_t(st, n, rv, now_from, now, m, l, corr);
         float shrink[TILE_LANES];      /* applied as the products with V load the sums */
         for (int v = 0; v < rv; v++) _mm512_storeu_ps(shrink + 16 * v, corr[v]);
 #if defined(__AVX512BF16__)
@@ -749,17 +816,20 @@ static int attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx,
 
 /* Attention of `tokens` consecutive query tokens of a sequence (q rows q_stride numbers apart, of
  * `kind` F32 or BF16) over KV head h: token r sees the first ctx - tokens + 1 + r cached tokens (causal;
- * its own are cached already), and each of its `groups` query heads (adjacent in its row) is one row of
- * the work, so that all rows share every K/V block read. out: rows out_stride numbers apart, of `kind`.
- * 0, or -1 (out untouched) where memory ran out. */
+ * its own are cached already), the last `window` of them where window > 0, its scores soft-capped where
+ * cap > 0; each of its `groups` query heads (adjacent in its row) is one row of the work, so that all rows
+ * share every K/V block read. out: rows out_stride numbers apart, of `kind`. 0, or -1 (out untouched) where
+ * memory ran out. */
 static int attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx, const void *q, int kind,
-                       int64_t q_stride, int tokens, int groups, float scale, void *out, int64_t out_stride) {
+                       int64_t q_stride, int tokens, int groups, float scale, int64_t window, float cap, void *out,
+                       int64_t out_stride) {
     const int d = c->d, bs = c->bs, rows = tokens * groups;
     Queries qs;
     if (queries(c, q, kind, q_stride, rows, groups, scale, &qs)) return -1;
 #if AVX512_BW_VL
     if (rows >= 16 && rows <= TILE_LANES && d % 2 == 0 && (c->kind == F32 || (c->kind == BF16 && qs.bf16))) {
-        const int status = attend_tile(c, h, table, ctx, &qs, tokens, groups, scale, out, kind, out_stride);
+        const int status = attend_tile(c, h, table, ctx, &qs, tokens, groups, scale, window, cap, out, kind,
+                                       out_stride);
         free(qs.scaled), free(qs.bf16);
         return status;
     }
@@ -774,12 +844,13 @@ static int attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx,
         return -1;
     }
     float m[rows], l[rows], correction[rows];
-    int valid[rows];
+    int valid[rows], from[rows];
     int64_t seen[rows];
     for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
-    if (ctx > 0) prefetch_block(c, h, table[0], 1);
-    if (ctx > bs) prefetch_block(c, h, table[1], 0);
-    for (int64_t first = 0; first * bs < ctx; first += per_step) {
+    const int64_t start = first_block(ctx, tokens, window, bs);
+    if (ctx > start * bs) prefetch_block(c, h, table[start], 1);
+    if (ctx > (start + 1) * bs) prefetch_block(c, h, table[start + 1], 0);
+    for (int64_t first = start; first * bs < ctx; first += per_step) {
         const int n = upto(ctx - first * bs, per_step * bs);
         for (int b = 0; b * bs < n; b++) {
             const int64_t at = (first + b) * bs;
@@ -790,8 +861,12 @@ static int attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx,
             score_block(&qs, load_block(c, 0, h, table[first + b], nb, tile), nb, d, rows, seen, scale,
                         scores + b * bs, step);
         }
-        for (int r = 0; r < rows; r++) valid[r] = upto(ctx - tokens + 1 + r / groups - first * bs, n);
-        softmax_block(scores, step, n, rows, valid, m, l, correction);
+        for (int r = 0; r < rows; r++) {
+            const int64_t sees = ctx - tokens + 1 + r / groups - first * bs;
+            valid[r] = upto(sees, n), from[r] = window ? upto(sees - window, n) : 0;
+        }
+        if (cap > 0.0f) cap_scores(scores, step, rows, from, valid, cap);
+        softmax_block(scores, step, n, rows, from, valid, m, l, correction);
         for (int b = 0; b * bs < n; b++) {      /* the first block's pass shrinks the sums so far */
             const int nb = upto(n - b * bs, bs);
             add_weighted_rows(acc, scores + b * bs, step, load_block(c, 1, h, table[first + b], nb, tile), nb, d, rows,
@@ -818,18 +893,20 @@ static int attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx,
 }
 
 int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
-                float scale, float *out) {
-    return attend_rows(c, h, table, ctx, q, F32, 0, 1, groups, scale, out, 0);
+                float scale, int64_t window, float *out) {
+    return attend_rows(c, h, table, ctx, q, F32, 0, 1, groups, scale, window, 0.0f, out, 0);
 }
 
 /* out[b][h * G + g][:] = softmax(q . K^T * scale) V for each decoding sequence b: q and out of
  * `q_kind` F32 or BF16, each sequence's q heads adjacent, sequences q_stride numbers apart in q and
- * contiguous in out. 0, or -1 where memory ran out (out is then not all written). */
+ * contiguous in out; over the last `window` keys where window > 0, soft-capped where cap > 0. 0, or -1
+ * where memory ran out (out is then not all written). */
 int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num_seqs, int num_heads,
                   const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                   const void *pages, int kind, int kvh, int nb, int bs, int d,
                   const void *k_meta, const void *v_meta,
-                  const void *residual, int residual_kind, int pieces, const int64_t *residual_of) {
+                  const void *residual, int residual_kind, int pieces, const int64_t *residual_of,
+                  int64_t window, float cap) {
     const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, pieces};
     const int groups = num_heads / kvh;
     const size_t es = elem_size(q_kind);
@@ -843,7 +920,7 @@ int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num
             if (stop) continue;         /* the call fails: no task left need run */
             const int64_t head = (int64_t)h * groups * d;
             if (attend_rows(&c, h, block_tables + (int64_t)b * table_width, context_lens[b],
-                            (const char *)q + (b * q_stride + head) * es, q_kind, 0, 1, groups, scale,
+                            (const char *)q + (b * q_stride + head) * es, q_kind, 0, 1, groups, scale, window, cap,
                             (char *)out + ((int64_t)b * num_heads * d + head) * es, 0)) {
                 #pragma omp atomic write
                 failed = 1;
@@ -864,7 +941,7 @@ int paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int nu
                    const void *pages, int kind, int kvh, int nb, int bs, int d,
                    const void *k_meta, const void *v_meta,
                    const void *residual, int residual_kind, int pieces, const int64_t *residual_of,
-                   const int64_t *query_starts) {
+                   int64_t window, float cap, const int64_t *query_starts) {
     const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, pieces};
     const int groups = num_heads / kvh, per_tile = groups >= 64 ? 1 : 64 / groups;
     const size_t es = elem_size(q_kind);
@@ -896,7 +973,7 @@ int paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int nu
         const int64_t head = (int64_t)h * groups * d;
         if (attend_rows(&c, h, block_tables + (int64_t)s * table_width, ctx,
                         (const char *)q + (t0 * q_stride + head) * es, q_kind, q_stride, (int)tokens, groups, scale,
-                        (char *)out + (t0 * row + head) * es, row)) {
+                        window, cap, (char *)out + (t0 * row + head) * es, row)) {
             #pragma omp atomic write
             failed = 1;
         }

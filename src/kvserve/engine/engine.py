@@ -50,7 +50,7 @@ class LLMEngine:
         self.detokenize = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
-        native = native_decode_wanted(config, self.device, self.dtype, self.backend)
+        native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg)
         self.gemm = choose_gemm(mcfg, self.dtype, self.device, native, config.quantization)   # measured, or cached
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
                                 self.gemm.weight_format, config.quantization)
@@ -78,9 +78,7 @@ class LLMEngine:
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
-        limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window:   # past the window the model attends locally; we attend fully
-            limit = min(limit, mcfg.sliding_window)
+        limit = mcfg.max_position_embeddings     # sliding-window layers included: they attend within their window
         if config.max_model_len is None:
             return limit
         if config.max_model_len > limit and not config.allow_long_max_model_len:
@@ -169,6 +167,13 @@ class LLMEngine:
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
         if policy is not None and self.kv.recomputes:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
+        # a sliding layer attends to the last W cached tokens, which must be the last W positions (a window
+        # of max_model_len or more never binds: no cache holds more, sink's included)
+        windows = [w for w in self.model_config.sliding_windows if w is not None and w < self.max_model_len]
+        if policy is not None and windows and not (isinstance(policy, Sink) and policy.window >= max(windows)):
+            raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {max(windows)}): only "
+                             f"sink with a window of at least {max(windows)} tokens keeps each such layer's window "
+                             f"whole")
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
         seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),

@@ -25,11 +25,11 @@ import torch
 
 from kvserve.attention import AttentionBatch
 from kvserve.attention.native import NativeBackend
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.engine.cuda_graphs import DecodeGraphs
-from kvserve.engine.native_decode import DTYPES, NativeDecode
+from kvserve.engine.native_decode import DTYPES, NativeDecode, lacks
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
-from kvserve.kernels import function
+from kvserve.kernels import fallback, function
 from kvserve.kv import KVSpec, KVStorage, NoKVStorage
 from kvserve.model.decoder import CausalLM
 
@@ -207,11 +207,14 @@ class Eager:
         return _logits(self.model, hidden, inputs)
 
 
-def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
-    """The native executors: on the CPU unless enforce_eager, a float32 or bfloat16 model whose attention the
-    native backend runs over a full-precision cache, and the kernels built. (Asked before the model loads,
-    whose weights are then held as the C step reads them where the GEMM choice allows: model/gemm_choice.py.)"""
-    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
+def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend,
+                         model_config: ModelConfig) -> bool:
+    """The native executors: on the CPU unless enforce_eager, a float32 or bfloat16 model that the C step
+    computes exactly (the Llama family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping
+    and scaled embeddings, nor partial RoPE: native_decode.lacks), whose attention the native backend runs over a
+    full-precision cache, and the kernels built. (Asked before the model loads, whose weights are then held as the
+    C step reads them where the GEMM choice allows: model/gemm_choice.py.)"""
+    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES and not lacks(model_config)
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
             and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
 
@@ -228,7 +231,8 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
                     max_model_len: int) -> list[Executor]:
     """The engine's executors, in the order a step tries them; eager, last, takes what the others do not."""
     executors: list[Executor] = []
-    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend) and NativeDecode.reads(model):
+    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend, model.config) \
+            and NativeDecode.reads(model):
         native = NativeDecode(model, storage)
         if config.num_scheduler_steps > 1:
             executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,
@@ -240,6 +244,7 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
             graphs.capture_all()
             executors.append(CudaGraphs(graphs, model))
         except Exception as e:  # noqa: BLE001  (a driver or kernel that cannot be captured: serve eagerly)
+            fallback("CUDA graph capture", f"{type(e).__name__}: {e}")
             log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
     executors.append(Eager(model, backend, storage))
     return executors

@@ -17,6 +17,7 @@ import torch
 
 from kvserve.attention import AttentionBatch
 from kvserve.attention.native import DTYPE_KINDS
+from kvserve.config import ModelConfig
 from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
@@ -37,7 +38,8 @@ class _Proj(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
-                *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv"))]
+                *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv")),
+                ("window", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -47,6 +49,18 @@ class _Model(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
                 ("layers", ctypes.POINTER(_Layer))]
+
+
+def lacks(cfg: ModelConfig) -> list[str]:
+    """What of the model the C step does not compute (none: it runs the model exactly). It computes the Llama
+    family's layer (Llama, Mistral, Qwen2/3, Phi-3): RMSNorm, QKV with biases, Qwen3's q/k norms, RoPE of any
+    table over whole heads, attention over every layer's own sliding window, SwiGLU; Gemma's pieces it does not."""
+    missing = {"GeGLU": cfg.hidden_act != "silu", "Gemma's norms": cfg.gemma_norms,
+               "scaled embeddings": cfg.embed_scale != 1.0, "attention soft-capping": cfg.attn_logit_softcapping,
+               "logit soft-capping": cfg.final_logit_softcapping, "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+               "a RoPE base of the sliding layers": cfg.rope_local_base_freq,
+               "partial RoPE": cfg.rotary_dim != cfg.head_dim}
+    return [name for name, found in missing.items() if found]
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -106,6 +120,8 @@ class NativeDecode:
         if not self.packed and any(m.weight_format != "plain" for m in linears):
             raise ValueError("the C decode step reads every linear layer packed for csrc/gemm.c, or every one plain: "
                              f"got {sorted({m.weight_format for m in linears})}")
+        if lacks(cfg):
+            raise ValueError(f"the C decode step does not compute {', '.join(lacks(cfg))} ({cfg.architecture})")
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
         layers = []
         for index, layer in enumerate(model.model.layers):
@@ -114,7 +130,7 @@ class NativeDecode:
                      attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                      storage.layer(index)]
             layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                                 *map(_address, norms)))
+                                 *map(_address, norms), attn.sliding_window or 0))
         self._layers = (_Layer * len(layers))(*layers)
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],

@@ -89,6 +89,10 @@ class BlockPool:
         block_id = self._cached.get(key.hash)
         return block_id if block_id is not None and self.keys[block_id] == key else None
 
+    def indexed_blocks(self) -> list[int]:
+        """The blocks the prefix index holds, free (cached) or owned, in no particular order."""
+        return list(self._cached.values())
+
     def cache(self, block_id: int, key: BlockKey) -> None:
         """Index a block that has just become full; a block already holding this prefix wins."""
         if self.keys[block_id] is None and key.hash not in self._cached:

@@ -1,4 +1,6 @@
-"""One decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), over a flat token batch."""
+"""One decoder for the Llama family and its relatives (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3), over a
+flat token batch: the differences are switches of ModelConfig (biases, q/k norms, per-layer sliding windows,
+soft-capping, GeGLU, Gemma's norms, scaled embeddings, a RoPE base of the sliding layers, partial RoPE)."""
 from __future__ import annotations
 
 import torch
@@ -9,20 +11,30 @@ from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
 from kvserve.kv.nocache import NoKVStorage
 from kvserve.kv.storage import KVStorage
-from kvserve.model.layers import Embedding, GateUpLinear, Linear, RMSNorm, RotaryEmbedding, apply_rope_
+from kvserve.model.layers import (Embedding, GateUpLinear, GeluGateUpLinear, GemmaRMSNorm, Linear, RMSNorm,
+                                  RotaryEmbedding, apply_rope_)
+
+
+def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    return (GemmaRMSNorm if cfg.gemma_norms else RMSNorm)(dim, cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.sliding_window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
+        self.logits_soft_cap = cfg.attn_logit_softcapping
+        self.rotary_dim = cfg.rotary_dim
+        # the sliding layers' own RoPE base (Gemma 3): CausalLM.forward hands them its second table
+        self.local_rope = self.sliding_window is not None and cfg.rope_local_base_freq is not None
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = _norm(cfg, cfg.head_dim)
+            self.k_norm = _norm(cfg, cfg.head_dim)
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, backend,
@@ -35,11 +47,12 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk[:, :nh] = self.q_norm(qk[:, :nh])
             qk[:, nh:] = self.k_norm(qk[:, nh:])
-        apply_rope_(qk, *rope)
+        apply_rope_(qk if self.rotary_dim == hd else qk[..., :self.rotary_dim], *rope)
         kv = qkv[:, self.q_size:].view(tokens, 2, nkv, hd)
         if kv_cache is not None:
             backend.store(kv_cache, kv, batch)
-        out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], kv_cache, batch, self.scale)
+        out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], kv_cache, batch, self.scale,
+                              sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         if batch.mass_requests:
             accumulate_attention_mass(qk[:, :nh], kv_cache, batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -48,7 +61,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        gate_up = GateUpLinear if cfg.hidden_act == "silu" else GeluGateUpLinear
+        self.gate_up_proj = gate_up(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +70,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        self.gemma_norms = cfg.gemma_norms
+        if cfg.gemma_norms:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
     def forward(self, x, residual, rope, batch, backend, kv_cache):
         """The layer's output and the residual stream before it is added (None: x is the stream)."""
@@ -69,16 +87,21 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, batch, backend, kv_cache), residual)
-        return self.mlp(h), residual
+        h = self.self_attn(h, rope, batch, backend, kv_cache)
+        if not self.gemma_norms:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        # each sublayer's output is normed before it joins the stream
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = _norm(cfg, cfg.hidden_size)
 
 
 class CausalLM(nn.Module):
@@ -96,29 +119,47 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
+        self.rope_local: RotaryEmbedding | None = None      # the sliding layers' (Gemma 3), else None
+        self.rope_max_model_len: int | None = None          # what LongRoPE chose its factors for
 
-    def init_rope(self, max_positions: int, device: torch.device) -> None:
+    def init_rope(self, max_positions: int, device: torch.device, max_model_len: int | None = None) -> None:
+        """RoPE tables of the positions below max_positions. max_model_len (default: max_positions) picks
+        LongRoPE's factors, long or short (see rope_inv_freq), for the tables' whole life."""
         cfg = self.config
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+        self.rope_max_model_len = max_model_len or max_positions
+        self.rope = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device,
+                                    self.rope_max_model_len)
+        if cfg.rope_local_base_freq is not None and cfg.has_sliding_window:
+            self.rope_local = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_local_base_freq, None, device)
 
     def ensure_rope(self, num_positions: int) -> None:
         """Cover positions below num_positions: a `sink` cache lets generation run past max_model_len."""
         size = len(self.rope.cos)
         if num_positions > size:
-            self.init_rope(max(num_positions, 2 * size), self.rope.cos.device)
+            self.init_rope(max(num_positions, 2 * size), self.rope.cos.device, self.rope_max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 backend, storage: KVStorage | NoKVStorage) -> torch.Tensor:
         """Hidden states [tokens, hidden] of a flat batch; K/V of the new tokens go to `storage` (NoKVStorage: none)."""
         x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:
+            # the scale rounded to the embeddings' dtype first, as transformers' Gemma multiplies
+            x = x * float(torch.tensor(self.config.embed_scale, dtype=x.dtype))
         rope = self.rope(positions, x.dtype)
+        local = self.rope_local(positions, x.dtype) if self.rope_local is not None else None
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, batch, backend, storage.layer(i))
+            own = local if layer.self_attn.local_rope else rope
+            x, residual = layer(x, residual, own, batch, backend, storage.layer(i))
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits of hidden states [n, hidden]; soft-capped where the model caps them (Gemma 2)."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def shard_slice(self, name: str, shard: int) -> slice:
         """Rows of a merged parameter that hold one checkpoint shard."""

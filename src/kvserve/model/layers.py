@@ -16,7 +16,7 @@ from kvserve.config import QUANTIZATIONS
 from kvserve.engine.cpu_memory import cpu_tensor
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _PACK_BATCH_HINT = 64
 GEMM_KERNELS = ("avx512", "amx")     # csrc/gemm.c's kernels, as it numbers them
 NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
@@ -92,6 +92,15 @@ class Linear(nn.Linear):
         if self.own_gemm:
             return gemm(x, self.packed, self.bias, self.out_features, amx_from=self.amx_from, scales=self.scales)
         return onednn_linear(x, self.packed, self.bias)
+
+
+class GeluGateUpLinear(Linear):
+    """gate_proj and up_proj as one Linear [2 x intermediate, hidden] whose forward is the activation
+    gelu_tanh(gate) * up (GeGLU, Gemma's MLP). Packed as a plain weight: csrc/gemm.c's epilogue computes SwiGLU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = super().forward(x).split(self.out_features // 2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 class GateUpLinear(Linear):
@@ -329,9 +338,25 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies of RoPE, with linear or Llama 3 scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: it scales by (1 + weight), all in float32, rounded once to x's dtype."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm's promise: with a residual, it first becomes residual + x (in place), and both are returned."""
+        if residual is None:
+            return self._norm(x)
+        return self._norm(residual.add_(x)), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float() + 1.0, self.eps).to(x.dtype)
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
+                  max_model_len: int | None = None) -> torch.Tensor:
+    """Inverse frequencies of RoPE over `dim` channels, with linear, Llama 3 or LongRoPE scaling. LongRoPE
+    (Phi-3) divides them by its long factors where max_model_len exceeds the original context, else by its
+    short ones: one table for every sequence (vLLM's rule), as the keys in the cache keep their rotation."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
@@ -346,20 +371,39 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if rope_type == "longrope":
+        long = max_model_len is not None and max_model_len > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope's factors must number {len(inv_freq)} (half the rotated channels), "
+                             f"got {len(factors)}")
+        return inv_freq / factors
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin for every position up to max_positions (rotate-half layout)."""
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: LongRoPE's attention factor (transformers' default where the
+    config gives none), else 1."""
+    if (scaling or {}).get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None, device: torch.device):
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+
+class RotaryEmbedding:
+    """Precomputed cos/sin for every position up to max_positions (rotate-half layout) over `dim` channels."""
+
+    def __init__(self, dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None, device: torch.device, max_model_len: int | None = None):
+        inv_freq = rope_inv_freq(dim, theta, scaling, max_model_len)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1.., +1..]: fold the sign into sin
         sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))
-        self.cos, self.sin = emb.cos().to(device), (emb.sin() * sign).to(device)
+        factor = rope_attention_factor(scaling)
+        self.cos, self.sin = (emb.cos() * factor).to(device), (emb.sin() * factor * sign).to(device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, D] of a step's positions, computed once for all layers."""

@@ -119,7 +119,8 @@ def load_weights(model: CausalLM, path: Path, weight_format: str = "plain", quan
             if shard is not None:
                 dst = dst[model.shard_slice(target.split(".")[-2], shard)]
             read(name, dst)
-            missing.discard(_part(target, shard))
+            # a checkpoint's fused tensor (Phi-3's qkv_proj, gate_up_proj) fills every shard of its parameter
+            missing -= {_part(target, s) for s in ([shard] if shard is not None else _shards_of(target))}
             if target in linears and not any(_part(target, s) in missing for s in _shards_of(target)):
                 linears[target].load(building.pop(target), weight_format, quantization)
     if missing:

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from kvserve.config import EngineConfig, ServerConfig
@@ -18,6 +18,7 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineError, EngineUnavailableError, QueueFullError
+from kvserve.server.dashboard import KVStateView, add_dashboard_routes
 from kvserve.server.errors import APIError, error_response
 from kvserve.server.http import APIKeyCheck, RequestBody, UnexpectedErrors
 from kvserve.server.metrics import ServerMetrics
@@ -47,7 +48,8 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
     # the last added runs first: unexpected errors caught around everything, the key checked before the body is read
     app.add_middleware(RequestBody, max_bytes=config.max_body_bytes, timeout=config.request_read_timeout)
     if config.api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=config.api_key)
+        # the dashboard's page holds no data (server/dashboard.py): its state needs the key
+        app.add_middleware(APIKeyCheck, api_key=config.api_key, open_paths=frozenset({"/health", "/dashboard"}))
     app.add_middleware(UnexpectedErrors)
     app.state.async_engine = server
     _add_error_handlers(app)
@@ -68,6 +70,8 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
                                             "max_model_len": server.engine.max_model_len}]}
 
+    if config.kv_dashboard:
+        add_dashboard_routes(app, KVStateView(server, tokenizer, metrics, model_name))
     app.post("/v1/completions")(handlers.completions)
     app.post("/v1/chat/completions")(handlers.chat)
     app.post("/tokenize")(handlers.tokenize)
@@ -86,13 +90,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":     # its loc is a byte offset, not a field
             return error_response(APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error')}"))
+        if tuple(first.get("loc", ())) == ("body",):     # the body as a whole: no field to name
+            return error_response(APIError(400, _whole_body_error(first, e.body)))
         param = _param(first.get("loc", ()))
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         return error_response(APIError(400, f"{param}: {message}" if param else message, param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):
-        # FastAPI's and Starlette's own: 404, 405, a body it cannot parse (invalid UTF-8, say)
+        # FastAPI's and Starlette's own: 404, 405, and a body FastAPI cannot parse, whose reason
+        # (invalid UTF-8, nesting too deep, a number too long) is the exception's cause
+        if e.status_code == 400 and e.__cause__ is not None:
+            cause = e.__cause__
+            what = "not valid UTF-8" if isinstance(cause, UnicodeDecodeError) else "not JSON kvserve can read"
+            return error_response(APIError(400, f"the body is {what}: {type(cause).__name__}: {cause}"))
         return error_response(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(QueueFullError)
@@ -107,6 +118,20 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def engine_failure(_req, e: EngineError):
         # the engine failed while running the request (it serves on, or is restarted)
         return error_response(APIError(500, str(e)))
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _whole_body_error(error: dict, body) -> str:
+    """What is wrong with a body that is no JSON object: none sent, one FastAPI did not read as
+    JSON (a Content-Type other than JSON's, as `curl -d` sends), or JSON of another type."""
+    if error.get("type") == "missing":
+        return "the request has no body: send a JSON object (Content-Type: application/json)"
+    if isinstance(body, bytes):
+        return "the body was not read as JSON: send it with Content-Type: application/json"
+    return f"the body must be a JSON object, not {_JSON_TYPES.get(type(body), type(body).__name__)}"
 
 
 # the names pydantic gives the members of a union in an error's location
@@ -125,7 +150,10 @@ def _param(loc: tuple) -> str | None:
 
 
 class _Handlers:
-    """The endpoints that run requests through the engine."""
+    """The endpoints that run requests through the engine. Each returns its JSON as a Response:
+    a plain dict FastAPI would walk item by item (jsonable_encoder) on the event loop, and a million
+    token ids (a long /tokenize) or a large batch with logprobs would hold every other request for
+    that long."""
 
     def __init__(self, server: AsyncEngine, tokenizer: ServerTokenizer, model_name: str, config: ServerConfig):
         self.server = server
@@ -157,8 +185,7 @@ class _Handlers:
                                      prompt_logprobs=req.logprobs if req.echo else None)
         prompts = await asyncio.gather(*(self._prompt(p, True, "prompt") for p in texts))
         self._check_kv(prompts, params)
-        echo = [p["prompt"] if p["prompt"] is not None else await self.tokenizer.decode(p["prompt_token_ids"])
-                for p in prompts] if req.echo else None
+        echo = [await self._echo_text(p) for p in prompts] if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, prompts, params, req.cache_salt)
         fmt = _CompletionFormat(rid, self.model_name, self._token_ids_too(req), self.tokenizer.tokenizer,
@@ -180,6 +207,15 @@ class _Handlers:
         fmt = _ChatFormat(rid, self.model_name, self._token_ids_too(req), top)
         return await self._respond(req, raw, streams, fmt, params)
 
+    async def _echo_text(self, prompt: dict) -> str:
+        """The text echo puts before a prompt's completions: the prompt as sent, or its token ids
+        decoded; none without a tokenizer, whose outputs are token ids (prompt_token_ids among them)."""
+        if prompt["prompt"] is not None:
+            return prompt["prompt"]
+        if self.tokenizer.tokenizer is None:
+            return ""
+        return await self.tokenizer.decode(prompt["prompt_token_ids"])
+
     def _token_ids_too(self, req) -> bool:
         """Token ids in the response: asked for, or the only output there is (no tokenizer, no text)."""
         return req.return_token_ids or self.tokenizer.tokenizer is None
@@ -194,6 +230,8 @@ class _Handlers:
         max_model_len = self.engine.max_model_len
         if not ids:
             raise APIError(400, f"{param}: the prompt is empty (as token ids)", param)
+        if text is None and max(ids) >= self.vocab_size:
+            raise APIError(400, f"{param}: token id {max(ids)} is out of range [0, {self.vocab_size})", param)
         if len(ids) >= max_model_len:
             raise APIError(400, f"{param}: the prompt is {len(ids)} tokens; with one to generate it exceeds "
                                 f"max_model_len ({max_model_len})", param)
@@ -224,13 +262,13 @@ class _Handlers:
             tokens = await self.tokenizer.encode(text, False, "messages")
         else:
             tokens = await self.tokenizer.encode(req.prompt, req.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len})
 
     async def detokenize(self, req: DetokenizeRequest):
         self._check_model(req.model)
         if req.tokens and max(req.tokens) >= self.vocab_size:
             raise APIError(400, f"tokens: token ids must be in [0, {self.vocab_size})", "tokens")
-        return {"prompt": await self.tokenizer.decode(req.tokens)}
+        return JSONResponse({"prompt": await self.tokenizer.decode(req.tokens)})
 
     async def _submit(self, rid: str, prompts: list, params, cache_salt) -> list[AsyncIterator[RequestOutput]]:
         streams = []
@@ -253,7 +291,7 @@ class _Handlers:
             return StreamingResponse(_sse(fmt, _merge(streams), include_usage, hold),
                                      media_type="text/event-stream")
         finals = await _until_disconnect(raw, _last_outputs(streams))
-        return fmt.response(finals)
+        return JSONResponse(fmt.response(finals))
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -323,12 +361,12 @@ async def _sse(fmt, merged: AsyncIterator[tuple[int, RequestOutput]], include_us
                 yield _event(fmt.chunk(i, out, c, chars, end, tokens, first=tokens == 0))
         if include_usage:
             yield _event(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
-        yield "data: [DONE]\n\n"
     except Exception as e:  # noqa: BLE001
-        # the status is sent: report the failure in the stream
+        # the status is sent: report the failure in the stream, which ends as any other (as vLLM's does)
         yield _event({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
     finally:
         await merged.aclose()      # a disconnect aborts the requests now, not at garbage collection
+    yield "data: [DONE]\n\n"
 
 
 def _event(data: dict) -> str:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from itertools import count
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -62,9 +63,9 @@ class AsyncEngine:
     the requests in flight fail (EngineError), the process is reaped and started again (up to
     `start_attempts` tries, each logged), and until it is ready new requests are refused
     (EngineUnavailableError). Given an LLMEngine, the core runs in a thread. Requests that arrive
-    during a step all enter at the next step boundary, as do aborts. A request whose consumer goes
-    away (a client disconnect cancels its generator) is aborted and its blocks return to the pool at
-    once.
+    during a step all enter at the next step boundary, as do aborts and reads of the engine's state
+    (`query`). A request whose consumer goes away (a client disconnect cancels its generator) is
+    aborted and its blocks return to the pool at once.
     """
 
     def __init__(self, engine: LLMEngine | EngineConfig, max_queue: int | None = None, metrics=None,
@@ -78,6 +79,8 @@ class AsyncEngine:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._generation = 0
         self._streams: dict[str, _Stream] = {}
+        self._queries: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._query_ids = count()
         self._closing = False
         self.dead: str | None = None          # why the engine takes no requests now; None: it does
         self._conn, self._core, ready = self._start_core(engine)
@@ -133,6 +136,7 @@ class AsyncEngine:
         for request_id, stream in list(self._streams.items()):
             self._streams.pop(request_id, None)
             stream.loop.call_soon_threadsafe(_fail, stream, error)
+        self._fail_queries(error)
         self._outbox.put((None, ("shutdown",)))
         self._outbox.put(None)
         self._core.join(timeout=10)
@@ -187,6 +191,21 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def query(self, name: str, *args):
+        """The engine's answer to a read of its state (engine_core.QUERIES), given between two steps;
+        ValueError if it refuses the arguments, EngineUnavailableError while no engine runs."""
+        loop = asyncio.get_running_loop()
+        query_id, future = next(self._query_ids), loop.create_future()
+        self._queries[query_id] = (loop, future)
+        generation = self._generation        # read before `dead`, as submit does
+        try:
+            if self.dead is not None:
+                raise EngineUnavailableError(f"the engine is not running: {self.dead}")
+            self._outbox.put((generation, ("query", query_id, name, args)))
+            return await future
+        finally:
+            self._queries.pop(query_id, None)
+
     def abort(self, request_id: str) -> None:
         """Abort at the next step boundary (queued for the writer: never blocks the caller)."""
         if self._streams.pop(request_id, None) is not None and self.metrics is not None:
@@ -210,7 +229,7 @@ class AsyncEngine:
     def _read(self) -> None:
         """The reader thread: every message of the core, until it stops (or dies for good)."""
         handlers: dict[str, Callable] = {"admitted": self._admitted, "outputs": self._route,
-                                         "failed": self._failed, "stats": self._set_stats}
+                                         "failed": self._failed, "stats": self._set_stats, "reply": self._reply}
         while True:
             try:
                 message = self._conn.recv()
@@ -232,6 +251,7 @@ class AsyncEngine:
         self._generation += 1
         self._stats = None
         self._failed(f"the engine stopped: {reason}", list(self._streams))
+        self._fail_queries(EngineUnavailableError(f"the engine stopped: {reason}"))
         if self._closing or self._config is None:
             log.error("the engine has stopped: %s", reason)
             return False
@@ -261,6 +281,15 @@ class AsyncEngine:
 
     def _set_stats(self, stats: dict) -> None:
         self._stats = stats
+
+    def _reply(self, query_id: int, result) -> None:
+        loop, future = self._queries.get(query_id, (None, None))
+        if future is not None:          # else its caller gave up
+            loop.call_soon_threadsafe(_resolve, future, result)
+
+    def _fail_queries(self, error: BaseException) -> None:
+        for loop, future in list(self._queries.values()):
+            loop.call_soon_threadsafe(_resolve, future, error)
 
     def _admitted(self, request_id: str, error: BaseException | None) -> None:
         stream = self._streams.get(request_id)
@@ -329,6 +358,16 @@ def _fail(stream: _Stream, error: BaseException) -> None:
         stream.admitted.set_exception(error)
     else:
         stream.queue.put_nowait(error)
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    """A query's answer: its result, or the exception it raises."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -4,12 +4,15 @@
 hold on the interpreter (the GIL): the server only pickles requests in and outputs out. Given an
 engine object instead (tests, embedding), it runs in a thread of the caller's process.
 
-Messages in: ("add", request_id, prompt, params, cache_salt), ("abort", request_id), ("shutdown",).
+Messages in: ("add", request_id, prompt, params, cache_salt), ("abort", request_id), ("query", query_id,
+name, args) (a read of the engine's state: QUERIES), ("shutdown",).
 Messages out:
 - ("ready", model_path, max_model_len, stats, has_tokenizer) once, or ("error", message) if the engine
   cannot be built;
 - ("admitted", request_id, error or None) per add;
 - ("outputs", [RequestOutput delta (output_deltas.py)], stats) per step;
+- ("stats", stats) then ("reply", query_id, result or exception) per query, answered between two
+  steps: what the server reports beside the result (/metrics) is of the same step;
 - ("failed", message, [request_id], stats) when a step raises (its requests are aborted, the
   engine serves on);
 - ("stats", stats) when idle; ("stopped",) after a shutdown, which aborts whatever is left.
@@ -21,10 +24,14 @@ import signal
 from multiprocessing.connection import Connection
 
 from kvserve.config import EngineConfig
+from kvserve.engine import kv_state
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.output_deltas import DeltaEncoder
 
 log = logging.getLogger(__name__)
+
+# what a ("query", ...) message may ask: reads of the engine that change nothing
+QUERIES = {"kv_state": kv_state.snapshot, "kv_block": kv_state.block_detail}
 
 
 class EngineCore:
@@ -68,7 +75,17 @@ class EngineCore:
         elif kind == "abort":
             self.engine.abort_request(message[1])
             self.deltas.forget(message[1])
+        elif kind == "query":
+            self._query(*message[1:])
         return kind != "shutdown"
+
+    def _query(self, query_id: int, name: str, args: tuple) -> None:
+        try:
+            result = QUERIES[name](self.engine, *args)
+        except Exception as e:  # noqa: BLE001  (ValueError: the caller asked for something that is not there)
+            result = e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
+        self.conn.send(("stats", self.engine.stats()))
+        self.conn.send(("reply", query_id, result))
 
     def _step(self) -> None:
         in_flight = list(self.engine.requests)

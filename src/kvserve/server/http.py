@@ -1,8 +1,9 @@
 """The HTTP edge: what stands between a client and the endpoints.
 
 - ServerProtocol (uvicorn's httptools protocol): a connection whose request head is not complete
-  within the read timeout gets a 408 and is closed; past the connection limit, a new connection
-  gets a 503 and is closed at once, so that idle or slow clients cannot hold every socket.
+  within the read timeout gets a 408 and is closed, one whose head grows past MAX_HEAD_BYTES a 431;
+  past the connection limit, a new connection gets a 503 and is closed at once, so that idle, slow
+  or bloated clients cannot hold every socket, nor the server's memory.
 - ASGI middleware, outermost first: UnexpectedErrors (any exception a 500 in OpenAI's shape, the
   connection kept), APIKeyCheck (401 before the body is read), RequestBody (the whole body read
   before the app sees it: 413 past the size limit, 408 past the read timeout).
@@ -22,13 +23,21 @@ from kvserve.server.errors import APIError, error_body, send_error
 log = logging.getLogger(__name__)
 
 
+# The most bytes a request's line and headers may take. uvicorn's httptools protocol sets no limit,
+# and keeps every header it parses as Python objects, many times their size: megabytes of headers,
+# sent before any key is checked, would take the server's memory. (Node allows 16 KiB, nginx 32 KiB.)
+MAX_HEAD_BYTES = 64 * 2**10
+
+
 class ServerProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on each request head and a limit on connections."""
+    """uvicorn's HTTP/1.1 protocol with a deadline and a size limit on each request head, and a limit
+    on connections."""
 
     def __init__(self, *args, read_timeout: float, max_connections: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.read_timeout, self.max_connections = read_timeout, max_connections
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0              # of the head being read, as of the data before this chunk
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -38,8 +47,18 @@ class ServerProtocol(HttpToolsProtocol):
         else:
             self._arm_head_timer()
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # a head still incomplete once this chunk is parsed: the chunk was head (counted after the
+        # parse, so that a small head and the body that follows it in one chunk count as nothing)
+        if self._head_timer is not None and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(APIError(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes"))
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head_bytes = 0
         self._arm_head_timer()           # each request of a kept-alive connection gets its own deadline
 
     def on_headers_complete(self) -> None:
@@ -77,7 +96,7 @@ class ServerProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-_REASONS = {408: b"Request Timeout", 503: b"Service Unavailable"}
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
 def uvicorn_config(app, host: str, port: int, read_timeout: float, max_connections: int,

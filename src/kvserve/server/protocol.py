@@ -173,7 +173,9 @@ class _SamplingRequest(OpenAIBaseModel):
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            # SamplingParams' messages begin with the field ("seed must be ...", "eviction: ...")
+            field = str(e).split(" ", 1)[0].rstrip(":")
+            raise APIError(400, str(e), field if field in kwargs else None) from None
 
     def _token_bias(self, vocab_size: int) -> dict[int, float]:
         """logit_bias with its keys (token ids written as strings, as OpenAI's API has them) as ints."""

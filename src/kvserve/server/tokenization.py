@@ -4,12 +4,17 @@ from __future__ import annotations
 import asyncio
 import codecs
 import functools
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jinja2
+
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import valid_unicode
+
+log = logging.getLogger(__name__)
 
 # a few threads: the tokenizer's Rust code runs without the GIL, so a long text takes one thread
 # for its duration while the others, and the event loop, go on
@@ -43,7 +48,23 @@ class ServerTokenizer:
         self.chat_template = chat_template
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 0
         self.max_prompt_chars = max_model_len * self.max_token_chars
+        if chat_template is not None and tokenizer is not None:
+            self._check_chat_template()
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenizer")
+
+    def _check_chat_template(self) -> None:
+        """--chat-template must parse: a syntax error is the server's, not any request's, so it stops
+        the server at start (ValueError). It is parsed by rendering it as requests will be, with the
+        jinja extensions transformers gives templates."""
+        try:
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                               chat_template=self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template is not a valid jinja template: {e.message} (line {e.lineno})") from None
+        except Exception as e:  # noqa: BLE001
+            # it parsed: a template may refuse this one conversation (raise_exception), not every request's
+            log.info("--chat-template refuses a one-message conversation (%s: %s); requests it refuses get a 400",
+                     type(e).__name__, e)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

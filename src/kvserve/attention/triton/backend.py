@@ -39,35 +39,39 @@ class TritonBackend(AttentionBackend):
         store_kv(kv_cache, kv[:, 0], kv[:, 1], slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | QuantizedLayer | None, batch: AttentionBatch, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor | QuantizedLayer | None, batch: AttentionBatch, scale: float,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] (the step's tokens), kv_cache [2, KVH, blocks, page, D]
-        or a QuantizedLayer already holding them (or None) -> [T, H, D]."""
+        or a QuantizedLayer already holding them (or None) -> [T, H, D]; within the sliding window and
+        soft-capped, where given."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        limits = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
         if kv_cache is None:
-            self._prefill(q, k, v, out, batch, 0, None, scale)
+            self._prefill(q, k, v, out, batch, 0, None, scale, limits)
             return out
         quant = kv_cache if isinstance(kv_cache, QuantizedLayer) else None
         k_pages, v_pages = kv_cache.data if quant is not None else (kv_cache[0], kv_cache[1])
         nd = batch.num_decodes
         if nd:
-            self._decode(q[:nd], k_pages, v_pages, quant, out[:nd], batch, scale)
+            self._decode(q[:nd], k_pages, v_pages, quant, out[:nd], batch, scale, limits)
         if batch.num_prefills:
             if batch.has_prefix:
-                self._prefill(q[nd:], k_pages, v_pages, out[nd:], batch, nd, batch.block_tables[nd:], scale, quant)
+                self._prefill(q[nd:], k_pages, v_pages, out[nd:], batch, nd, batch.block_tables[nd:], scale, limits,
+                              quant)
             else:
-                self._prefill(q[nd:], k[nd:], v[nd:], out[nd:], batch, nd, None, scale)
+                self._prefill(q[nd:], k[nd:], v[nd:], out[nd:], batch, nd, None, scale, limits)
         return out
 
     def _prefill(self, q, k, v, out, batch: AttentionBatch, first: int, block_tables: torch.Tensor | None,
-                 scale: float, quant: QuantizedLayer | None = None) -> None:
+                 scale: float, limits: dict, quant: QuantizedLayer | None = None) -> None:
         """Sequences first.. of the batch; block_tables None: k, v are the step's own [T, KVH, D].
         quant: k, v are the quantized layer's stored numbers."""
         q_starts, q_lens, ctx_lens, max_q_len = _prefill_meta(batch, first, paged=block_tables is not None)
         prefill_attention(q, k, v, out, q_starts, q_lens, ctx_lens, block_tables, max_q_len, scale,
-                          block_m=self.prefill_block_m, block_n=self.prefill_block_n, quant=quant)
+                          block_m=self.prefill_block_m, block_n=self.prefill_block_n, quant=quant, **limits)
 
     def _decode(self, q, k_pages, v_pages, quant: QuantizedLayer | None, out, batch: AttentionBatch,
-                scale: float) -> None:
+                scale: float, limits: dict) -> None:
         nd, num_heads, head_dim = q.shape
         ctx_lens, max_ctx = _decode_meta(batch)
         key = ("triton_decode_workspace", num_heads, head_dim)
@@ -77,7 +81,7 @@ class TritonBackend(AttentionBackend):
                                                               self.partition_size, q.device)
         decode_attention(q, k_pages, v_pages, out, ctx_lens, batch.block_tables[:nd], max_ctx, scale,
                          partition_size=self.partition_size, block_n=self.decode_block_n, workspace=workspace,
-                         quant=quant)
+                         quant=quant, **limits)
 
 
 def _prefill_meta(batch: AttentionBatch, first: int, paged: bool):

@@ -8,6 +8,11 @@ contiguous; every other stride is passed in, so the decoder's views of its fused
 Softmax runs in base 2: scores are pre-multiplied by scale * log2(e) so exp2 (one instruction on
 the GPU) replaces exp. Log-sum-exps written by the decode kernel are base 2 as well.
 
+A layer with a sliding window W (window > 0) attends to the last W positions only: the query at p sees
+the keys (p - W, p]. The kernels start at the first tile a window reaches, mask the keys before each
+row's window, and the decode splits only the window into partitions. Soft-capped scores (Gemma 2's,
+SOFT_CAP) become c * tanh(s / c) before the softmax.
+
 head_dim need not be a power of two (80, 96): tiles span the next power of two and the extra
 lanes are masked to zero, which adds nothing to q·k and yields nothing in the output.
 
@@ -165,11 +170,23 @@ def _dot(a, b, IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|) where |x| >= 1/8 (1 - e loses at most two bits
+    there); below, its series to x^7."""
+    a = tl.abs(x)
+    x2 = x * x
+    series = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    e = tl.exp2(a * -2.8853900817779268)           # -2 log2(e)
+    t = tl.where(a < 0.125, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, quant, page, slot, stride_page, stride_slot,
-                 key_mask, score_mask, qk_scale, dims, dim_mask,
+                 key_mask, score_mask, qk_scale, soft_cap, dims, dim_mask,
                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
                  MASK_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, PIECES: tl.constexpr,
-                 PAGE_NUMBERS: tl.constexpr):
+                 PAGE_NUMBERS: tl.constexpr, SOFT_CAP: tl.constexpr):
     """One FlashAttention-2 step: scores of the query tile against one key tile, the running max
     m_i and sum l_i updated, the accumulator rescaled once, then P @ V added.
 
@@ -177,7 +194,9 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, quant, page, slot, stride_page,
     quant: (K scales, V scales, K residual, V residual, residual_of), heads resolved, read when
     KV_QUANT > 0 (the residual when PIECES > 0; see _load_tile). key_mask [N] guards the loads;
     score_mask ([M, N] or [1, N]: causality, the context's end) is applied to the scores only when
-    MASK_SCORES, so the tiles wholly inside the context skip the select."""
+    MASK_SCORES, so the tiles wholly inside the context skip the select. SOFT_CAP: the scores (log2 units)
+    are capped at soft_cap (the cap times log2(e)) first. A row that has seen no key yet (a sliding window
+    starting later) keeps m_i = -inf and adds nothing."""
     k_meta, v_meta, k_res, v_res, residual_of_ptr = quant
     rows = page * stride_page + slot * stride_slot
     res_slot = tl.zeros_like(page) - 1   # no page is held exact
@@ -187,11 +206,14 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, quant, page, slot, stride_page,
                    res_slot[None, :], key_mask[None, :], dims[:, None], dim_mask[:, None], PAGE_SIZE, HEAD_DIM,
                    KV_QUANT, True, PIECES, PAGE_NUMBERS)  # Kᵀ
     s = _dot(q, k, DOT_FP32) * qk_scale                                        # [M, N], log2 units
+    if SOFT_CAP:
+        s = soft_cap * _tanh(s / soft_cap)
     if MASK_SCORES:
         s = tl.where(score_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)           # how much the old max overstated: rescale once per tile
-    p = tl.exp2(s - m_new[:, None])
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key seen yet: not -inf - -inf
+    alpha = tl.exp2(m_i - shift)           # how much the old max overstated: rescale once per tile
+    p = tl.exp2(s - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_ptr, v_meta, v_res, residual_of_ptr, rows[:, None], page[:, None], slot[:, None],
                    res_slot[:, None], key_mask[:, None], dims[None, :], dim_mask[None, :], PAGE_SIZE, HEAD_DIM,
@@ -255,11 +277,12 @@ def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
                           stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_k_head, stride_k_page, stride_k_slot, stride_table,
                           stride_km_head, stride_vm_head, stride_res_kv, stride_res_head,
-                          qk_scale,
+                          qk_scale, window, soft_cap,
                           GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                          KV_QUANT: tl.constexpr, PIECES: tl.constexpr, PAGE_NUMBERS: tl.constexpr):
+                          KV_QUANT: tl.constexpr, PIECES: tl.constexpr, PAGE_NUMBERS: tl.constexpr,
+                          SOFT_CAP: tl.constexpr):
     """Grid (query tiles, heads, sequences). Query i of a sequence sits at absolute position
     context_len - query_len + i, so a cached prefix (chunked prefill, prefix caching) is attended in
     full and only the new tokens are causal among themselves.
@@ -299,30 +322,47 @@ def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Keys before the tile's first query position are visible to every row: no mask, and whole
-    # tiles (they are all < context_len). The rest, up to the last row's position, is causal.
+    # Keys before the tile's first query position (and, with a window, within its last row's) are visible
+    # to every row: no mask, and whole tiles (they are all < context_len). Before them, from the first tile
+    # the first row's window reaches, and after them, up to the last row's position, the keys are masked.
     first_q_pos = prefix + m_start
     unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
     keys_end = tl.minimum(ctx_len, first_q_pos + BLOCK_M)
+    windowed = window > 0
+    window_start = tl.where(windowed, (tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N) * BLOCK_N, 0)
+    last_first_key = tl.maximum(first_q_pos + BLOCK_M - window, 0)        # of the tile's last row's window
+    unmasked_start = tl.where(windowed, tl.minimum(tl.cdiv(last_first_key, BLOCK_N) * BLOCK_N, unmasked_end), 0)
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, unmasked_end, BLOCK_N):
+    for n0 in range(window_start, unmasked_start, BLOCK_N):
+        k_pos = n0 + offs_n
+        key_mask = k_pos < ctx_len   # always true here; keeps the loads uniform
+        seen = (k_pos[None, :] > q_pos[:, None] - window) & key_mask[None, :]
+        page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
+                                     stride_k_page, stride_k_slot, key_mask, seen, qk_scale, soft_cap, dims,
+                                     dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32, PIECES, PAGE_NUMBERS,
+                                     SOFT_CAP)
+    for n0 in range(unmasked_start, unmasked_end, BLOCK_N):
         k_pos = n0 + offs_n
         key_mask = k_pos < ctx_len   # always true here; keeps the loads uniform
         page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
-                                     stride_k_page, stride_k_slot, key_mask, key_mask, qk_scale, dims, dim_mask,
-                                     PAGE_SIZE, HEAD_DIM, KV_QUANT, False, DOT_FP32, PIECES, PAGE_NUMBERS)
+                                     stride_k_page, stride_k_slot, key_mask, key_mask, qk_scale, soft_cap, dims,
+                                     dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, False, DOT_FP32, PIECES, PAGE_NUMBERS,
+                                     SOFT_CAP)
     for n0 in range(unmasked_end, keys_end, BLOCK_N):
         k_pos = n0 + offs_n
         key_mask = k_pos < ctx_len
-        causal = (k_pos[None, :] <= q_pos[:, None]) & key_mask[None, :]
+        seen = (k_pos[None, :] <= q_pos[:, None]) & key_mask[None, :]
+        seen = seen & ((k_pos[None, :] > q_pos[:, None] - window) | (window == 0))
         page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
-                                     stride_k_page, stride_k_slot, key_mask, causal, qk_scale, dims, dim_mask,
-                                     PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32, PIECES, PAGE_NUMBERS)
+                                     stride_k_page, stride_k_slot, key_mask, seen, qk_scale, soft_cap, dims,
+                                     dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32, PIECES, PAGE_NUMBERS,
+                                     SOFT_CAP)
 
-    # Every row, padding rows included, saw key 0, so l_i > 0.
-    out = acc / l_i[:, None]
+    # Every real row saw its own key, so l_i > 0; a padding row past a window may have seen none.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
@@ -332,25 +372,28 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
                     q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_k_head, stride_k_page, stride_k_slot, stride_table,
-                    qk_scale,
+                    qk_scale, window, soft_cap,
                     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Full-precision K/V: _prefill_quant_kernel with KV_QUANT 0, without the quantized layer's
     arguments (the pointers handed in for them are never read)."""
     _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
                           k_ptr, v_ptr, k_ptr, table_ptr,
                           stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_k_head, stride_k_page, stride_k_slot, stride_table, 0, 0, 0, 0,
-                          qk_scale, GROUP, PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DOT_FP32, 0, 0, 1)
+                          qk_scale, window, soft_cap, GROUP, PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                          DOT_FP32, 0, 0, 1, SOFT_CAP)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor,
                       block_tables: torch.Tensor | None, max_q_len: int, scale: float,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                      quant: QuantizedLayer | None = None) -> None:
-    """Causal attention of each sequence's queries, written into out [T, H, D].
+                      quant: QuantizedLayer | None = None, sliding_window: int | None = None,
+                      logits_soft_cap: float | None = None) -> None:
+    """Causal attention of each sequence's queries, written into out [T, H, D]; within the last
+    sliding_window positions and with soft-capped scores, where given.
 
     q [T, H, D]; q_starts, q_lens, ctx_lens [seqs] int (row of each sequence's first query in q).
     Paged (block_tables [seqs, max_blocks] given): k, v are a layer's K and V pages
@@ -377,23 +420,30 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     consts = {"GROUP": num_heads // num_kv_heads, "PAGE_SIZE": page_size, "PAGED": paged,
               "HEAD_DIM": head_dim, "BLOCK_D": max(MIN_DOT, triton.next_power_of_2(head_dim)),
               "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": _dot_in_fp32(q.dtype),
-              "num_warps": num_warps, "num_stages": num_stages}
+              "SOFT_CAP": logits_soft_cap is not None, "num_warps": num_warps, "num_stages": num_stages}
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), head_stride, page_stride, slot_stride,
                table_stride)
+    limits = (scale * LOG2E, sliding_window or 0, (logits_soft_cap or 0.0) * LOG2E)
     if quant is None:
-        _prefill_kernel[grid](q, k, v, out, q_starts, q_lens, ctx_lens, table, *strides, scale * LOG2E, **consts)
+        _prefill_kernel[grid](q, k, v, out, q_starts, q_lens, ctx_lens, table, *strides, *limits, **consts)
         return
     if not paged:
         raise ValueError("quantized K/V are read through block tables")
     kv_quant, pointers, quant_strides, (pieces, page_numbers) = _quantized_args(quant, q, k, v)
     _prefill_quant_kernel[grid](q, k, v, out, q_starts, q_lens, ctx_lens, table, *pointers,
-                                *strides, *quant_strides, scale * LOG2E, KV_QUANT=kv_quant, PIECES=pieces,
+                                *strides, *quant_strides, *limits, KV_QUANT=kv_quant, PIECES=pieces,
                                 PAGE_NUMBERS=page_numbers, **consts)
 
 
 # --------------------------------------------------------------------------------------------
 # Split-KV paged decode (flash-decoding)
 # --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _first_key(ctx_len, window):
+    """The first key a decode sees: its window's (window > 0), else 0."""
+    return tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)
+
 
 @triton.jit
 def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
@@ -404,21 +454,23 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
                                    stride_po_seq, stride_po_head, stride_po_part,
                                    stride_pl_seq, stride_pl_head,
                                    stride_km_head, stride_vm_head, stride_res_kv, stride_res_head,
-                                   qk_scale,
+                                   qk_scale, window, soft_cap,
                                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PARTITION: tl.constexpr,
                                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                                   KV_QUANT: tl.constexpr, PIECES: tl.constexpr, PAGE_NUMBERS: tl.constexpr):
+                                   KV_QUANT: tl.constexpr, PIECES: tl.constexpr, PAGE_NUMBERS: tl.constexpr,
+                                   SOFT_CAP: tl.constexpr):
     """Grid (sequences, kv heads, partitions). The GROUP query heads sharing a kv head form the
     query tile (padded to BLOCK_G rows for tl.dot), so each page is read once per kv head. Writes
-    the partition's normalized output and its base-2 log-sum-exp.
+    the partition's normalized output and its base-2 log-sum-exp. Partitions cover the sequence's keys
+    from its window's first (with a window), else from 0.
 
     KV_QUANT > 0: k_ptr, v_ptr are a QuantizedLayer's stored numbers, read with its scales and
     residual as in _prefill_quant_kernel. KV_QUANT 0 reads none of those."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(ctx_len_ptr + seq)
-    start = part * PARTITION
-    if start >= ctx_len:  # the grid covers the longest context; the merge ignores these
+    start = _first_key(ctx_len, window) + part * PARTITION
+    if start >= ctx_len:  # the grid covers the longest context (or window); the merge ignores these
         return
     end = tl.minimum(start + PARTITION, ctx_len)
 
@@ -450,17 +502,17 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
         key_mask = k_pos < end   # always true here; keeps the loads uniform
         page, slot = _key_pages(k_pos, key_mask, table_row, 0, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
-                                     stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale,
+                                     stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale, soft_cap,
                                      dims, dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, False, DOT_FP32, PIECES,
-                                     PAGE_NUMBERS)
+                                     PAGE_NUMBERS, SOFT_CAP)
     for n0 in range(full_end, end, BLOCK_N):   # at most one partial tile
         k_pos = n0 + offs_n
         key_mask = k_pos < end
         page, slot = _key_pages(k_pos, key_mask, table_row, 0, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
-                                     stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale,
+                                     stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale, soft_cap,
                                      dims, dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32, PIECES,
-                                     PAGE_NUMBERS)
+                                     PAGE_NUMBERS, SOFT_CAP)
 
     out = acc / l_i[:, None]
     lse = m_i + tl.log2(l_i)
@@ -476,30 +528,33 @@ def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
                              stride_k_head, stride_k_page, stride_k_slot, stride_table,
                              stride_po_seq, stride_po_head, stride_po_part,
                              stride_pl_seq, stride_pl_head,
-                             qk_scale,
+                             qk_scale, window, soft_cap,
                              GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PARTITION: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                             SOFT_CAP: tl.constexpr):
     """Full-precision pages: _decode_partition_quant_kernel with KV_QUANT 0, without the quantized
     layer's arguments (the pointers handed in for them are never read)."""
     _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, ctx_len_ptr, table_ptr,
                                    k_ptr, v_ptr, k_ptr, table_ptr,
                                    stride_qt, stride_qh, stride_k_head, stride_k_page, stride_k_slot, stride_table,
                                    stride_po_seq, stride_po_head, stride_po_part, stride_pl_seq, stride_pl_head,
-                                   0, 0, 0, 0, qk_scale,
-                                   GROUP, PAGE_SIZE, PARTITION, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, DOT_FP32, 0, 0, 1)
+                                   0, 0, 0, 0, qk_scale, window, soft_cap,
+                                   GROUP, PAGE_SIZE, PARTITION, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, DOT_FP32, 0, 0, 1,
+                                   SOFT_CAP)
 
 
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, ctx_len_ptr,
                          stride_po_seq, stride_po_head, stride_po_part,
-                         stride_pl_seq, stride_pl_head, stride_ot, stride_oh,
+                         stride_pl_seq, stride_pl_head, stride_ot, stride_oh, window,
                          PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_P: tl.constexpr):
     """Grid (sequences, heads): out = Σ_p exp2(lse_p - max) o_p / Σ_p exp2(lse_p - max), over the
-    partitions that exist for this sequence's context, in chunks of BLOCK_P."""
+    partitions that exist for this sequence's context (or window), in chunks of BLOCK_P."""
     seq, head = tl.program_id(0), tl.program_id(1)
-    num_parts = tl.cdiv(tl.load(ctx_len_ptr + seq), PARTITION)
+    ctx_len = tl.load(ctx_len_ptr + seq)
+    num_parts = tl.cdiv(ctx_len - _first_key(ctx_len, window), PARTITION)
     lse_base = part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head
     out_base = part_out_ptr + seq * stride_po_seq + head * stride_po_head
     offs_p = tl.arange(0, BLOCK_P)
@@ -541,9 +596,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      ctx_lens: torch.Tensor, block_tables: torch.Tensor, max_ctx_len: int, scale: float,
                      partition_size: int = 512, block_n: int = 64,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     num_warps: int = 4, quant: QuantizedLayer | None = None) -> None:
+                     num_warps: int = 4, quant: QuantizedLayer | None = None, sliding_window: int | None = None,
+                     logits_soft_cap: float | None = None) -> None:
     """One query per sequence, q [seqs, H, D], against its ctx_lens[s] cached tokens (the query's
-    own included) in k_cache, v_cache [KVH, blocks, page_size, D]; written into out [seqs, H, D].
+    own included; the last sliding_window of them where given, soft-capped where given) in k_cache,
+    v_cache [KVH, blocks, page_size, D]; written into out [seqs, H, D]. The workspace may have room for
+    more partitions than this call uses.
     Quantized pages: quant is the QuantizedLayer and k_cache, v_cache its quant.data[0], quant.data[1].
 
     The context is cut into partitions of partition_size keys computed by separate programs (so a
@@ -562,7 +620,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         workspace = decode_workspace(num_seqs, num_heads, head_dim, max_ctx_len, partition_size, q.device)
     part_out, part_lse = workspace
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_ctx_len, partition_size))
+    keys = max_ctx_len if sliding_window is None else min(max_ctx_len, sliding_window)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(keys, partition_size))
     strides = (q.stride(0), q.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -570,18 +629,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     consts = {"GROUP": group, "PAGE_SIZE": k_cache.shape[2], "PARTITION": partition_size,
               "HEAD_DIM": head_dim, "BLOCK_D": block_d,
               "BLOCK_G": max(MIN_DOT, triton.next_power_of_2(group)), "BLOCK_N": block_n,
-              "DOT_FP32": _dot_in_fp32(q.dtype), "num_warps": num_warps}
+              "DOT_FP32": _dot_in_fp32(q.dtype), "SOFT_CAP": logits_soft_cap is not None, "num_warps": num_warps}
+    limits = (scale * LOG2E, sliding_window or 0, (logits_soft_cap or 0.0) * LOG2E)
     if quant is None:
         _decode_partition_kernel[grid](q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
-                                       *strides, scale * LOG2E, **consts)
+                                       *strides, *limits, **consts)
     else:
         kv_quant, pointers, quant_strides, (pieces, page_numbers) = _quantized_args(quant, q, k_cache, v_cache)
         _decode_partition_quant_kernel[grid](q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
-                                             *pointers, *strides, *quant_strides, scale * LOG2E,
+                                             *pointers, *strides, *quant_strides, *limits,
                                              KV_QUANT=kv_quant, PIECES=pieces, PAGE_NUMBERS=page_numbers, **consts)
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, ctx_lens,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), sliding_window or 0,
         PARTITION=partition_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=16, num_warps=1,
     )

@@ -1,0 +1,164 @@
+"""What the KV cache holds at a step boundary: the state behind the server's live view of the block pool.
+
+`snapshot` runs in the engine's process between two steps and only copies (the pool's reference
+counts, the prefix index's blocks, the block tables): no work per block, so that watching the pool
+costs the engine next to nothing. `render` turns a snapshot into the JSON the server answers, in the
+server's process. `block_detail` describes one block: its owners and the tokens it holds.
+
+A block is in one of these states (one character each in `render`'s "blocks"):
+  "."  free: no owner, no prefix in it
+  "c"  cached: no owner, a full block of a prefix the next request may reuse (it counts as free)
+  "u"  in use: one owner
+  "s"  shared: more than one owner (a common prefix, or the samples of an n > 1 request)
+  "f"  filling: a block held exact while it fills, before it is quantized (codecs of whole blocks: int4)
+  "b"  borrowed: holds part of a filling block's exact tokens, returned when that block is quantized
+In a quantized cache the "u" and "s" blocks are quantized.
+"""
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.sequence import Sequence
+from kvserve.kv.eviction import Sink
+
+STATES = {"free": ".", "cached": "c", "used": "u", "shared": "s", "filling": "f", "borrowed": "b"}
+
+
+@dataclass
+class SequenceState:
+    """One running or waiting sequence and the physical block of each of its logical blocks."""
+
+    request_id: str
+    seq_id: int
+    status: str                     # "running" or "waiting"
+    num_prompt_tokens: int
+    num_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int          # prompt tokens found in the prefix cache
+    num_evicted_tokens: int
+    block_table: list[int]          # logical block i is physical block block_table[i]
+    pinned: list[int]               # blocks it owns outside its table (the originals of a sink's blocks)
+
+
+@dataclass
+class KVSnapshot:
+    """The pool and the sequences as of one step boundary, with the engine's stats of that moment."""
+
+    time: float                     # time.time() when it was taken
+    stats: dict                     # LLMEngine.stats() at the same boundary
+    ref_counts: bytes | array       # per block: its owners (bytes while every count fits one)
+    hashed: list[int]               # the blocks in the prefix index (cached ones, and owned ones)
+    residuals: dict[int, list[int]]  # filling block -> the blocks it borrows
+    sequences: list[SequenceState]
+
+
+def snapshot(engine: LLMEngine) -> KVSnapshot:
+    """Copy the KV cache's state from `engine` (an LLMEngine between two steps); changes nothing."""
+    kv, scheduler = engine.kv, engine.scheduler
+    pool = getattr(kv, "pool", None)            # none where the engine keeps no cache
+    ref_counts, hashed = (_counts(pool.ref_counts), pool.indexed_blocks()) if pool is not None else (b"", [])
+    sequences = [_sequence(s, "running", kv) for s in scheduler.running]
+    sequences += [_sequence(s, "waiting", kv) for s in scheduler.waiting]
+    return KVSnapshot(time.time(), engine.stats(), ref_counts, hashed,
+                      {b: list(borrowed) for b, borrowed in kv.residuals.items()}, sequences)
+
+
+def _counts(ref_counts: list[int]) -> bytes | array:
+    """The reference counts, one byte each while every one fits (nearly always): the smallest copy to
+    take between two steps and to send through the pipe."""
+    try:
+        return bytes(ref_counts)
+    except ValueError:
+        return array("q", ref_counts)
+
+
+def _sequence(seq: Sequence, status: str, kv) -> SequenceState:
+    return SequenceState(seq.request_id, seq.seq_id, status, seq.num_prompt_tokens, seq.num_tokens,
+                         seq.num_computed_tokens, seq.num_cached_tokens, seq.num_evicted_tokens,
+                         list(kv.block_tables.get(seq.seq_id, ())), list(getattr(kv, "pinned", {}).get(seq.seq_id, ())))
+
+
+def block_states(snap: KVSnapshot) -> np.ndarray:
+    """Each block's state, as the byte of its character in STATES."""
+    refs = np.frombuffer(snap.ref_counts, dtype=np.uint8 if isinstance(snap.ref_counts, bytes) else np.int64)
+    states = np.full(len(refs), ord(STATES["used"]), dtype=np.uint8)
+    states[refs > 1] = ord(STATES["shared"])
+    states[refs == 0] = ord(STATES["free"])
+    hashed = np.asarray(snap.hashed, dtype=np.int64)
+    states[hashed[refs[hashed] == 0]] = ord(STATES["cached"])
+    if snap.residuals:
+        states[[b for borrowed in snap.residuals.values() for b in borrowed]] = ord(STATES["borrowed"])
+        states[list(snap.residuals)] = ord(STATES["filling"])
+    return states
+
+
+def render(snap: KVSnapshot) -> dict:
+    """The snapshot as the JSON of GET /v1/kv/state: every block's state, the count of each, the
+    sequences with their block tables, and the engine's stats of the same step."""
+    states = block_states(snap)
+    counts = np.bincount(states, minlength=256)
+    stats = snap.stats
+    return {
+        "object": "kv_state",
+        "time": snap.time,
+        "cache_mode": stats["cache_mode"],
+        "kv_cache_dtype": stats["kv_cache_dtype"],
+        "block_size": stats["kv_block_size"],
+        "num_blocks": stats["kv_blocks_total"],
+        "blocks": states.tobytes().decode("ascii"),
+        "counts": {name: int(counts[ord(c)]) for name, c in STATES.items()},
+        "running": [asdict(s) for s in snap.sequences if s.status == "running"],
+        "waiting": [asdict(s) for s in snap.sequences if s.status == "waiting"],
+        "stats": stats,
+    }
+
+
+def block_detail(engine: LLMEngine, block_id: int) -> dict:
+    """One block of `engine`'s pool (ValueError naming block_id if there is no such block): its state,
+    owners (sequence, logical index), reference count, prefix hash, what it borrows or is borrowed by,
+    and the token ids it holds (None where they are not known: a borrowed block holds part of another's,
+    and a sequence that compacted its cache (h2o, snapkv) keeps no record of which tokens stayed)."""
+    kv = engine.kv
+    pool = getattr(kv, "pool", None)
+    if pool is None or not 0 <= block_id < pool.num_blocks:
+        raise ValueError(f"block_id: there is no block {block_id}; the pool has "
+                         f"{pool.num_blocks if pool is not None else 0} blocks")
+    key = pool.keys[block_id]
+    borrowed_by = next((b for b, borrowed in kv.residuals.items() if block_id in borrowed), None)
+    owners, token_ids = [], list(key.token_ids) if key is not None else None
+    seqs = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    for seq in seqs:
+        for pinned, table in ((False, kv.block_tables.get(seq.seq_id, ())), (True, kv.pinned.get(seq.seq_id, ()))):
+            for index in (i for i, b in enumerate(table) if b == block_id):
+                owners.append({"request_id": seq.request_id, "seq_id": seq.seq_id, "index": index, "pinned": pinned})
+                if token_ids is None and borrowed_by is None:
+                    token_ids = _tokens_at(seq, index, pinned, kv.block_size)
+    refs = pool.ref_counts[block_id]
+    state = "shared" if refs > 1 else "used" if refs else "cached" if key is not None else "free"
+    if block_id in kv.residuals:
+        state = "filling"
+    elif borrowed_by is not None:
+        state = "borrowed"
+    return {"object": "kv_block", "block_id": block_id, "state": state, "ref_count": refs,
+            "prefix_hash": key.hash.hex() if key is not None else None,
+            "parent_hash": key.parent_hash.hex() if key is not None and key.parent_hash else None,
+            "owners": owners, "borrows": list(kv.residuals.get(block_id, ())), "borrowed_by": borrowed_by,
+            "token_ids": token_ids}
+
+
+def _tokens_at(seq: Sequence, index: int, pinned: bool, block_size: int) -> list[int] | None:
+    """The tokens that logical block `index` of a sequence holds (of its pinned blocks, if `pinned`):
+    the computed ones of positions index * block_size on, shifted past what a sink dropped once the
+    block is past the sink blocks; None after a compaction, which keeps tokens by score."""
+    start = index * block_size
+    if seq.num_evicted_tokens and not pinned:
+        if not isinstance(seq.eviction, Sink):
+            return None
+        if index >= seq.eviction.sink_blocks(block_size):
+            start += seq.num_evicted_tokens      # a sink drops whole blocks: the window's follow its sinks
+    return seq.token_ids[start:min(start + block_size, seq.num_computed_tokens)]

@@ -1,0 +1,213 @@
+"""Sliding-window and hybrid models end to end: each family against transformers with prompts and generations
+longer than the window, batched with other lengths and with prompt chunks that cut across the window, in every
+attention backend; their config.json fields; eviction beside windows; max_model_len."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ModelConfig
+from kvserve.engine.native_decode import lacks
+from tiny_models import hf_model, make_checkpoint
+
+WINDOW = 8
+FAMILIES = {
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    # caps low enough to change the scores and logits of these weights
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3": ("gemma3", dict(sliding_window=WINDOW, head_dim=16, sliding_window_pattern=2)),
+    "phi3": ("phi3", dict(sliding_window=WINDOW)),
+}
+PROMPT_LENS = [40, 17, 5]
+MAX_TOKENS = 10
+# prompt chunks of 12 tokens: their ends (12, 24, 36) fall inside windows and blocks of 4, not on their edges
+CHUNKED = dict(block_size=4, num_kv_blocks=128, dtype="float32", long_prefill_token_threshold=12,
+               num_scheduler_steps=1)
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def reference(path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
+    """transformers' greedy tokens of each prompt and the logits they were chosen from."""
+    hf = hf_model(path)
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            tokens = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=2)[0, len(ids):].tolist()
+            refs.append((tokens, hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]))
+    return refs
+
+
+def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
+    """Each prompt's greedy tokens and the logits of every step that sampled them, all prompts in one batch."""
+    runner, seen = llm.engine.runner, defaultdict(list)
+    run = runner.run
+
+    def recording_run(sched):
+        out = run(sched)
+        for row, logits in zip(out.sample_rows, out.logits):
+            seen[sched.seqs[row].request_id].append(logits.clone())
+        return out
+
+    runner.run = recording_run
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        del runner.run
+    return [(o.outputs[0].token_ids, torch.stack(seen[o.request_id])) for o in outs]
+
+
+def assert_matches(ours, refs) -> None:
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(ours, refs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    arch, overrides = FAMILIES[request.param]
+    path = make_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
+    prompts = [prompt(n) for n in PROMPT_LENS]
+    return path, prompts, reference(path, prompts)
+
+
+@pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])
+def test_family_matches_transformers_past_its_window(family, backend):
+    """Prompts of 40, 17 and 5 tokens and 10 new ones (a window of 8), batched, the long prompt in chunks of 12,
+    decodes beside chunks: greedy tokens equal and every logit within 1e-4. With the native backend, the decode
+    steps of the Llama-family models run in the C step (over each layer's window); Gemma's run eagerly."""
+    path, prompts, refs = family
+    llm = LLM(str(path), attention_backend=backend, **CHUNKED)
+    assert llm.engine.max_model_len == 512           # the model's context, not its window
+    assert_matches(generate(llm, prompts), refs)
+    native = llm.engine.runner.native
+    if backend == "native" and not lacks(llm.engine.model_config):
+        assert native.steps > 0
+    else:
+        assert native is None
+
+
+def test_triton_backend_runs_a_hybrid_model(tmp_path):
+    """Gemma 2 (windowed and full layers, soft-capped scores) through the Triton kernels end to end."""
+    import triton_setup  # noqa: F401  (sets TRITON_INTERPRET where there is no GPU)
+
+    arch, overrides = FAMILIES["gemma2"]
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    prompts = [prompt(n) for n in (21, 6)]
+    llm = LLM(str(path), attention_backend="triton", **CHUNKED)
+    assert_matches(generate(llm, prompts, 6), reference(path, prompts, 6))
+
+
+@pytest.mark.parametrize("max_model_len, lens", [(None, [40, 35]), (32, [20, 9])], ids=["long", "short"])
+def test_phi3_longrope_factors(tmp_path, max_model_len, lens):
+    """LongRoPE takes its long factors where max_model_len exceeds the original context (32 here), as
+    transformers does for sequences past it, and its short ones otherwise."""
+    path = make_checkpoint(tmp_path, "phi3", original_max_position_embeddings=32, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(8)],
+        "long_factor": [3.0 + 0.5 * i for i in range(8)]})
+    prompts = [prompt(n) for n in lens]
+    llm = LLM(str(path), max_model_len=max_model_len, **CHUNKED)
+    assert_matches(generate(llm, prompts), reference(path, prompts))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_bfloat16_tracks_transformers(tmp_path, arch):
+    """In bfloat16, kvserve's error against the float32 forward is no larger than transformers' own in bfloat16
+    (half again at most): the norms in float32, the embedding scale rounded, as transformers computes them."""
+    path = make_checkpoint(tmp_path, arch, dtype=torch.bfloat16, **FAMILIES[arch][1])
+    ids = prompt(30)
+    seen = generate(LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16"), [ids], 1)[0][1][0].float()
+    with torch.inference_mode():
+        exact = hf_model(path, torch.float32)(torch.tensor([ids])).logits[0, -1]
+        ref = hf_model(path, torch.bfloat16)(torch.tensor([ids])).logits[0, -1].float()
+    ours, theirs = (seen - exact).abs(), (ref - exact).abs()
+    assert ours.max() <= 1.5 * theirs.max() and ours.mean() <= 1.5 * theirs.mean()
+
+
+def test_sink_eviction_keeps_every_window_whole(tmp_path):
+    """A model whose every layer attends within 8 tokens, under `sink` with a window of 8: the cache drops the
+    blocks that left the window, and the output is transformers' exactly (no layer ever looks past it)."""
+    path = make_checkpoint(tmp_path, "mistral", sliding_window=WINDOW)
+    prompts = [prompt(40)]
+    llm = LLM(str(path), eviction="sink:sinks=4,window=8", **CHUNKED)
+    assert_matches(generate(llm, prompts, 12), reference(path, prompts, 12))
+    assert llm.engine.evictor.num_evicted_tokens > 0
+
+
+@pytest.mark.parametrize("eviction", ["sink:sinks=4,window=4", "h2o:budget=32,recent=8",
+                                      "snapkv:budget=32,window=8"])
+def test_eviction_that_would_cut_a_window_is_refused(tmp_path, eviction):
+    path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"][1])
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="eviction .* sliding-window layers \\(window 8\\)"):
+        llm.engine.add_request("r", {"prompt_token_ids": prompt(20)}, SamplingParams(max_tokens=4, eviction=eviction))
+    assert not llm.engine.requests
+
+
+def test_a_window_past_max_model_len_leaves_eviction_free(tmp_path):
+    """Phi-3-128k's window (262144) exceeds its context: no cache reaches it, so every policy may run."""
+    path = make_checkpoint(tmp_path, "phi3", sliding_window=1024)       # the tiny model's context: 512
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=2, eviction="h2o:budget=16,recent=4")
+    out = llm.generate({"prompt_token_ids": prompt(20)}, params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+def config(arch: str, **fields) -> ModelConfig:
+    return ModelConfig.from_dict({"architectures": [arch], **BASE, **fields})
+
+
+@pytest.mark.parametrize("fields, windows", [
+    (dict(sliding_window=16, max_window_layers=2), (None,) * 4),                  # use_sliding_window is off
+    (dict(use_sliding_window=True, sliding_window=16, max_window_layers=2), (None, None, 16, 16)),
+    (dict(use_sliding_window=True, sliding_window=16, max_window_layers=2,
+          layer_types=["sliding_attention", "full_attention"] * 2), (16, None, 16, None)),
+], ids=["off", "max_window_layers", "layer_types"])
+def test_qwen2_windows(fields, windows):
+    assert config("Qwen2ForCausalLM", num_hidden_layers=4, **fields).sliding_windows == windows
+
+
+def test_gemma_configs_as_the_hub_writes_them():
+    """Gemma 2 alternates from a sliding first layer; a Gemma 3 config of transformers 4 (sliding_window_pattern,
+    rope_local_base_freq, rope_scaling of the global layers) reads as transformers 5's does."""
+    gemma2 = config("Gemma2ForCausalLM", num_hidden_layers=4, sliding_window=4096, hidden_act="gelu")
+    assert gemma2.sliding_windows == (4096, None, 4096, None)
+    assert gemma2.tie_word_embeddings and gemma2.hidden_act == "gelu_pytorch_tanh" and gemma2.embed_scale == 8.0
+    gemma3 = config("Gemma3ForCausalLM", num_hidden_layers=6, sliding_window=512, sliding_window_pattern=3,
+                    rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert gemma3.sliding_windows == (512, 512, None, 512, 512, None)
+    assert (gemma3.rope_theta, gemma3.rope_local_base_freq) == (1e6, 1e4)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 8.0} and gemma3.qk_norm
+    assert lacks(gemma3) == ["GeGLU", "Gemma's norms", "scaled embeddings", "a RoPE base of the sliding layers"]
+
+
+def test_phi3_su_rope_is_longrope():
+    """Phi-3's configs of transformers 4: rope_scaling type "su", the original context at the top level."""
+    phi3 = config("Phi3ForCausalLM", num_hidden_layers=2, max_position_embeddings=131072, sliding_window=262144,
+                  original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                  rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
+    assert phi3.rope_scaling["rope_type"] == "longrope" and phi3.rope_scaling["factor"] == 32.0
+    assert phi3.rope_scaling["original_max_position_embeddings"] == 4096 and phi3.rotary_dim == 12
+    assert phi3.sliding_windows == (262144, 262144) and lacks(phi3) == ["partial RoPE"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(sliding_window=8, layer_types=["sliding_attention"]), "layer_types must name 2 layers"),
+    (dict(sliding_window=0), "sliding_window must be a positive integer"),
+    (dict(hidden_activation="relu"), "unsupported hidden_act 'relu'"),
+])
+def test_bad_window_fields_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config("Gemma2ForCausalLM", num_hidden_layers=2, **fields)
