@@ -1,6 +1,7 @@
 """The GEMM chosen by measurement (model/gemm_choice.py): the rule, the cache, and each choice forced."""
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -81,16 +82,20 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypa
     assert again["source"] == "cached" and again["seconds"] == report["seconds"]
 
 
-def test_each_forced_choice_gives_the_same_tokens(tmp_path, monkeypatch):
+def test_each_forced_choice_gives_the_same_tokens(tmp_path, monkeypatch, caplog):
     """csrc/gemm.c by AVX-512 or AMX at every row count, or oneDNN's GEMM (and no native step, which reads only
-    csrc/gemm.c's panels): the same greedy tokens, prefill and decode."""
+    csrc/gemm.c's panels): the same greedy tokens, prefill and decode; the log says which was forced."""
     path = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 3 * i))} for i in range(5)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = {}
     for forced in ("avx512", "onednn", *(["amx"] if AMX else [])):
         monkeypatch.setenv(GEMM_ENV, forced)
-        llm = LLM(str(path), block_size=4, num_kv_blocks=128, dtype="bfloat16", num_scheduler_steps=1)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=gemm_choice.__name__):
+            llm = LLM(str(path), block_size=4, num_kv_blocks=128, dtype="bfloat16", num_scheduler_steps=1)
+        packed = "oneDNN" if forced == "onednn" else "csrc/gemm.c"
+        assert f"GEMMs: weights packed for {packed} ({GEMM_ENV}={forced})" in caplog.text
         report = llm.stats()["gemm"]
         assert report["source"] == f"{GEMM_ENV}={forced}"
         assert report["weight_format"] == ("onednn" if forced == "onednn" else "gemm")

@@ -161,7 +161,15 @@ def choose_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, nati
     """How the model's linear layers will multiply (GemmChoice): measured here, or read from the cache, or
     forced by KVSERVE_GEMM. Off the CPU, or in another dtype, plain weights; where csrc/gemm.c does not
     multiply dtype, plain for the native step (native) or oneDNN's without it. Quantized weights are
-    csrc/gemm.c's alone (its kernels are measured): a ValueError where it cannot take them."""
+    csrc/gemm.c's alone (its kernels are measured): a ValueError where it cannot take them. The choice is
+    logged, forced or not (the test suite forces one: the log says which ran)."""
+    choice = _choose(cfg, dtype, device, native, quantization)
+    log.info("GEMMs: %s", choice.describe())
+    return choice
+
+
+def _choose(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, native: bool,
+            quantization: str | None) -> GemmChoice:
     forced = os.environ.get(GEMM_ENV) or "measure"
     if forced not in CHOICES:
         raise ValueError(f"{GEMM_ENV} must be one of {', '.join(CHOICES)}, got {forced!r}")
@@ -191,9 +199,7 @@ def choose_gemm(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, nati
         seconds[s.name] = timed
     if measured:
         cache.save()
-    choice = decide(shapes, seconds, "measured" if measured else "cached")
-    log.info("GEMMs: %s", choice.describe())
-    return choice
+    return decide(shapes, seconds, "measured" if measured else "cached")
 
 
 def _check_quantizable(quantization: str, dtype: torch.dtype, device: torch.device, forced: str) -> None:
