@@ -162,8 +162,8 @@ def test_bench_quant_json(tmp_path):
 
 
 def test_bench_quant_weights_json(tmp_path):
-    """--weights: full-precision weights, then int8's, over a full-precision cache: half the weights' bytes in
-    bfloat16, and its quality against full precision."""
+    """--weights: full-precision weights, then int8's and int4's, over a full-precision cache: about half the
+    weights' bytes in bfloat16 (int8), less again (int4), and their quality against full precision."""
     from tiny_models import make_checkpoint as tiny_checkpoint
 
     ckpt = tiny_checkpoint(tmp_path / "m", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -174,10 +174,12 @@ def test_bench_quant_weights_json(tmp_path):
             "--repeats", "1", "--max-num-seqs", "4"]
     assert main(["bench", "quant", "--quick", "--json", str(path), *args]) == 0
     rows = {r["weights"]: r for r in json.loads(path.read_text())["rows"]}
-    assert list(rows) == ["none", "int8"]
+    assert list(rows) == ["none", "int8", "int4"]
     assert all(_positive(r[key]) for r in rows.values() for key in ("weight_bytes", "perplexity", "decode_tok_s"))
     assert 0.5 < rows["int8"]["weight_bytes"] / rows["none"]["weight_bytes"] < 0.6
-    assert rows["none"]["kl"] == 0 and rows["int8"]["kl"] > 0 and rows["int8"]["top1_agreement"] > 0.5
+    assert rows["int4"]["weight_bytes"] < rows["int8"]["weight_bytes"]
+    assert rows["none"]["kl"] == 0
+    assert all(rows[q]["kl"] > 0 and rows[q]["top1_agreement"] > 0.5 for q in ("int8", "int4"))
 
 
 def test_bench_eviction_json(tmp_path):
