@@ -23,6 +23,10 @@ def _kernels_run_here() -> bool:
     return library() is not None and all(gemm_packs(dtype) for dtype in COMPUTE_DTYPES)
 
 
+# The engines of the tests multiply by csrc/gemm.c's AVX-512 kernel wherever it runs, not by what a measurement
+# on a busy machine picks from run to run; tests of the choice, and of AMX's kernel, set KVSERVE_GEMM themselves.
+os.environ.setdefault("KVSERVE_GEMM", "avx512")
+
 # Where the kernels run, a fast path that falls back to torch's ops fails the test (kvserve.kernels.fallback);
 # tests of the fallbacks turn it off for themselves. KVSERVE_STRICT_KERNELS=0 in the environment keeps it off.
 if "KVSERVE_STRICT_KERNELS" not in os.environ and _kernels_run_here():

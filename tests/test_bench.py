@@ -161,6 +161,27 @@ def test_bench_quant_json(tmp_path):
     assert (tmp_path / "quant.png").stat().st_size > 0
 
 
+def test_bench_quant_weights_json(tmp_path):
+    """--weights: full-precision weights, then int8's and int4's, over a full-precision cache: about half the
+    weights' bytes in bfloat16 (int8), less again (int4), and their quality against full precision."""
+    from tiny_models import make_checkpoint as tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "m", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           initializer_range=0.02, max_position_embeddings=256, dtype=torch.bfloat16)
+    path = tmp_path / "quant.json"
+    args = ["--model", str(ckpt), "--weights", "--tokens", "120", "--context", "60", "--block-size", "16",
+            "--passkey-lengths", "200", "--decode-batch", "2", "--decode-prompt", "8", "--decode-tokens", "16",
+            "--repeats", "1", "--max-num-seqs", "4"]
+    assert main(["bench", "quant", "--quick", "--json", str(path), *args]) == 0
+    rows = {r["weights"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["none", "int8", "int4"]
+    assert all(_positive(r[key]) for r in rows.values() for key in ("weight_bytes", "perplexity", "decode_tok_s"))
+    assert 0.5 < rows["int8"]["weight_bytes"] / rows["none"]["weight_bytes"] < 0.6
+    assert rows["int4"]["weight_bytes"] < rows["int8"]["weight_bytes"]
+    assert rows["none"]["kl"] == 0
+    assert all(rows[q]["kl"] > 0 and rows[q]["top1_agreement"] > 0.5 for q in ("int8", "int4"))
+
+
 def test_bench_eviction_json(tmp_path):
     from tiny_models import make_checkpoint as tiny_checkpoint
 

@@ -53,12 +53,17 @@ def prompts(lengths: list[int]) -> list[dict]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype, atol", [("float32", 5e-5), ("bfloat16", 0.1)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "matrix-vector"])
-def test_native_steps_give_the_eager_logits(tmp_path, monkeypatch, variant, dtype, atol, threads, gemm):
+@pytest.mark.parametrize("kernel", ["avx512", "amx", None], ids=["gemm", "gemm-amx", "matrix-vector"])
+def test_native_steps_give_the_eager_logits(tmp_path, monkeypatch, variant, dtype, atol, threads, kernel):
     arch, overrides = VARIANTS[variant]
+    gemm = kernel is not None
+    if kernel == "amx" and kernel not in layers.gemm_kernels(getattr(torch, dtype)):
+        pytest.skip(f"csrc/gemm.c has no AMX kernel for {dtype} here")
     path = make_checkpoint(tmp_path, arch, dtype=getattr(torch, dtype), **overrides)
     torch.set_num_threads(threads)
-    if not gemm:        # as on a CPU whose csrc/gemm.c does not multiply the dtype
+    if gemm:            # AMX: at every row count, in the step and op by op
+        monkeypatch.setenv("KVSERVE_GEMM", kernel)
+    else:               # as on a CPU whose csrc/gemm.c does not multiply the dtype
         monkeypatch.setenv(STRICT_ENV, "0")
         monkeypatch.setattr(layers, "_gemm_function", lambda *args: None)
     # sequences of mixed lengths, crossing blocks of 4 while they decode, in batches of 1 to 4, their

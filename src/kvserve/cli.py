@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from kvserve.bench import MissingDependency
-from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES, ServerConfig
+from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES, QUANTIZATIONS, ServerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
 
 
@@ -38,8 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU for weights, activations and the KV cache (when its size is not given)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="decode op by op: no CUDA graphs on a GPU; on the CPU, no native decode step (nor the "
-                        "second copy of the weights it reads)")
+                   help="decode op by op: no CUDA graphs on a GPU; on the CPU, no native decode step")
     p.add_argument("--cpu-allocator-tuning", default=True, action=argparse.BooleanOptionalAction,
                    help="on the CPU, keep freed memory in the process for the next step's tensors (glibc malloc "
                         "settings, process-wide)")
@@ -49,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for all layers of a sliding-window model: every layer keeps every token "
                         "(default: each layer group its own, a sliding group only its window)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weight-only quantization of every linear layer (lm_head too) at load, CPU only: int8 per "
+                        "output channel, int4 in groups of 32")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, and outputs have token ids but no text")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -77,7 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
             "cpu_allocator_tuning", "skip_tokenizer_init", "tensor_parallel_size",
-            "disable_hybrid_kv_cache_manager", "kv_offload", "kv_offload_size", "preemption_mode"]
+            "disable_hybrid_kv_cache_manager", "kv_offload", "kv_offload_size", "preemption_mode", "quantization"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -24,6 +24,8 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 CACHE_MODES = ("paged", "contiguous", "none")
 ATTENTION_BACKENDS = ("auto", "sdpa", "native", "flash", "triton", "textbook")
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "int4")
+# weight-only quantizations of the linear layers (vLLM's --quantization), CPU only: csrc/gemm.c's panels
+QUANTIZATIONS = ("int8", "int4")
 # full-precision pages: auto, or the model's dtype by name (vLLM's --kv-cache-dtype bfloat16, and the short names)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", *QUANTIZED_KV_CACHE_DTYPES)
 _DTYPES = {
@@ -320,6 +322,9 @@ class EngineConfig:
     # what a preemption does with a tier: "swap" the sequence's blocks out to it and back, "recompute" them,
     # or None: whichever of the two costs less, from a prefill and a transfer timed at start-up (vLLM's name)
     preemption_mode: str | None = None
+    # weight-only quantization of every linear layer, lm_head included, at load (QUANTIZATIONS; None: none):
+    # int8 per output channel, int4 in groups of 32 k with a scale and a minimum each
+    quantization: str | None = None
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -355,6 +360,8 @@ class EngineConfig:
             parse_dtype(self.dtype)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), got {self.quantization!r}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -362,6 +369,9 @@ class EngineConfig:
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size {self.tensor_parallel_size}: "
+                             f"quantized weights run on one rank only")
         if self.tensor_parallel_size > 1 and self.kv_offload is not None:
             raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
                              f"writes rank 0's pool only")

@@ -54,9 +54,17 @@ SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     "struct_layout": ((_I, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)), _I64),
     # csrc/gemm.c
     "gemm_dtypes": ((), _I),
-    "gemm_packed_size": ((_I, _I, _I, _I), _I64),
-    "gemm_pack": ((_P, _I, _I, _I, _I, _P), None),
-    "gemm": ((_P, _P, _I, _P, _I64, _I, _I, _I, _P, _I, _I), None),
+    # (kind: of the weight's numbers, the dtype's, int8 or int4; dtype: the products')
+    "gemm_packed_size": ((_I, _I, _I, _I, _I), _I64),
+    "gemm_pack": ((_P, _I, _I, _I, _I, _I, _P), None),
+    # int4's scales and minimums: dtype, n, k, gated; scales, mins, dtype, n, k, gated, out
+    "gemm_groups_size": ((_I, _I, _I, _I), _I64),
+    "gemm_pack_groups": ((_P, _P, _I, _I, _I, _I, _P), None),
+    "gemm_kernels": ((), _I),
+    # packed, scales, kind, bias, dtype, x, ldx, m, k, n, y, gated, kernel, threads
+    "gemm": ((_P, _P, _I, _P, _I, _P, _I64, _I, _I, _I, _P, _I, _I, _I), None),
+    # packed, scales, kind, dtype, k, ids, count, out, threads
+    "gemm_rows": ((_P, _P, _I, _I, _I, _P, _I, _P, _I), None),
     # csrc/layer_ops.c
     "add_rms_norm": ((_P, _P, _P, _P, _I, _I, _F, _I, _I), Status),
     "rope": ((_P, _I64, _I, _I, _I, _P, _P, _I, _I), None),
@@ -148,14 +156,25 @@ def _cpu_signature() -> bytes:
     return (platform.machine() + "".join(sorted({line for line in lines if line.startswith(keys)}))).encode()
 
 
+def cache_dirs(what: str) -> list[Path]:
+    """Where kvserve caches `what` (a subdirectory): under $KVSERVE_CACHE or ~/.cache/kvserve, else (not
+    writable) under the temporary directory."""
+    return [Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve") / what,
+            Path(tempfile.gettempdir()) / "kvserve" / what]
+
+
+def build_key() -> str:
+    """What names a build of the kernels: their sources, the compiler and its flags, and this CPU."""
+    cc = os.environ.get("CC", "cc")
+    code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    return hashlib.sha256(code + " ".join((cc, *FLAGS)).encode() + _cpu_signature()).hexdigest()[:16]
+
+
 def build() -> Path:
     """The shared library, compiled unless a build of these sources for this CPU is cached."""
     cc = os.environ.get("CC", "cc")
-    code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
-    key = hashlib.sha256(code + " ".join((cc, *FLAGS)).encode() + _cpu_signature()).hexdigest()[:16]
-    name = f"kvserve-{key}.so"
-    dirs = [Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve") / "kernels",
-            Path(tempfile.gettempdir()) / "kvserve" / "kernels"]
+    name = f"kvserve-{build_key()}.so"
+    dirs = cache_dirs("kernels")
     cached = next((d / name for d in dirs if (d / name).exists()), None)
     if cached is not None:
         return cached

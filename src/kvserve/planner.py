@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.config import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes, parse_dtype
+from kvserve.config import (KV_CACHE_DTYPES, QUANTIZATIONS, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes,
+                            parse_dtype)
 from kvserve.distributed import check_tensor_parallel, shard_config
 from kvserve.kv.eviction import Sink
 from kvserve.kv.hybrid import LayerGroup, group_size, is_hybrid, layer_groups, window_blocks
@@ -102,12 +103,26 @@ def load_model_config(model: str) -> tuple[str, ModelConfig]:
                      f"or one of {', '.join(MODELS)}")
 
 
-def weight_bytes(cfg: ModelConfig, bytes_per_number: int) -> int:
+def weight_bytes(cfg: ModelConfig, bytes_per_number: int, quantization: str | None = None) -> int:
+    """Bytes of the weights; quantized, each linear layer's numbers (lm_head's too, and so a tied embedding
+    table's) take a byte and a float32 scale per output column (int8), or half a byte and a float16 scale and
+    minimum per output column and group of 32 (int4)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     layer = attn + 3 * h * i + 2 * h
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return (cfg.num_layers * layer + embed + h) * bytes_per_number
+    total = (cfg.num_layers * layer + embed + h) * bytes_per_number
+    if quantization is None:
+        return total
+    linear = cfg.num_layers * (attn + 3 * h * i) + cfg.vocab_size * h
+    # (out, in) of the linear layers, and how many of each
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, h, cfg.num_layers), (h, cfg.q_size, cfg.num_layers),
+              (2 * i, h, cfg.num_layers), (h, i, cfg.num_layers), (cfg.vocab_size, h, 1)]
+    if quantization == "int4":      # a group's scale and minimum: 4 bytes
+        groups = sum(out * -(-in_ // 32) * n for out, in_, n in shapes)
+        return total - linear * bytes_per_number + linear // 2 + 4 * groups
+    columns = sum(out * n for out, _, n in shapes)
+    return total - linear * (bytes_per_number - 1) + 4 * columns
 
 
 def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float | None,
@@ -131,9 +146,10 @@ def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float |
 def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_parallel: int = 1,
          utilization: float = 0.9, block_size: int = 16, avg_prompt: float | None = None,
          avg_output: float | None = None, sinks: int = 4, window: int = 1020, kv_dtype: str = "auto",
-         offload_size: int | None = None) -> Plan:
-    """Users that fit with each cache option; contiguous, paged and sink_window store `kv_dtype`. With
-    `offload_size`, the prefix tokens a second tier of that many bytes keeps (kv_offload)."""
+         offload_size: int | None = None, quantization: str | None = None) -> Plan:
+    """Users that fit with each cache option; contiguous, paged and sink_window store `kv_dtype`; the weights
+    are quantized as `quantization` says (weight_bytes). With `offload_size`, the prefix tokens a second tier of
+    that many bytes keeps (kv_offload)."""
     if context < 1:
         raise ValueError(f"context must be at least 1 token, got {context}")
     if not 0 < utilization <= 1:
@@ -141,7 +157,7 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
     name, cfg = load_model_config(model)
     kv_dtype = resolve_kv_cache_dtype(kv_dtype, parse_dtype(dtype))
     spec = KVSpec.from_model(cfg, parse_dtype(dtype), block_size)
-    weights = weight_bytes(cfg, spec.bytes_per_number) // tensor_parallel
+    weights = weight_bytes(cfg, spec.bytes_per_number, quantization) // tensor_parallel
     usable = int(memory * utilization)
     if usable <= weights:
         need = math.ceil(weights * tensor_parallel / usable)
@@ -250,6 +266,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="pages of the contiguous, paged and sink+window rows (int8/fp8/int4 rows are always "
                         "shown); bfloat16, bf16, float16, fp16 name the model's --dtype, as auto does")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="weight-only quantization")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
@@ -268,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS[args.gpu] * 2**30
     kw = dict(dtype=args.dtype, tensor_parallel=args.tensor_parallel, utilization=args.memory_utilization,
               block_size=args.block_size, avg_prompt=args.avg_prompt, avg_output=args.avg_output,
-              sinks=args.sinks, window=args.window, kv_dtype=args.kv_dtype)
+              sinks=args.sinks, window=args.window, kv_dtype=args.kv_dtype, quantization=args.quantization)
     offload = None
     if args.kv_offload_size is not None:
         try:
@@ -278,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan(args.model, memory, args.context, **kw, offload_size=offload)
     _, cfg = load_model_config(args.model)
     gib = 2**30
-    print(f"{result.model}: weights {result.weight_bytes / gib:.2f} GiB per card ({args.dtype}, "
+    print(f"{result.model}: weights {result.weight_bytes / gib:.2f} GiB per card ({args.quantization or args.dtype}, "
           f"tensor parallel {args.tensor_parallel})")
     spec = KVSpec.from_model(cfg, parse_dtype(args.dtype), args.block_size, args.kv_dtype)
     cards = min(args.tensor_parallel, cfg.num_kv_heads)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +17,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
 from kvserve.kernels import COMPUTE_DTYPES, library
-from kvserve.model.layers import gemm, gemm_pack, onednn_linear, onednn_pack
+from kvserve.model.layers import NEVER, gemm, gemm_kernels, gemm_pack, onednn_linear, onednn_pack
 from kvserve.sampling import SamplingParams
 
 # bench flag -> LlamaConfig field
@@ -25,23 +27,40 @@ SHAPE_FIELDS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate
 # 23M parameters in the decoder layers, 16M in lm_head
 DEFAULT_SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
                  "num_kv_heads": 2, "vocab_size": 32000}
+# --shape: the published shapes of small models (their configs' fields as bench flags; Qwen2.5 as Qwen2, whose q,
+# k, v have biases; the two tie their embeddings), built with random weights
+SHAPES = {
+    "tinyllama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22, "num_heads": 32,
+                       "num_kv_heads": 4, "vocab_size": 32000},
+    "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16, "num_heads": 32,
+                     "num_kv_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True},
+    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_layers": 24, "num_heads": 14,
+                     "num_kv_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "architecture": "qwen2"},
+}
 _BOS, _EOS, _PAD = 0, 1, 2
 
 
 def add_model_args(p: argparse.ArgumentParser, defaults: dict[str, int] | None = None) -> None:
-    """--hidden-size, --num-layers, ...: the shape of the random-weight Llama the bench builds."""
+    """--hidden-size, --num-layers, ...: the shape of the random-weight Llama the bench builds; or --shape, a
+    published one (SHAPES)."""
     for name, default in (defaults or DEFAULT_SHAPE).items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                        help=f"of the random-weight Llama (default {default})")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="a published model's shape, with random weights (instead of the flags above)")
 
 
-def model_shape(args: argparse.Namespace) -> dict[str, int]:
+def model_shape(args: argparse.Namespace) -> dict:
+    if getattr(args, "shape", None):
+        return dict(SHAPES[args.shape])
     return {name: getattr(args, name) for name in DEFAULT_SHAPE}
 
 
-def describe_shape(shape: dict[str, int]) -> str:
-    return ("Llama hidden {hidden_size}, {num_layers} layers, {num_heads} heads ({num_kv_heads} KV), "
-            "intermediate {intermediate_size}, vocab {vocab_size}".format(**shape))
+def describe_shape(shape: dict) -> str:
+    text = ("{arch} hidden {hidden_size}, {num_layers} layers, {num_heads} heads ({num_kv_heads} KV), "
+            "intermediate {intermediate_size}, vocab {vocab_size}").format(
+        arch=shape.get("architecture", "llama").capitalize(), **shape)
+    return text + (", tied embeddings" if shape.get("tie_word_embeddings") else "")
 
 
 def make_tokenizer(corpus: list[str] | None = None, vocab_size: int = 300, total: int | None = None):
@@ -85,13 +104,16 @@ def save_random_model(path: Path, config, dtype: torch.dtype = torch.float32, se
     return Path(path)
 
 
-def make_checkpoint(path: Path, shape: dict[str, int], max_positions: int,
+def make_checkpoint(path: Path, shape: dict, max_positions: int,
                     dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """A random-weight Llama of `shape` (bench flags) as a Hugging Face checkpoint."""
-    from transformers import LlamaConfig
+    """A random-weight Llama (or the shape's "architecture", qwen2) of `shape` (bench flags, and whether it
+    ties its embeddings) as a Hugging Face checkpoint."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    cfg = LlamaConfig(**{SHAPE_FIELDS[k]: v for k, v in shape.items()}, max_position_embeddings=max_positions,
-                      bos_token_id=_BOS, eos_token_id=_EOS, pad_token_id=_PAD, tie_word_embeddings=False)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.get("architecture", "llama")]
+    cfg = config(**{SHAPE_FIELDS[k]: v for k, v in shape.items() if k in SHAPE_FIELDS},
+                 max_position_embeddings=max_positions, bos_token_id=_BOS, eos_token_id=_EOS, pad_token_id=_PAD,
+                 tie_word_embeddings=shape.get("tie_word_embeddings", False))
     return save_random_model(path, cfg, dtype, seed, make_tokenizer(total=shape["vocab_size"]))
 
 
@@ -158,13 +180,15 @@ _decode_runs = itertools.count()
 
 def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """x @ w.T by each GEMM the engine may run here: F.linear, oneDNN's prepacked one and csrc/gemm.c's
-    (on the CPU, where built)."""
+    kernels (on the CPU, where built)."""
     linears = [lambda x: F.linear(x, w)]
     if w.device.type == "cpu" and w.dtype in COMPUTE_DTYPES:
         if (prepacked := onednn_pack(w)) is not None:
             linears.append(lambda x: onednn_linear(x, prepacked, None))
         if (own := gemm_pack(w)) is not None:
-            linears.append(lambda x: gemm(x, own, None, w.shape[0]))
+            for kernel in gemm_kernels(w.dtype):
+                amx_from = 1 if kernel == "amx" else NEVER
+                linears.append(lambda x, amx_from=amx_from: gemm(x, own, None, w.shape[0], amx_from=amx_from))
     return linears
 
 
@@ -198,6 +222,61 @@ def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int
         fn()
         best = max(best, nbytes / min(timed(fn, device) for _ in range(repeats)))
     return best
+
+
+_MEMORY_CHILD = """
+import json, sys
+import torch
+job = json.loads(sys.argv[1])
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+if job["side"] == "kvserve":
+    from kvserve import LLM, SamplingParams
+    before = status("VmRSS:")
+    llm = LLM(job["path"], **job["kwargs"])
+    loaded = status("VmRSS:")
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params, use_tqdm=False)
+else:
+    from transformers import AutoModelForCausalLM
+    before = status("VmRSS:")
+    model = AutoModelForCausalLM.from_pretrained(job["path"], dtype=getattr(torch, job["dtype"]),
+                                                 attn_implementation="sdpa").eval()
+    loaded = status("VmRSS:")
+    ids = torch.tensor(job["prompts"])
+    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=job["tokens"],
+                   min_new_tokens=job["tokens"])
+print(json.dumps({"before_load": before, "after_load": loaded, "peak": status("VmHWM:")}))
+"""
+
+
+def process_memory(side: str, path: Path, prompts: list[list[int]], tokens: int, dtype: str,
+                   kwargs: dict | None = None) -> dict[str, int]:
+    """Resident memory (bytes) of a fresh process that loads the checkpoint by `side` ("kvserve", LLM(path,
+    **kwargs); or "transformers", in dtype) and generates `tokens` greedy tokens for the prompts as one batch:
+    before loading (its libraries imported), after loading, and at its peak (VmHWM: what the system must have
+    free for it). A process of its own, so that neither side's memory, nor the bench's, counts in the other's."""
+    job = {"side": side, "path": str(path), "prompts": prompts, "tokens": tokens, "dtype": dtype,
+           "kwargs": kwargs or {}}
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, json.dumps(job)], capture_output=True, text=True,
+                         check=False)
+    if out.returncode:
+        raise RuntimeError(f"the {side} memory measurement failed: {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def linear_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """Bytes of the linear layers' weights, lm_head's included: what a decode step reads (int8: a byte a number,
+    and a float32 scale per output column; int4: half a byte, and 4 bytes a group of 32)."""
+    layers, head = linear_params(cfg)
+    if quantization is None:
+        return (layers + head) * dtype.itemsize
+    if quantization == "int4":
+        return (layers + head) // 2 + (layers + head) // 8
+    columns = cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size + 2 * cfg.hidden_size + 2 * cfg.intermediate_size)
+    return layers + head + 4 * (columns + cfg.vocab_size)
 
 
 def linear_params(cfg: ModelConfig) -> tuple[int, int]:

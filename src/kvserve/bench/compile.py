@@ -169,7 +169,7 @@ def measure(path: Path, dtype: str, batch: int, w: Workload) -> dict:
         layer.normal_(generator=torch.Generator().manual_seed(0))
     torch_dtype = parse_dtype(dtype)
     plain = load_model(path, ModelConfig.from_path(path), torch_dtype, torch.device("cpu"), w.context + 1,
-                       pack_weights=False)
+                       weight_format="plain")
     g = torch.Generator().manual_seed(batch)
     input_ids = torch.randint(3, plain.config.vocab_size, (batch,), generator=g)
     positions = torch.full((batch,), w.context - 1, dtype=torch.int64)

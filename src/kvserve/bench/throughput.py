@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_params, make_checkpoint,
-                                  matmul_rate, model_shape, pick_device, print_table, random_prompts, read_bandwidth,
-                                  step_times, sync, write_json)
-from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
+from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_bytes, linear_params,
+                                  make_checkpoint, matmul_rate, model_shape, pick_device, print_table, process_memory,
+                                  random_prompts, read_bandwidth, step_times, sync, write_json)
+from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, ModelConfig, parse_dtype
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
 
@@ -63,6 +63,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for every request at once")
     p.add_argument("--kv-cache-memory", default=None, help="bytes, or a size such as 2GiB (instead of --num-kv-blocks)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    p.add_argument("--quantization", default="none",
+                   help=f"weights: comma-separated of none, {', '.join(QUANTIZATIONS)} (each a column beside the dtype)")
+    p.add_argument("--sweep", default=True, action=argparse.BooleanOptionalAction,
+                   help="time the native step against op by op at 1-8 sequences (long at real shapes)")
     add_model_args(p)
 
 
@@ -75,7 +79,17 @@ def workload(args: argparse.Namespace) -> Workload:
     return w
 
 
-def engine_kwargs(args: argparse.Namespace, w: Workload, dtype: str, device: torch.device) -> dict:
+def quantizations(args: argparse.Namespace) -> list[str | None]:
+    """--quantization as the engines take it (None: full precision)."""
+    names = [q for q in args.quantization.split(",") if q]
+    unknown = sorted(set(names) - {"none", *QUANTIZATIONS})
+    if unknown or not names:
+        raise ValueError(f"--quantization takes none and {', '.join(QUANTIZATIONS)}, got {args.quantization!r}")
+    return [None if q == "none" else q for q in names]
+
+
+def engine_kwargs(args: argparse.Namespace, w: Workload, dtype: str, device: torch.device,
+                  quantization: str | None = None) -> dict:
     blocks = args.num_kv_blocks
     if blocks is None and args.kv_cache_memory is None:
         per_seq = -(-(w.prompt_len + w.tokens) // args.block_size)
@@ -86,7 +100,7 @@ def engine_kwargs(args: argparse.Namespace, w: Workload, dtype: str, device: tor
                 enable_prefix_caching=False,
                 num_kv_blocks=blocks, kv_cache_memory=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs or w.requests, max_num_batched_tokens=args.max_num_batched_tokens,
-                attention_backend=args.attention_backend)
+                attention_backend=args.attention_backend, quantization=quantization)
 
 
 def ours_batch(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[int, float]:
@@ -173,10 +187,11 @@ def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.devic
             "eager": ours_batch1(eager, prompt, tokens) if eager is not None else None}
 
 
-def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, bandwidth: float) -> dict:
-    """Lower bounds (s) on the batch's time."""
+def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, bandwidth: float,
+           quantization: str | None = None) -> dict:
+    """Lower bounds (s) on the batch's time (the weights' bytes as quantized)."""
     layers, head = linear_params(cfg)
-    weight_bytes = (layers + head) * dtype.itemsize
+    weight_bytes = linear_bytes(cfg, dtype, quantization)
     attn = 4 * cfg.q_size * cfg.num_layers       # QK^T and PV FLOPs per (query, key) pair
     p, t, r = w.prompt_len, w.tokens, w.requests
     # prefill computes the prompt and samples the first token; t - 1 decode steps follow
@@ -193,12 +208,14 @@ def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, ban
 
 
 def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: argparse.Namespace,
-                device: torch.device, bandwidth: float) -> dict:
-    """Ours and transformers on the same prompts, alternating runs; medians of `w.repeats`."""
+                device: torch.device, bandwidth: float, quantization: str | None = None) -> dict:
+    """Ours (its weights quantized as asked) and transformers (full precision) on the same prompts, alternating
+    runs; medians of `w.repeats`."""
     torch_dtype = parse_dtype(dtype)
     prompts = random_prompts(w.requests, w.prompt_len, cfg.vocab_size)
     prompt1 = random_prompts(1, w.batch1_prompt_len, cfg.vocab_size, seed=1)[0]
-    llm = LLM(str(path), **engine_kwargs(args, w, dtype, device))
+    kwargs = engine_kwargs(args, w, dtype, device, quantization)
+    llm = LLM(str(path), **kwargs)
     hf = load_hf(path, torch_dtype, device)
     ours_batch(llm, prompts, min(_WARMUP_TOKENS, w.tokens))
     hf_batch(hf, prompts, min(_WARMUP_TOKENS, w.tokens), device)
@@ -208,22 +225,30 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         hf_runs.append(hf_batch(hf, prompts, w.tokens, device))
     # the engine decoding op by op too, where it has a faster path (the native C step, CUDA graphs)
     fast = llm.engine.runner.native is not None or llm.engine.runner.graphs is not None
-    eager = LLM(str(path), **engine_kwargs(args, w, dtype, device), enforce_eager=True) if fast else None
+    eager = LLM(str(path), **kwargs, enforce_eager=True) if fast else None
     for engine in (llm, eager):
         if engine is not None:
             ours_batch1(engine, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
     batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager) for _ in range(w.repeats)]
-    by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if llm.engine.runner.native is not None else None
+    sweep = args.sweep and llm.engine.runner.native is not None
+    by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if sweep else None
+    # each side's resident memory, in a process of its own: the batch's prompts and a few tokens (its peak);
+    # not in a quick run, whose processes would take longer than the rest of it
+    memory = None
+    if device.type == "cpu" and not args.quick:
+        memory = {side: process_memory(side, path, prompts, _WARMUP_TOKENS, dtype, kwargs)
+                  for side in ("kvserve", "transformers")}
     prefill_tokens = min(w.requests * w.prompt_len, llm.engine.scheduler_config.max_num_batched_tokens)
     flop_s = matmul_rate(torch_dtype, prefill_tokens, cfg.hidden_size, 2 * cfg.intermediate_size, device)
-    lim = limits(cfg, w, torch_dtype, flop_s, bandwidth)
+    lim = limits(cfg, w, torch_dtype, flop_s, bandwidth, quantization)
     ours_s = statistics.median(s for _, s in ours_runs)
     ours_tok_s = ours_runs[0][0] / ours_s
     hf_tok_s = hf_runs[0][0] / statistics.median(s for _, s in hf_runs)
     weight_bytes = lim["weight_bytes"]
     batch1_tok_s = statistics.median(r["ours"] for r in batch1)
     return {
+        "quantization": quantization,
         "ours_tok_s": ours_tok_s,
         "hf_tok_s": hf_tok_s,
         "ratio_vs_hf": ours_tok_s / hf_tok_s,
@@ -240,10 +265,13 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "batch1_fraction_of_bandwidth_limit": statistics.median(r["ours"] * weight_bytes / r["bandwidth"]
                                                                 for r in batch1),
         "native_by_batch": by_batch,
+        # bytes: {"kvserve" | "transformers": {"before_load", "after_load", "peak"}} (CPU, not --quick)
+        "process_memory": memory,
         "cuda_graphs": llm.engine.runner.graphs is not None,
         "native_decode": llm.engine.runner.native is not None,
         "native_max_batch": llm.engine.runner.native.max_batch if llm.engine.runner.native is not None else None,
         "native_gemm": llm.engine.runner.native.packed if llm.engine.runner.native is not None else None,
+        "gemm": llm.engine.gemm.report(),        # how the linear layers multiply, and the timings that chose it
         "runs": {"ours_s": [s for _, s in ours_runs], "hf_s": [s for _, s in hf_runs],
                  "batch1_tok_s": [r["ours"] for r in batch1], "hf_batch1_tok_s": [r["hf"] for r in batch1],
                  "batch1_eager_tok_s": [r["eager"] for r in batch1],
@@ -259,6 +287,17 @@ def _decode_path(r: dict) -> str:
     if r["native_max_batch"] is None:
         return "native C step (packed GEMMs)"
     return f"native C step up to {r['native_max_batch']} seqs (matrix-vector products)"
+
+
+def _gemm(report: dict) -> str:
+    amx = sorted({v for v in report["amx_from"].values() if v is not None})
+    kernels = f", AMX from {'/'.join(map(str, amx))} rows" if report["weight_format"] == "gemm" and amx else ""
+    return f"{report['weight_format']}{kernels} ({report['source']})"
+
+
+def _peak_rss(r: dict) -> str:
+    memory = r["process_memory"]
+    return "-" if memory is None else " | ".join(f"{memory[side]['peak'] / 1e9:.2f}" for side in ("kvserve", "transformers"))
 
 
 def _rate(tok_s: float | None) -> str:
@@ -278,11 +317,13 @@ def report(results: dict[str, dict]) -> None:
          f">= {TARGET_RATIO_VS_HF}x"],
         ["matmul GFLOP/s (measured)", lambda r: f"{r['matmul_flop_s'] / 1e9:.1f}", ""],
         ["kvserve's decode steps", _decode_path, ""],
+        ["kvserve's GEMMs", lambda r: _gemm(r["gemm"]), ""],
         ["limit s: compute | memory", lambda r: f"{r['compute_limit_s']:.3f} | {r['memory_limit_s']:.3f}", ""],
         ["limit s (per phase) | kvserve s", lambda r: f"{r['limit_s']:.3f} | {r['ours_s']:.3f}", ""],
         ["fraction of limit", lambda r: _vs_target(r["fraction_of_limit"], TARGET_FRACTION_OF_LIMIT,
                                                     f"{r['fraction_of_limit']:.0%}"),
          f">= {TARGET_FRACTION_OF_LIMIT:.0%}"],
+        ["peak RSS GB, kvserve | transformers", _peak_rss, ""],
         ["batch-1 decode tok/s, kvserve", lambda r: f"{r['batch1_tok_s']:.1f}", ""],
         ["batch-1 decode tok/s, kvserve op by op", lambda r: _rate(r["batch1_eager_tok_s"]), ""],
         ["batch-1 decode tok/s, transformers", lambda r: f"{r['hf_batch1_tok_s']:.1f}", ""],
@@ -313,10 +354,14 @@ def run(args: argparse.Namespace) -> int:
           f"{describe_shape(shape)}; {device}, {torch.get_num_threads()} threads")
     bandwidth = read_bandwidth(device)
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    weights = quantizations(args)
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
-        path = make_checkpoint(Path(tmp), shape, w.max_len)
+        # (bfloat16 alone: a checkpoint of half the bytes, as real ones of these sizes are)
+        saved = parse_dtype(dtypes[0] if len(dtypes) == 1 else "float32")
+        path = make_checkpoint(Path(tmp), shape, w.max_len, dtype=saved)
         cfg = ModelConfig.from_path(path)
-        results = {dtype: bench_dtype(path, cfg, dtype, w, args, device, bandwidth) for dtype in dtypes}
+        results = {dtype + (f"+{q}" if q else ""): bench_dtype(path, cfg, dtype, w, args, device, bandwidth, q)
+                   for dtype in dtypes for q in weights}
     report(results)
     write_json(args.json_path, {"workload": asdict(w), "model": shape, "device": str(device),
                                 "read_bandwidth_bytes_s": bandwidth,

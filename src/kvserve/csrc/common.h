@@ -246,9 +246,14 @@ int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const 
 void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int64_t *out, int threads);
 
 #if AVX512_BW_VL
+/* csrc/gemm.c's kernels: AVX-512's tiles, or AMX's (see there). */
+enum { GEMM_AVX512 = 0, GEMM_AMX = 1 };
+
 /* csrc/gemm.c's share of one thread of a team (see there). */
-void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
-               void *y, int gated);
+void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,
+               int64_t ldx, int m, int k, int n, void *y, int gated, int kernel);
+/* Row `col` of a weight [n, k] (not gated) as floats, from its packed copy (csrc/gemm.c). */
+void gemm_row(const void *packed, const void *scales, int kind, int dtype, int k, int64_t col, float *out);
 #endif
 
 #endif

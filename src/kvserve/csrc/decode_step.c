@@ -23,9 +23,12 @@
 #include "common.h"
 
 /* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
- * keeps it, for the matrix-vector products; and its bias (or NULL). */
+ * keeps it, for the matrix-vector products; its bias (or NULL); the packed numbers' kind (the model's
+ * dtype, INT8 with a float32 scale per output column, or INT4 with its groups' scales and minimums); and
+ * the rows from which csrc/gemm.c multiplies it by AMX's tiles (measured at start-up), not AVX-512's. */
 typedef struct {
-    const void *w, *b, *packed;
+    const void *w, *b, *packed, *scales;
+    int kind, amx_from;
 } Proj;
 
 typedef struct {
@@ -39,7 +42,7 @@ typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, dtype;
     int num_blocks, block_size;
     float eps, scale;
-    const void *embed, *norm;
+    const void *embed, *norm;      /* embed NULL: the rows of lm_head's packed weight (tied embeddings) */
     Proj lm_head;
     const Layer *layers;
 } Model;
@@ -52,7 +55,8 @@ static const struct {
     const char *type, *field;
     size_t at;
 } LAYOUT[] = {
-    SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed),
+    SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed), FIELD(Proj, scales), FIELD(Proj, kind),
+    FIELD(Proj, amx_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
     FIELD(Layer, window),
@@ -176,7 +180,8 @@ static inline void narrow(void *rows, int dtype, int t, int width, const float *
 static void project(const Proj *p, int gated, int dtype, const void *x, int n, int in, int out, void *y) {
 #if AVX512_BW_VL
     if (p->packed) {
-        gemm_team(p->packed, p->b, dtype, x, in, n, in, out, y, gated);
+        gemm_team(p->packed, p->scales, p->kind, p->b, dtype, x, in, n, in, out, y, gated,
+                  n >= p->amx_from ? GEMM_AMX : GEMM_AVX512);
         #pragma omp barrier
         return;
     }
@@ -277,8 +282,16 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
     float *rows = malloc(sizeof(float) * widest * threads);                  /* a float row per thread */
     int failed = !x || !a || !b || !qkv || (!gemm && (!gate_up || !y)) || !rows;
     if (failed) goto done;
-    for (int t = 0; t < n; t++)
+    for (int t = 0; t < n; t++) {
+#if AVX512_BW_VL
+        if (!m->embed) {            /* the table's only copy is the tied lm_head's packed weight */
+            const Proj *head = &m->lm_head;
+            gemm_row(head->packed, head->scales, head->kind, dt, hdim, input_ids[t], x + (size_t)t * hdim);
+            continue;
+        }
+#endif
         for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
+    }
     #pragma omp parallel num_threads(threads)
     {
         float *row = rows + (size_t)omp_get_thread_num() * widest;

@@ -1,13 +1,27 @@
 /* y[m][n] = x[m][k] . W[n][k]^T (+ bias[n]): the CPU's linear layers, float32 or bfloat16 (`dtype`: F32
  * or BF16 of common.h), with AVX-512 F, BW and VL (bfloat16: also its BF16 extension). A GotoBLAS-style
  * GEMM over a weight packed once at load: panels of NR = 32 output columns, each stored k-row by k-row
- * (bfloat16: pairs of k rows interleaved, as VDPBF16PS reads them). A tile of up to MR = 14 input rows
- * by one panel keeps its 28 sums in registers while a k-chunk of the panel (32 KiB, in L1) and of the
- * rows (in L2) goes by; the threads share the panels. oneDNN's prepacked GEMM is tuned for large
- * matrices; this one for the few rows of decode steps, where it takes less time, while prefill's
- * thousands of rows run about as fast in either (docs/performance.md). Sums run in float32, in
- * k order within chunks of KC (at a few rows and k of hundreds, float32 errors up to a few times
- * those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
+ * (bfloat16: pairs of k rows interleaved, as VDPBF16PS and AMX's TDPBF16PS read them, and k padded with
+ * zeros to a whole number of AMX tile depths, 32). Two kernels read the same panels (`kernel`):
+ *
+ * - AVX512: a tile of up to MR = 14 input rows by one panel keeps its 28 sums in registers while a
+ *   k-chunk of the panel (32 KiB, in L1) and of the rows (in L2) goes by; the threads share the panels.
+ * - AMX (bfloat16, where the CPU has AMX and the OS grants this process its tile data: gemm_kernels):
+ *   16 or 32 rows by one panel in 2 or 4 tiles of sums, fed 32 k at a time from two tiles of the rows
+ *   and two of the panel. Its tiles do 16 times the multiplications per instruction, and win from a few
+ *   rows on; which kernel runs at which row count is measured at start-up (kvserve.model.gemm_choice).
+ *
+ * Sums run in float32, in k order within chunks of KC (at a few rows and k of hundreds, float32 errors
+ * up to a few times those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
+ *
+ * Weight-only int8 (`kind` INT8): the panels hold the weight's numbers as int8, in the layout of the
+ * dtype the products take, with a float32 scale per output column. A thread widens each chunk of a panel
+ * it multiplies into the dtype (exactly: |q| <= 127), in L1, and the sums are scaled as they are written:
+ * the products are those of the dequantized weight q * scale, up to the order of the sums.
+ *
+ * Weight-only int4 (`kind` INT4), group-wise: two numbers a byte (0..15), and for each group of G4 k rows
+ * of a panel its columns' scales and minimums (float16). A thread widens each chunk into the dequantized
+ * weight q * scale + min, rounded to the dtype: the products are those of that weight.
  *
  * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
  * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
@@ -15,12 +29,31 @@
 #include "common.h"
 
 #if AVX512_BW_VL
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define AMX 0
+#endif
 
 #define NV 2                 /* vectors of 16 columns per panel */
 #define NR (16 * NV)
 #define MR 14                /* rows per tile: 28 sums + 2 weight vectors + 1 broadcast in 32 registers */
 #define MC (18 * MR)         /* rows that share a pass over the panels: their k-chunk stays in L2 */
 #define KC 256               /* k per chunk (bfloat16: 512): NR x KC of the panel fills half of L1 */
+#define KT 32                /* k of an AMX tile (bfloat16): a panel's k is padded to a multiple of it */
+
+static int amx_granted;     /* the OS lets this process use AMX's tile data (gemm_kernels asked) */
+
+/* Bits of the kernels this build can run in this process: 1 << GEMM_AVX512, and 1 << GEMM_AMX where
+ * the CPU has AMX (BF16) and the OS grants its tile state (asked here, once: call before gemm runs AMX). */
+int gemm_kernels(void) {
+#if AMX
+    if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#endif
+    return 1 << GEMM_AVX512 | (amx_granted ? 1 << GEMM_AMX : 0);
+}
 
 /* Bits of the dtypes this build multiplies (1 << F32 | 1 << BF16). */
 int gemm_dtypes(void) {
@@ -34,9 +67,34 @@ int gemm_dtypes(void) {
 /* Panels of a weight of n output columns (gated: n = 2 x its outputs; a pair of panels per 32 outputs). */
 static int num_panels(int n, int gated) { return gated ? 2 * ((n / 2 + NR - 1) / NR) : (n + NR - 1) / NR; }
 
-/* Numbers (of the weight's dtype) the packed copy of an [n, k] weight takes. */
-int64_t gemm_packed_size(int dtype, int n, int k, int gated) {
-    return (int64_t)num_panels(n, gated) * (dtype == BF16 ? (k + 1) / 2 * 2 : k) * NR;
+/* k rows of a panel: bfloat16 pads k to whole AMX tiles (the rows past k are zeros). */
+static int panel_depth(int dtype, int k) { return dtype == BF16 ? (k + KT - 1) / KT * KT : k; }
+
+/* Numbers (of `kind`; INT4: two a byte) the packed copy of an [n, k] weight takes, laid out for products in
+ * dtype. */
+int64_t gemm_packed_size(int kind, int dtype, int n, int k, int gated) {
+    (void)kind;
+    return (int64_t)num_panels(n, gated) * panel_depth(dtype, k) * NR;
+}
+
+#define G4 32        /* k rows of an int4 group: a chunk and an AMX tile hold whole groups */
+
+/* Groups of an int4 weight's k rows, each with NR scales and NR minimums a panel. */
+static int int4_groups(int dtype, int k) { return (panel_depth(dtype, k) + G4 - 1) / G4; }
+
+/* Float16 numbers an int4 weight's scales and minimums take (gemm_pack_groups). */
+int64_t gemm_groups_size(int dtype, int n, int k, int gated) {
+    return (int64_t)num_panels(n, gated) * int4_groups(dtype, k) * 2 * NR;
+}
+
+/* An int4 panel is widened a unit at a time: a pair of k rows (bfloat16 products: 64 numbers, 32 bytes) or a
+ * k row (float32: 32 numbers, 16 bytes); byte j of a unit holds its number j in its low half and number
+ * j + half in its high half, so that the two halves widen to the unit's numbers in order. The byte and half
+ * of number i of a panel (packed_at's order). */
+static inline int64_t int4_byte(int dtype, int64_t i, int *high) {
+    const int numbers = dtype == BF16 ? 2 * NR : NR, half = numbers / 2, v = (int)(i % numbers);
+    *high = v >= half;
+    return i / numbers * half + v % half;
 }
 
 /* The weight's row (output column) that column j of panel p holds, or -1 for none (padding). */
@@ -46,22 +104,208 @@ static int panel_column(int p, int j, int n, int gated) {
     return col < half ? (p % 2) * half + col : -1;
 }
 
-void gemm_pack(const void *w, int dtype, int n, int k, int gated, void *packed) {
-    const int panels = num_panels(n, gated), depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
-    const size_t size = elem_size(dtype);
+/* int8 numbers for bfloat16 products are widened 64 at a time (a pair of k rows of a panel) by byte lookups
+ * (VBMI's VPERMI2B: the high and low bytes of each |q| as bfloat16) whose two halves are then interleaved
+ * 128-bit lane by lane (VPUNPCKLBW, VPUNPCKHBW): so the 64 are stored in the order those lanes take them.
+ * Elsewhere (no VBMI) they are widened through float32, in their own order. */
+#if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#define INT8_BY_BYTES 1
+#else
+#define INT8_BY_BYTES 0
+#endif
+
+/* Where number v (of 64) of a pair of k rows lies as stored (INT8_BY_BYTES): the unpacks take bytes 8l..8l+7
+ * of 128-bit lane l to the low half of the pair, the next 8 to the high half. */
+static inline int int8_order(int v) { return v < 32 ? v / 8 * 16 + v % 8 : (v - 32) / 8 * 16 + 8 + v % 8; }
+
+/* Where number kk of column j of panel p lies in a packed weight of `kind` for products in dtype, `depth` k
+ * rows a panel (bfloat16: pairs of k rows interleaved, column by column; int8 for them: see int8_order). */
+static inline int64_t packed_at(int kind, int dtype, int p, int depth, int kk, int j) {
+    if (dtype != BF16) return ((int64_t)p * depth + kk) * NR + j;
+    const int64_t pair = ((int64_t)p * depth + kk / 2 * 2) * NR;
+    const int v = 2 * j + kk % 2;
+    return pair + (kind == INT8 && INT8_BY_BYTES ? int8_order(v) : v);
+}
+
+/* w [n, k] of `kind` (the dtype's, INT8, or INT4: one number 0..15 a byte) packed for products in dtype. */
+void gemm_pack(const void *w, int kind, int dtype, int n, int k, int gated, void *packed) {
+    const int panels = num_panels(n, gated), depth = panel_depth(dtype, k);
+    const size_t size = elem_size(kind);
     #pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++)
+    for (int p = 0; p < panels; p++) {
+        if (kind == INT4) memset((uint8_t *)packed + (int64_t)p * depth * NR / 2, 0, (size_t)depth * NR / 2);
         for (int kk = 0; kk < depth; kk++)
             for (int j = 0; j < NR; j++) {
-                const int col = panel_column(p, j, n, gated);
-                /* bfloat16: pairs of k rows interleaved, column by column */
-                const int64_t to = dtype == BF16 ? ((int64_t)p * depth + kk / 2 * 2) * NR + 2 * j + kk % 2
-                                                 : ((int64_t)p * depth + kk) * NR + j;
-                if (col >= 0 && kk < k)
+                const int col = panel_column(p, j, n, gated), real = col >= 0 && kk < k;
+                const int64_t to = packed_at(kind, dtype, p, depth, kk, j);
+                if (kind == INT4) {
+                    int high;
+                    const int64_t byte = int4_byte(dtype, to, &high);
+                    const uint8_t q = real ? ((const uint8_t *)w)[(int64_t)col * k + kk] & 15 : 0;
+                    ((uint8_t *)packed)[byte] |= (uint8_t)(q << (high ? 4 : 0));
+                } else if (real) {
                     memcpy((char *)packed + to * size, (const char *)w + ((int64_t)col * k + kk) * size, size);
-                else
+                } else {
                     memset((char *)packed + to * size, 0, size);
+                }
             }
+    }
+}
+
+/* An int4 weight's scales and minimums, [n][groups] each (float16), as the panels' groups hold them: for each
+ * panel and group of G4 k rows, its NR columns' scales, then their minimums (padding: zeros). */
+void gemm_pack_groups(const uint16_t *scales, const uint16_t *mins, int dtype, int n, int k, int gated,
+                      uint16_t *out) {
+    const int panels = num_panels(n, gated), groups = int4_groups(dtype, k), given = (k + G4 - 1) / G4;
+    for (int p = 0; p < panels; p++)
+        for (int g = 0; g < groups; g++)
+            for (int j = 0; j < NR; j++) {
+                const int col = panel_column(p, j, n, gated), real = col >= 0 && g < given;
+                uint16_t *at = out + ((int64_t)p * groups + g) * 2 * NR + j;
+                at[0] = real ? scales[(int64_t)col * given + g] : 0;
+                at[NR] = real ? mins[(int64_t)col * given + g] : 0;
+            }
+}
+
+/* Number kk of column j of panel p of a packed weight of `kind` (INT8: times its column's scale; INT4: times
+ * its group's scale, plus its minimum) as a float. */
+static inline float packed_value(const void *packed, const void *scales, int kind, int dtype, int p, int k, int kk,
+                                 int j, int64_t col) {
+    const int depth = panel_depth(dtype, k);
+    const int64_t i = packed_at(kind, dtype, p, depth, kk, j);
+    if (kind == INT8) return ((const int8_t *)packed)[i] * ((const float *)scales)[col];
+    if (kind != INT4) return param(packed, kind, i);
+    int high;
+    const uint8_t byte = ((const uint8_t *)packed)[int4_byte(dtype, i, &high)];
+    const uint16_t *group = (const uint16_t *)scales + ((int64_t)p * int4_groups(dtype, k) + kk / G4) * 2 * NR + j;
+    return (float)(high ? byte >> 4 : byte & 15) * f16_to_float(group[0]) + f16_to_float(group[NR]);
+}
+
+/* Row `col` of a (not gated) weight [n, k] from its packed copy (products in dtype), as floats that dtype holds
+ * (a quantized weight's rounded there, as gemm_rows stores them): an embedding table whose only copy is the
+ * packed weight of the tied lm_head. */
+void gemm_row(const void *packed, const void *scales, int kind, int dtype, int k, int64_t col, float *out) {
+    const int p = (int)(col / NR), j = (int)(col % NR);
+    for (int kk = 0; kk < k; kk++) out[kk] = as_dtype(packed_value(packed, scales, kind, dtype, p, k, kk, j, col), dtype);
+}
+
+/* Rows ids[0..count) of a (not gated) weight [n, k], from its packed copy, into out [count, k] of dtype (a
+ * quantized weight's dequantized numbers, rounded to dtype). */
+void gemm_rows(const void *packed, const void *scales, int kind, int dtype, int k, const int64_t *ids, int count,
+               void *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < count; i++) {
+        const int p = (int)(ids[i] / NR), j = (int)(ids[i] % NR);
+        for (int kk = 0; kk < k; kk++)
+            store(out, dtype, (int64_t)i * k + kk, packed_value(packed, scales, kind, dtype, p, k, kk, j, ids[i]));
+    }
+}
+
+/* The scales and minimums of an int4 group (NR of each, float16) as four vectors of each, one a lane of a unit
+ * (int4_byte): bfloat16 products, columns 0-7, 8-15, 16-23, 24-31, each twice (even and odd k); float32,
+ * columns 0-15 and 16-31. */
+static inline void int4_group(const uint16_t *group, int dtype, __m512 s[4], __m512 m[4]) {
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group));
+    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16)));
+    const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR)));
+    const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16)));
+    if (dtype != BF16) {
+        s[0] = s0, s[1] = s1, m[0] = m0, m[1] = m1;
+        return;
+    }
+    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    s[0] = _mm512_permutexvar_ps(low, s0), s[1] = _mm512_permutexvar_ps(high, s0);
+    s[2] = _mm512_permutexvar_ps(low, s1), s[3] = _mm512_permutexvar_ps(high, s1);
+    m[0] = _mm512_permutexvar_ps(low, m0), m[1] = _mm512_permutexvar_ps(high, m0);
+    m[2] = _mm512_permutexvar_ps(low, m1), m[3] = _mm512_permutexvar_ps(high, m1);
+}
+
+/* k rows k0 .. k0 + rows (bfloat16: k0 and rows even) of an int4 panel (its bytes, and its groups' scales and
+ * minimums) dequantized, q * scale + min rounded to dtype, into `to` in the panel's order. (q * scale is exact
+ * in float32, 4 bits by 11: the one rounding is the sum's, fused or not.) */
+static void widen_int4(const uint8_t *panel, const uint16_t *groups, int k0, int rows, int dtype, void *to) {
+    const int unit = dtype == BF16 ? 2 : 1, half = unit * NR / 2;
+    const __m512i nibble = _mm512_set1_epi32(15);
+    __m512 s[4], m[4];
+    for (int kk = k0; kk < k0 + rows; kk += unit) {
+        if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, dtype, s, m);
+        const uint8_t *b = panel + (int64_t)(kk / unit) * half;
+        __m512 f[4];
+        for (int v = 0; v < 2 * unit; v++) {        /* low halves, then high halves: the unit's numbers */
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * (v % unit))));
+            const __m512i q = v < unit ? _mm512_and_si512(bytes, nibble) : _mm512_srli_epi32(bytes, 4);
+            f[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s[v], m[v]);
+        }
+        if (dtype == BF16) {
+#if defined(__AVX512BF16__)
+            uint16_t *out = (uint16_t *)to + (int64_t)(kk - k0) * NR;
+            _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+            _mm512_storeu_si512(out + 32, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+#endif
+        } else {
+            _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR, f[0]);
+            _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR + 16, f[1]);
+        }
+    }
+}
+
+#if INT8_BY_BYTES
+/* bfloat16 of 0..127, its high bytes and its low bytes, 64 a register (the tables of widen64). */
+typedef struct {
+    __m512i high[2], low[2];
+} Int8Tables;
+
+static inline Int8Tables int8_tables(void) {
+    uint8_t high[128], low[128];
+    for (int i = 0; i < 128; i++) {
+        const float f = (float)i;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        high[i] = (uint8_t)(u >> 24), low[i] = (uint8_t)(u >> 16);
+    }
+    return (Int8Tables){{_mm512_loadu_si512(high), _mm512_loadu_si512(high + 64)},
+                        {_mm512_loadu_si512(low), _mm512_loadu_si512(low + 64)}};
+}
+
+/* 64 int8 numbers (a pair of k rows of a panel, as stored: int8_order) as bfloat16, in pair order, into to:
+ * the bytes of |q| looked up, the sign bit or-ed on. */
+static inline __attribute__((always_inline)) void widen64(const Int8Tables *t, const int8_t *from, uint16_t *to) {
+    const __m512i q = _mm512_loadu_si512(from), a = _mm512_abs_epi8(q);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->high[0], a, t->high[1]), q,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8);     /* hi | (q & 0x80) */
+    const __m512i lo = _mm512_permutex2var_epi8(t->low[0], a, t->low[1]);
+    _mm512_storeu_si512(to, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_storeu_si512(to + 32, _mm512_unpackhi_epi8(lo, hi));
+}
+#endif
+
+/* `count` int8 numbers (a multiple of 64) of a panel as dtype's, in the panel's order, into `to`: exact, |q| <=
+ * 127 (BF16: builds with its extension). `next`, if any, is prefetched: what the thread widens next. */
+static void widen_int8(const int8_t *from, const int8_t *next, int64_t count, int dtype, void *to) {
+#if INT8_BY_BYTES
+    if (dtype == BF16) {
+        const Int8Tables t = int8_tables();
+        for (int64_t i = 0; i < count; i += 64) {
+            if (next) _mm_prefetch((const char *)(next + i), _MM_HINT_T1);
+            widen64(&t, from + i, (uint16_t *)to + i);
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < count; i += 32) {
+        if (next && i % 64 == 0) _mm_prefetch((const char *)(next + i), _MM_HINT_T1);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(from + i))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(from + i + 16))));
+        if (dtype == BF16) {
+#if defined(__AVX512BF16__)
+            _mm512_storeu_si512((uint16_t *)to + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#endif
+        } else {
+            _mm512_storeu_ps((float *)to + i, lo);
+            _mm512_storeu_ps((float *)to + i + 16, hi);
+        }
+    }
 }
 
 /* What a panel's last k-chunk writes: y; or (a gated weight's) its gate sums, or silu(gate) * up. */
@@ -71,6 +315,7 @@ typedef struct {
     int first, last;        /* the k-chunk starts the sums / ends them (the output is written) */
     int cols;               /* columns of the panel that are real (the last panel may be partial) */
     const void *bias;       /* NULL: none */
+    const float *scale;     /* the panel's columns' scales (an int8 weight), or NULL */
     int out;                /* PLAIN, GATE or SWIGLU */
     float *gate;            /* GATE, SWIGLU: the tile's gate sums, as the dtype rounds them, NR a row */
 } Chunk;
@@ -93,41 +338,45 @@ static inline __m512 rounded(__m512 v, int dtype) {
     return v;
 }
 
+/* Vector j of row r of a tile's whole sums, v, into y with the bias: or (a gated weight's) its gate sums,
+ * or silu(gate) * up. */
+static inline __attribute__((always_inline)) void emit(__m512 v, int r, int j, const Chunk *c, int dtype, void *y,
+                                                      int ldy) {
+    const __mmask16 m = lanes16(c->cols - 16 * j);
+    if (c->scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, c->scale + 16 * j));
+    /* not load16: its whole-vector branch, inlined here, slows the bfloat16 tiles */
+    if (c->bias)
+        v = _mm512_add_ps(v, dtype == BF16
+            ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                  _mm256_maskz_loadu_epi16(m, (const uint16_t *)c->bias + 16 * j)), 16))
+            : _mm512_maskz_loadu_ps(m, (const float *)c->bias + 16 * j));
+    if (c->out != PLAIN) {       /* as swiglu() rounds, the gate and up sums first */
+        float *gate = c->gate + r * NR + 16 * j;
+        v = rounded(v, dtype);
+        if (c->out == GATE) {
+            _mm512_storeu_ps(gate, v);
+            return;
+        }
+        v = rounded(_mm512_mul_ps(rounded(silu16(_mm512_loadu_ps(gate)), dtype), v), dtype);
+    }
+    if (dtype == BF16) {
+#if defined(__AVX512BF16__)
+        _mm256_mask_storeu_epi16((uint16_t *)y + (int64_t)r * ldy + 16 * j, m, (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+    } else {
+        _mm512_mask_storeu_ps((float *)y + (int64_t)r * ldy + 16 * j, m, v);
+    }
+}
+
 /* The chunk's sums join the earlier chunks' in `partial` (sums of chunks, not one running sum: the
  * rounding error grows with KC, not k), or (last chunk) go with the bias to y. */
 static inline __attribute__((always_inline)) void finish(__m512 acc[MR][NV], float *partial, int mr, const Chunk *c,
                                                         int dtype, void *y, int ldy) {
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < NV; j++) {
-            __m512 v = c->first ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(partial + r * NR + 16 * j), acc[r][j]);
-            if (!c->last) {
-                _mm512_storeu_ps(partial + r * NR + 16 * j, v);
-                continue;
-            }
-            const __mmask16 m = lanes16(c->cols - 16 * j);
-            /* not load16: its whole-vector branch, inlined here, slows the bfloat16 tiles */
-            if (c->bias)
-                v = _mm512_add_ps(v, dtype == BF16
-                    ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                          _mm256_maskz_loadu_epi16(m, (const uint16_t *)c->bias + 16 * j)), 16))
-                    : _mm512_maskz_loadu_ps(m, (const float *)c->bias + 16 * j));
-            if (c->out != PLAIN) {       /* as swiglu() rounds, the gate and up sums first */
-                float *gate = c->gate + r * NR + 16 * j;
-                v = rounded(v, dtype);
-                if (c->out == GATE) {
-                    _mm512_storeu_ps(gate, v);
-                    continue;
-                }
-                v = rounded(_mm512_mul_ps(rounded(silu16(_mm512_loadu_ps(gate)), dtype), v), dtype);
-            }
-            if (dtype == BF16) {
-#if defined(__AVX512BF16__)
-                _mm256_mask_storeu_epi16((uint16_t *)y + (int64_t)r * ldy + 16 * j, m,
-                                         (__m256i)_mm512_cvtneps_pbh(v));
-#endif
-            } else {
-                _mm512_mask_storeu_ps((float *)y + (int64_t)r * ldy + 16 * j, m, v);
-            }
+            const __m512 v = c->first ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(partial + r * NR + 16 * j), acc[r][j]);
+            if (c->last) emit(v, r, j, c, dtype, y, ldy);
+            else _mm512_storeu_ps(partial + r * NR + 16 * j, v);
         }
 }
 
@@ -184,6 +433,71 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
 }
 #endif
 
+#define MR_INT8 2            /* rows up to which an int8 panel is multiplied in registers (tile_int8) */
+
+/* mr (<= MR_INT8) rows of x by kc k of an int8 panel, read as it is: each 16 numbers widened to float32 in
+ * registers and multiplied there (at a row or two, widening to bfloat16 in L1 and VDPBF16PS over it would
+ * convert and store as much, then read it back). bfloat16: the panel's pairs of k rows interleaved, so each
+ * lane sums one column's even or odd k, x's pair broadcast, and the two are added at the end. `next`, if
+ * any, is prefetched. */
+static inline __attribute__((always_inline)) void tile_int8(int dtype, const int8_t *panel, const int8_t *next,
+                                                           const void *x, int64_t ldx, int kc, int mr, float *partial,
+                                                           const Chunk *c, void *y, int ldy) {
+    __m512 acc[MR_INT8][4], sums[MR][NV];
+    for (int r = 0; r < MR_INT8; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    if (dtype == BF16) {
+        float rows[MR_INT8][2 * KC + 2] __attribute__((aligned(64)));
+        for (int r = 0; r < mr; r++) {      /* x's chunk as floats, an odd k's pair completed by a zero */
+            load_row(rows[r], (const uint16_t *)x + r * ldx, BF16, kc);
+            rows[r][kc] = 0.0f;
+        }
+        for (int kk = 0; kk < kc; kk += 2) {
+            const int8_t *b = panel + (int64_t)kk * NR;
+            if (next) _mm_prefetch((const char *)(next + (int64_t)kk * NR), _MM_HINT_T1);
+            __m512 w[4];
+            for (int v = 0; v < 4; v++)
+                w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * v))));
+            for (int r = 0; r < mr; r++) {
+                double pair;
+                memcpy(&pair, rows[r] + kk, 8);
+                const __m512 a = _mm512_castpd_ps(_mm512_set1_pd(pair));
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(a, w[v], acc[r][v]);
+            }
+        }
+        /* acc[r][v]: the sums of numbers 16v..16v+15 of each pair as stored; first those in pair order (32
+         * a half: int8_order), then each column's even and odd k added */
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < NV; j++) {
+#if INT8_BY_BYTES
+                const __m512i half = _mm512_add_epi32(_mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3,
+                                                                       2, 1, 0), _mm512_set1_epi32(8 * j));
+                const __m512 a = _mm512_permutex2var_ps(acc[r][0], half, acc[r][1]);
+                const __m512 b = _mm512_permutex2var_ps(acc[r][2], half, acc[r][3]);
+#else
+                const __m512 a = acc[r][2 * j], b = acc[r][2 * j + 1];
+#endif
+                sums[r][j] = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+            }
+    } else {
+        for (int kk = 0; kk < kc; kk++) {
+            const int8_t *b = panel + (int64_t)kk * NR;
+            if (next && kk % 2 == 0) _mm_prefetch((const char *)(next + (int64_t)kk * NR), _MM_HINT_T1);
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))));
+            for (int r = 0; r < mr; r++) {
+                const __m512 a = _mm512_set1_ps(((const float *)x)[r * ldx + kk]);
+                acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < mr; r++) sums[r][0] = acc[r][0], sums[r][1] = acc[r][1];
+    }
+    finish(sums, partial, mr, c, dtype, y, ldy);
+}
+
 /* One tile, its row count a constant in each case, so that the sums stay in registers. */
 static void tile(int dtype, const void *panel, const void *next, const void *x, int64_t ldx, int kc, int mr,
                  float *partial, const Chunk *c, void *y, int ldy) {
@@ -202,38 +516,217 @@ static void tile(int dtype, const void *panel, const void *next, const void *x, 
 #undef ROWS_BF16
 }
 
+#if AMX
+/* AMX's tile configuration (palette 1): tiles 0-3 the sums (16 rows of 16 floats), 4-5 the rows (16 rows of
+ * KT numbers), 6-7 the panel (16 pairs of k rows of 16 columns). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Memory of a thread's own, kept from call to call (grown as needed). */
+typedef struct {
+    void *data;
+    size_t bytes;
+} Scratch;
+
+static __thread Scratch rows_copy, panel_copy;     /* AMX: the rows, and an int8 panel widened */
+
+/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. */
+static void *scratch(Scratch *s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->data);
+        s->bytes = (bytes + 63) / 64 * 64;
+        s->data = aligned_alloc(64, s->bytes);
+        if (!s->data) s->bytes = 0;
+    }
+    return s->data;
+}
+
+/* Rows x[0 .. rows) (ldx apart, k numbers each) as AMX's tiles read them: groups of 16 rows (the last one
+ * filled with zero rows), each k-step of a group a block of 16 x KT numbers of its own (tile loads of whole
+ * cache lines, one after another: the rows themselves, some power of two apart, would share a few cache
+ * sets), k padded with zeros to whole steps. */
+static void copy_rows(const uint16_t *x, int64_t ldx, int rows, int k, uint16_t *to) {
+    const int steps = (k + KT - 1) / KT, groups = (rows + 15) / 16;
+    for (int g = 0; g < groups; g++)
+        for (int s = 0; s < steps; s++) {
+            uint16_t *block = to + ((int64_t)g * steps + s) * 16 * KT;
+            const int width = k - s * KT < KT ? k - s * KT : KT;
+            for (int r = 0; r < 16; r++) {
+                const int row = g * 16 + r, have = row < rows ? width : 0;
+                if (have) memcpy(block + r * KT, x + (int64_t)row * ldx + s * KT, 2 * (size_t)have);
+                if (have < KT) memset(block + r * KT + have, 0, 2 * (size_t)(KT - have));
+            }
+        }
+}
+
+/* The sums of one group of 16 rows (two: and the next group) of the rows' copy `a` (copy_rows, `steps` k-steps
+ * a group) by a panel of `steps` k-steps, `b`, into sums (NR a row). A quantized panel (`q` of `kind`, INT8
+ * where INT8_BY_BYTES or INT4 with its `groups`; b unused) is widened a k-step at a time, in L1, as its tiles
+ * are loaded. */
+static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, const void *q, int kind,
+                                                          const uint16_t *groups, const uint16_t *a, int steps,
+                                                          float *sums, int two) {
+    const uint16_t *a2 = a + (int64_t)steps * 16 * KT;
+    uint16_t step[KT * NR] __attribute__((aligned(64)));
+#if INT8_BY_BYTES
+    const Int8Tables t = int8_tables();
+#endif
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int s = 0; s < steps; s++) {
+        const uint16_t *bs = b + (int64_t)s * KT * NR;
+        if (q && kind == INT4) {
+            widen_int4(q, groups, s * KT, KT, BF16, step);
+            bs = step;
+        }
+#if INT8_BY_BYTES
+        if (q && kind == INT8) {
+            for (int i = 0; i < KT * NR; i += 64) widen64(&t, (const int8_t *)q + (int64_t)s * KT * NR + i, step + i);
+            bs = step;
+        }
+#endif
+        _tile_loadd(6, bs, 4 * NR);
+        _tile_loadd(7, bs + 32, 4 * NR);
+        _tile_loadd(4, a + (int64_t)s * 16 * KT, 2 * KT);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a2 + (int64_t)s * 16 * KT, 2 * KT);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums, NR * 4);
+    _tile_stored(1, sums + 16, NR * 4);
+    if (two) {
+        _tile_stored(2, sums + 16 * NR, NR * 4);
+        _tile_stored(3, sums + 16 * NR + 16, NR * 4);
+    }
+}
+
+#define MC_AMX_MAX 256
+#define ROWS_COPY_BYTES (1 << 20)      /* AMX: the rows a pass over the panels shares, copied: they stay in L2 */
+
+/* gemm_team by AMX's tiles (bfloat16): each thread copies a block of rows (copy_rows), then multiplies it by its
+ * panels (an int8 one widened first), 32 rows (or 16) a tile, over the whole k. 0, or -1 where the copies'
+ * memory ran out (nothing done). */
+static int amx_team(const void *packed, const void *scales, int kind, const uint16_t *bias, const uint16_t *x,
+                    int64_t ldx, int m, int k, int n, uint16_t *y, int gated) {
+    const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(BF16, k), steps = depth / KT;
+    const int per_unit = gated ? 2 : 1, fit = ROWS_COPY_BYTES / (2 * depth) / 32 * 32;
+    const int mc = fit < 32 ? 32 : fit > MC_AMX_MAX ? MC_AMX_MAX : fit, quantized = kind == INT8 || kind == INT4;
+    const int64_t panel_bytes = kind == INT4 ? (int64_t)depth * NR / 2 : (int64_t)depth * NR * elem_size(kind);
+    float sums[(MC_AMX_MAX + 16) * NR] __attribute__((aligned(64))), gate[(MC_AMX_MAX + 16) * NR];
+    uint16_t *a = scratch(&rows_copy, 2 * ((size_t)((m < mc ? m : mc) + 15) / 16 * 16 * depth));
+    uint16_t *widened = quantized ? scratch(&panel_copy, 2 * (size_t)depth * NR) : NULL;
+    if (!a || (quantized && !widened)) return -1;
+    TileConfig cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.bytes[t] = 64;
+    _tile_loadconfig(&cfg);
+    for (int m0 = 0; m0 < m; m0 += mc) {
+        const int mb = m - m0 < mc ? m - m0 : mc, groups = (mb + 15) / 16;
+        copy_rows(x + (int64_t)m0 * ldx, ldx, mb, k, a);
+        #pragma omp for schedule(static) nowait
+        for (int u = 0; u < panels / per_unit; u++)
+            for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
+                const void *panel = (const char *)packed + p * panel_bytes;
+                const uint16_t *groups4 = kind == INT4 ? (const uint16_t *)scales + (int64_t)p * steps * 2 * NR : NULL;
+                /* a quantized panel that few passes of tiles read: widened as they go; else first, for all */
+                const void *q = groups <= 4 && (kind == INT4 || (kind == INT8 && INT8_BY_BYTES)) ? panel : NULL;
+                if (quantized && !q) {
+                    if (kind == INT4) widen_int4(panel, groups4, 0, depth, BF16, widened);
+                    else widen_int8(panel, NULL, (int64_t)depth * NR, BF16, widened);
+                    panel = widened;
+                }
+                for (int g = 0; g < groups; g += 2)
+                    amx_tile(panel, q, kind, groups4, a + (int64_t)g * steps * 16 * KT, steps, sums + g * 16 * NR,
+                             g + 1 < groups);
+                const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
+                const int64_t at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
+                const Chunk c = {1, 1, n - u * NR < NR ? n - u * NR : NR, bias ? bias + at : NULL,
+                                 kind == INT8 ? (const float *)scales + at : NULL, out, gate};
+                for (int r = 0; r < mb; r++)
+                    for (int j = 0; j < NV; j++)
+                        emit(_mm512_loadu_ps(sums + r * NR + 16 * j), r, j, &c, BF16, y + (int64_t)m0 * n + u * NR, n);
+            }
+    }
+    _tile_release();
+    return 0;
+}
+#endif
+
 /* gemm's share of one thread of a team: call from every thread of a parallel region; y is whole once
  * they have all returned and met at a barrier (this ends without one). y has n columns; a gated
- * weight holds 2n (packed with gated set) and y = silu(gate) * up. */
-void gemm_team(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n,
-               void *y, int gated) {
-    const int panels = num_panels(gated ? 2 * n : n, gated), depth = dtype == BF16 ? (k + 1) / 2 * 2 : k;
+ * weight holds 2n (packed with gated set) and y = silu(gate) * up. The weight's numbers are of `kind`:
+ * dtype's, INT8 with `scales` (float32, a column each) or INT4 with its groups' (gemm_pack_groups). kernel: GEMM_AVX512, or GEMM_AMX (bfloat16 only; where gemm_kernels
+ * reports it, else AVX512 runs). */
+void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,
+               int64_t ldx, int m, int k, int n, void *y, int gated, int kernel) {
+#if AMX
+    /* (where its copies find no memory, AVX-512's kernel, which needs none) */
+    if (kernel == GEMM_AMX && dtype == BF16 && amx_granted &&
+        amx_team(packed, scales, kind, bias, x, ldx, m, k, n, y, gated) == 0)
+        return;
+#else
+    (void)kernel;
+#endif
+    const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(dtype, k);
     const int kc_max = dtype == BF16 ? 2 * KC : KC, per_unit = gated ? 2 : 1;
-    const size_t size = elem_size(dtype);
+    const size_t size = elem_size(dtype), wsize = elem_size(kind);
+    /* bytes of a panel's k row (int4: a pair's, halved), and an int4 weight's groups a panel */
+    const int64_t row_bytes = kind == INT4 ? NR / 2 : (int64_t)NR * wsize, groups4 = int4_groups(dtype, k);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
+    float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
     for (int m0 = 0; m0 < m; m0 += MC) {
         const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
         /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
         for (int u = 0; u < panels / per_unit; u++)
             for (int p = u * per_unit; p < (u + 1) * per_unit; p++) {
-                const char *panel = (const char *)packed + (int64_t)p * depth * NR * size;
+                const char *panel = (const char *)packed + (int64_t)p * depth * row_bytes;
                 const int out = gated ? (p % 2 ? SWIGLU : GATE) : PLAIN;
-                const int64_t bias_at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
+                const int64_t at = (gated && p % 2 ? n : 0) + (int64_t)u * NR;
                 for (int k0 = 0; k0 < k; k0 += kc_max) {
                     const int kc = k - k0 < kc_max ? k - k0 : kc_max;
                     const Chunk c = {k0 == 0, k0 + kc >= k, n - u * NR < NR ? n - u * NR : NR,
-                                     bias ? (const char *)bias + bias_at * size : NULL, out, gate};
+                                     bias ? (const char *)bias + at * size : NULL,
+                                     kind == INT8 ? (const float *)scales + at : NULL, out, gate};
                     /* the thread's next chunk: this panel's next k-chunk, else the next panel's first */
-                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * NR * size : NULL)
-                                              : panel + (int64_t)(k0 + kc) * NR * size;
+                    const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * row_bytes : NULL)
+                                              : panel + (int64_t)(k0 + kc) * row_bytes;
+                    const void *chunk = panel + (int64_t)k0 * row_bytes;
+                    if (kind == INT4) {
+                        widen_int4((const uint8_t *)panel, (const uint16_t *)scales + p * groups4 * 2 * NR, k0,
+                                   dtype == BF16 ? (kc + 1) / 2 * 2 : kc, dtype, widened);
+                        chunk = widened, next = NULL;
+                    }
+                    if (kind == INT8 && mb <= MR_INT8) {
+                        Chunk rows = c;
+                        if (mb == 1) tile_int8(dtype, chunk, (const int8_t *)next,
+                                               (const char *)x + (int64_t)m0 * ldx * size + k0 * size, ldx, kc, 1,
+                                               partial, &rows, (char *)y + ((int64_t)m0 * n + u * NR) * size, n);
+                        else tile_int8(dtype, chunk, (const int8_t *)next,
+                                       (const char *)x + (int64_t)m0 * ldx * size + k0 * size, ldx, kc, 2,
+                                       partial, &rows, (char *)y + ((int64_t)m0 * n + u * NR) * size, n);
+                        continue;
+                    }
+                    if (kind == INT8) {     /* (the pairs of k rows of bfloat16: the last one padded) */
+                        widen_int8(chunk, (const int8_t *)next, (int64_t)(dtype == BF16 ? (kc + 1) / 2 * 2 : kc) * NR,
+                                   dtype, widened);
+                        chunk = widened, next = NULL;
+                    }
                     for (int g = 0, r0 = 0; g < groups; g++) {
                         const int mr = mb / groups + (g < mb % groups);
                         Chunk rows = c;
                         rows.gate = gate + r0 * NR;
-                        tile(dtype, panel + (int64_t)k0 * NR * size, g == 0 ? next : NULL,
-                             (const char *)x + ((m0 + r0) * ldx + k0) * size, ldx, kc, mr, partial + r0 * NR, &rows,
-                             (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size, n);
+                        tile(dtype, chunk, g == 0 ? next : NULL, (const char *)x + ((m0 + r0) * ldx + k0) * size,
+                             ldx, kc, mr, partial + r0 * NR, &rows, (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size,
+                             n);
                         r0 += mr;
                     }
                 }
@@ -243,11 +736,12 @@ void gemm_team(const void *packed, const void *bias, int dtype, const void *x, i
 
 /* y [m, n] (row stride n) = x [m, k] (row stride ldx) . W^T + bias, W packed by gemm_pack (gated: W
  * [2n, k] and y = silu(gate) * up, gate and up each with their half of the bias). */
-void gemm(const void *packed, const void *bias, int dtype, const void *x, int64_t ldx, int m, int k, int n, void *y,
-          int gated, int threads) {
+void gemm(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x, int64_t ldx,
+          int m, int k, int n, void *y, int gated, int kernel, int threads) {
     #pragma omp parallel num_threads(threads)
-    gemm_team(packed, bias, dtype, x, ldx, m, k, n, y, gated);
+    gemm_team(packed, scales, kind, bias, dtype, x, ldx, m, k, n, y, gated, kernel);
 }
 #else
 int gemm_dtypes(void) { return 0; }
+int gemm_kernels(void) { return 0; }
 #endif

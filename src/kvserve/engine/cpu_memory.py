@@ -1,4 +1,4 @@
-"""CPU memory: freed activations kept in the process; weights on huge pages."""
+"""CPU memory: freed activations kept in the process; weights on huge pages, each its own mapping."""
 from __future__ import annotations
 
 import ctypes
@@ -59,3 +59,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     return huge_page_buffer(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+
+
+def cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor for a weight: a mapping of its own (on huge pages, zeroed) from a huge
+    page up, else torch.empty. Freeing it unmaps it: memory that glibc's heap would keep
+    (reuse_freed_memory) after a weight is loaded, packed and dropped goes back to the system."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    return huge_page_buffer(nbytes).view(dtype).view(shape)

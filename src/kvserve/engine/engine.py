@@ -20,7 +20,6 @@ from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
 from kvserve.engine.executor import build_executors, native_decode_wanted
 from kvserve.engine.gpu_memory import dummy_forward, profile_kv_memory
-from kvserve.engine.native_decode import prepare_weights
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
@@ -32,6 +31,7 @@ from kvserve.kv.hybrid import HybridKVCacheManager, HybridKVStorage, LayerGroup,
 from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVOffloader, SwapCosts, TierCompat,
                                 measure_prefill, model_identity, parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
+from kvserve.model.gemm_choice import GemmChoice, choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
@@ -60,6 +60,7 @@ class LLMEngine:
         self.backend = get_backend(config.attention_backend, self.device)
         self.kv_groups = self._kv_groups(config, mcfg)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg, len(self.kv_groups))
+        self.gemm = self._choose_gemm(config, mcfg, native)
         self._threads: int | None = None                # torch's threads before rank 0 took its share
         self.workers = self._start_workers(config, mcfg)
         try:
@@ -98,15 +99,24 @@ class LLMEngine:
         log.info("tensor parallel: %d ranks (%s); decoding op by op (eager_tp): the native C step and CUDA graphs "
                  "do not run under tensor parallelism", size, "NCCL" if self.device.type == "cuda" else "gloo")
         args = WorkerArgs(self.model_path, mcfg, self.dtype, self.device.type, self.max_model_len,
-                          config.attention_backend, config.cpu_allocator_tuning)
+                          config.attention_backend, config.cpu_allocator_tuning, self.gemm.weight_format)
         return Workers(size, args, self.device)
+
+    def _choose_gemm(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> GemmChoice:
+        """How the linear layers multiply (model/gemm_choice.py). Under tensor parallelism every rank holds
+        oneDNN's packing (on the CPU), unmeasured: the ranks share the cores, and no native step reads csrc/gemm.c's
+        panels there."""
+        if config.tensor_parallel_size > 1:
+            cpu = self.device.type == "cpu"
+            return GemmChoice("onednn" if cpu else "plain", f"tensor parallel, {config.tensor_parallel_size} ranks: "
+                              f"{'oneDNN' if cpu else 'torch'}'s GEMMs on every rank, not measured")
+        return choose_gemm(mcfg, self.dtype, self.device, native, config.quantization)   # measured, or cached
 
     def _load(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> None:
         """The model (this rank's shard), the scheduler and the KV cache; the workers build theirs."""
         self.model = load_model(self.model_path, mcfg, self.dtype, self.device, self.max_model_len,
-                                pack_weights=not native, tp=self.workers and self.workers.tp)
-        if native:
-            prepare_weights(self.model)
+                                self.gemm.weight_format, config.quantization, tp=self.workers and self.workers.tp)
+        self.gemm.apply(self.model)
         batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
         if config.cache_mode == "none":
             batched = max(batched, self.max_model_len)   # no cache: a sequence is computed whole
@@ -609,4 +619,5 @@ class LLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_offload": self.config.kv_offload,
             **(self.offload.stats() if self.offload is not None else {}),
+            "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
         }

@@ -250,8 +250,8 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
     family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping and scaled embeddings, nor
     partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache with
     one block table for every layer (a hybrid cache of several layer groups runs its decodes eagerly: the C step
-    reads one table), and the kernels built. (Asked before the model loads, whose weights are then prepared for
-    the C step: native_decode.prepare_weights.)"""
+    reads one table), and the kernels built. (Asked before the model loads, whose weights are then held as the
+    C step reads them where the GEMM choice allows: model/gemm_choice.py.)"""
     return (device.type == "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1
             and dtype in DTYPES and not lacks(model_config)
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
@@ -277,7 +277,8 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
     if workers is not None:
         return [TensorParallelEager(model, backend, storage, workers)]
     executors: list[Executor] = []
-    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend, model.config, num_kv_groups):
+    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend, model.config, num_kv_groups) \
+            and NativeDecode.reads(model):
         native = NativeDecode(model, storage)
         if config.num_scheduler_steps > 1:
             executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,

@@ -2,13 +2,12 @@
 
 The CPU's counterpart of CUDA graphs: run op by op from Python, a decode step loses time in dispatch
 and in each op's own pass over the activations between the GEMMs; the C step runs them all in one
-OpenMP team. Its linear layers are csrc/gemm.c's over the packed weights, the engine's own copies.
-Where gemm.c does not multiply the dtype (CPUs without AVX-512, or without its BF16 extension for
-bfloat16), the step reads the weights as torch's Linear keeps them ([out, in]) by matrix-vector
-products, which win only while reading the weights bounds the step: then the engine keeps those, on
-huge pages, beside oneDNN's packed copies (the weights take twice their memory, as CUDA graphs take
-memory of their own), and larger steps run op by op. `enforce_eager` turns it off; engine/executor.py
-says which steps it runs.
+OpenMP team. Its linear layers are csrc/gemm.c's over the packed weights, the model's only copies (a
+tied embedding table reads its rows from lm_head's). Where the weights are held plain (CPUs whose
+csrc/gemm.c does not multiply the dtype), the step reads them as torch's Linear keeps them ([out, in]) by
+matrix-vector products, which win only while reading the weights bounds the step: larger steps then run
+op by op, by torch's F.linear over the same weights. `enforce_eager` turns it off; engine/executor.py
+says which steps it runs and how the weights are held.
 """
 from __future__ import annotations
 
@@ -19,22 +18,22 @@ import torch
 from kvserve.attention import AttentionBatch
 from kvserve.attention.native import DTYPE_KINDS
 from kvserve.config import ModelConfig
-from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
-from kvserve.model.layers import Linear, gemm_packs
+from kvserve.model.layers import WEIGHT_KINDS, Linear
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Where the model is not packed for csrc/gemm.c, the step takes at most this many sequences: its
 # matrix-vector products read each weight once per sequence, so past a few sequences op by op with
-# oneDNN's GEMMs, which read it once per step, wins (`kvserve bench throughput` sweeps both by batch size).
+# torch's GEMMs, which read it once per step, wins (`kvserve bench throughput` sweeps both by batch size).
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
 
 # copies of csrc/decode_step.c's structs (NativeDecode checks them against the library's: check_layout)
 class _Proj(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "b", "packed")]
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "b", "packed", "scales")),
+                *((name, ctypes.c_int) for name in ("kind", "amx_from"))]
 
 
 class _Layer(ctypes.Structure):
@@ -69,10 +68,19 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 
 def _proj(linear: Linear) -> _Proj:
-    """A linear layer as the C step takes it: the weight (where not packed for csrc/gemm.c), bias, and the
-    packed copy (where packed for csrc/gemm.c)."""
+    """A linear layer as the C step takes it: the weight (where not packed for csrc/gemm.c), bias, the
+    packed copy (where packed for csrc/gemm.c) with its numbers' kind and an int8 weight's scales, and the
+    rows from which it runs AMX's kernel."""
     packed = _address(linear.packed) if linear.own_gemm else None
-    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed)
+    kind = WEIGHT_KINDS[linear.packed.dtype if packed else linear.weight.dtype]
+    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed, _address(linear.scales),
+                 kind, linear.amx_from)
+
+
+def _table(model: CausalLM) -> int | None:
+    """The embedding table as the C step takes it: None where its rows are read from lm_head's packed weight."""
+    embed = model.model.embed_tokens
+    return None if embed.rows_of is not None else _address(embed.weight)
 
 
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -91,42 +99,16 @@ def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-def prepare_weights(model: CausalLM) -> None:
-    """Pack the linear layers, keeping the plain weights where the C step reads them (no csrc/gemm.c for
-    the dtype here), and put what it streams every step on huge pages."""
-    dtype = model.lm_head.weight.dtype
-    if gemm_packs(dtype):
-        model.pack_weights()
-        packed = [m for m in model.modules() if isinstance(m, Linear)]
-        _to_huge_pages([(m, "packed") for m in packed] + [(model.model.embed_tokens, "weight")])
-    else:
-        # the plain weights move first, so that the packed copies reuse the memory they leave (the heap
-        # keeps what is freed: see reuse_freed_memory)
-        plain = [m for m in model.modules() if isinstance(m, Linear)] + [model.model.embed_tokens]
-        _to_huge_pages([(m, "weight") for m in plain])
-        model.pack_weights(keep_weights=True)
-
-
-def _to_huge_pages(fields: list[tuple[torch.nn.Module, str]]) -> None:
-    """Move each module's tensor `field` into one buffer on huge pages (a tensor shared by two once)."""
-    tensors = {getattr(m, f).data_ptr(): getattr(m, f) for m, f in fields}
-    sizes = {ptr: -(-t.numel() * t.element_size() // 64) * 64 for ptr, t in tensors.items()}
-    buffer = huge_page_buffer(sum(sizes.values()))
-    moved, offset = {}, 0
-    for ptr, t in tensors.items():
-        moved[ptr] = buffer[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
-        offset += sizes[ptr]
-    for (m, f), ptr in zip(fields, [getattr(m, f).data_ptr() for m, f in fields]):
-        t = getattr(m, f)
-        if isinstance(t, torch.nn.Parameter):
-            t.data = moved[ptr]         # a tied parameter: moved twice to the same view
-        else:
-            setattr(m, f, moved[ptr])
-
-
 class NativeDecode:
     """The model's weights and cache pages as the C step reads them, `run` for one step and `run_steps`
     for several; `steps` counts the decode steps run."""
+
+    @staticmethod
+    def reads(model: CausalLM) -> bool:
+        """Whether the step reads the model's weights: every linear layer packed for csrc/gemm.c, or every one
+        plain (not packed for oneDNN, where the GEMM choice took oneDNN's)."""
+        formats = {m.weight_format for m in model.modules() if isinstance(m, Linear)}
+        return formats in ({"gemm"}, {"plain"})
 
     def __init__(self, model: CausalLM, storage: KVStorage):
         for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):
@@ -135,9 +117,9 @@ class NativeDecode:
         self.model = model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         self.packed = all(m.own_gemm for m in linears)
-        if not self.packed and any(m.weight.numel() == 0 for m in linears):
-            raise ValueError("the C decode step reads the plain weights where they are not packed for csrc/gemm.c: "
-                             "pack them with keep_weights=True")
+        if not self.packed and any(m.weight_format != "plain" for m in linears):
+            raise ValueError("the C decode step reads every linear layer packed for csrc/gemm.c, or every one plain: "
+                             f"got {sorted({m.weight_format for m in linears})}")
         if lacks(cfg):
             raise ValueError(f"the C decode step does not compute {', '.join(lacks(cfg))} ({cfg.architecture})")
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
@@ -153,7 +135,7 @@ class NativeDecode:
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
                            storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
-                           _address(model.model.embed_tokens.weight), _address(model.model.norm.weight),
+                           _table(model), _address(model.model.norm.weight),
                            _proj(model.lm_head), self._layers)
         # the packed GEMMs take any batch; the matrix-vector products only small ones
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]

@@ -55,6 +55,7 @@ class WorkerArgs:
     max_model_len: int
     attention_backend: str
     cpu_allocator_tuning: bool
+    weight_format: str                  # rank 0's GEMM choice (model/gemm_choice.py)
 
 
 @dataclass
@@ -290,7 +291,8 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         tp = init_group(rank, size, "", 0, device, address)
     else:
         tp = init_group(rank, size, *address, device)
-    model = load_model(args.model_path, args.model_config, args.dtype, device, args.max_model_len, tp=tp)
+    model = load_model(args.model_path, args.model_config, args.dtype, device, args.max_model_len, args.weight_format,
+                       tp=tp)
     backend = get_backend(args.attention_backend, device)
     kind, spec, num_blocks = _loads(conn.recv_bytes(), device)
     residuals: dict[int, list[int]] = {}

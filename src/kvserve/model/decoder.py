@@ -148,14 +148,6 @@ class CausalLM(nn.Module):
         self.rope_local: RotaryEmbedding | None = None      # the sliding layers' (Gemma 3), else None
         self.rope_max_model_len: int | None = None          # what LongRoPE chose its factors for
 
-    def pack_weights(self, keep_weights: bool = False) -> None:
-        """Prepack every linear layer's weight for the CPU's fastest matmul, where possible; the plain
-        weights are dropped unless kept (for the native decode step, which reads them)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                tied = module is self.lm_head and self.config.tie_word_embeddings
-                module.pack(free_weight=not (keep_weights or tied))
-
     def init_rope(self, max_positions: int, device: torch.device, max_model_len: int | None = None) -> None:
         """RoPE tables of the positions below max_positions. max_model_len (default: max_positions) picks
         LongRoPE's factors, long or short (see rope_inv_freq), for the tables' whole life."""

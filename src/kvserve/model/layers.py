@@ -12,46 +12,85 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.config import QUANTIZATIONS
+from kvserve.engine.cpu_memory import cpu_tensor
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _PACK_BATCH_HINT = 64
+GEMM_KERNELS = ("avx512", "amx")     # csrc/gemm.c's kernels, as it numbers them
+NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
+WEIGHT_FORMATS = ("gemm", "onednn", "plain")
+# the numbers of a packed weight, as csrc/common.h numbers their kinds
+# (uint8: int4 numbers 0..15, one a byte unpacked, two a byte packed)
+WEIGHT_KINDS = {**DTYPE_KINDS, torch.int8: 3, torch.uint8: 5}
+INT4_GROUP = 32                      # k numbers of an int4 group (csrc/gemm.c's G4)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be packed once for a CPU GEMM: the project's own (csrc/gemm.c) where this
-    CPU's build multiplies the dtype, else oneDNN's prepacked one (2-3x faster than MKL's on many CPUs)."""
+    """nn.Linear whose weight is held once, in one of WEIGHT_FORMATS (`weight_format`): gemm (packed in
+    panels for csrc/gemm.c, `packed`), onednn (oneDNN's prepacked weight, `packed`) or plain (`weight`
+    [out, in], as torch keeps it). A packed layer's `weight` is an empty placeholder of its dtype."""
 
     packed: torch.Tensor | None = None
-    own_gemm: bool = False     # packed for csrc/gemm.c (else for oneDNN)
+    scales: torch.Tensor | None = None      # int8: float32, one per output column; int4: its groups' (float16)
+    quantization: str | None = None         # of QUANTIZATIONS
+    weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
+    amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not AVX-512's
 
     def reset_parameters(self) -> None:
         pass
 
-    def pack(self, free_weight: bool = True) -> bool:
-        """Pack the weight (CPU, float32/bfloat16); False if neither GEMM takes it here.
+    @property
+    def own_gemm(self) -> bool:
+        """Whether csrc/gemm.c multiplies the layer (its weight packed for it)."""
+        return self.weight_format == "gemm"
 
-        The plain weight is then dropped, unless it is shared (tied embeddings), to not hold it twice.
-        """
-        w = self.weight.detach()
-        if w.device.type != "cpu" or w.dtype not in COMPUTE_DTYPES:
-            return False
-        self.packed = gemm_pack(w, self.gated)
-        self.own_gemm = self.packed is not None
-        if not self.own_gemm:
-            self.packed = onednn_pack(w)
-            if self.packed is None:
-                return False
-        if free_weight:
-            self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
-        return True
+    def load(self, w: torch.Tensor, weight_format: str, quantization: str | None = None) -> str:
+        """Hold w [out, in] in weight_format, and no other copy of it: plain where that packing does not take
+        it (not on the CPU, not float32/bfloat16, or a fallback: see kvserve.kernels). Returns the format held.
+        quantization "int8": w is quantized per output column (quantize_int8) into csrc/gemm.c's panels, whose
+        products are those of the dequantized weight; a ValueError where csrc/gemm.c cannot take it."""
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+        if quantization is not None:
+            self._load_quantized(w, weight_format, quantization)
+            return self.weight_format
+        packed = None
+        if weight_format != "plain" and w.device.type == "cpu" and w.dtype in COMPUTE_DTYPES:
+            packed = gemm_pack(w, self.gated) if weight_format == "gemm" else onednn_pack(w)
+        self.packed, self.scales, self.quantization = packed, None, None
+        self.weight_format = "plain" if packed is None else weight_format
+        self.weight = nn.Parameter(w if packed is None else w.new_empty(0), requires_grad=False)
+        return self.weight_format
+
+    def _load_quantized(self, w: torch.Tensor, weight_format: str, quantization: str) -> None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
+        if weight_format != "gemm" or w.device.type != "cpu" or not gemm_packs(w.dtype):
+            raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: a CPU with AVX-512 "
+                             f"(F, BW, VL; for bfloat16 also BF16), a C compiler and a float32 or bfloat16 model; got a "
+                             f"{w.dtype} weight on {w.device.type} packed as {weight_format!r}")
+        if quantization == "int8":
+            q, self.scales = quantize_int8(w)
+        else:
+            q, scales, mins = quantize_int4(w)
+            self.scales = gemm_pack_groups(scales, mins, self.gated, w.dtype)
+        self.packed = gemm_pack(q, self.gated, dtype=w.dtype)
+        self.quantization, self.weight_format = quantization, "gemm"
+        self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+
+    def pack(self) -> bool:
+        """Pack the weight for csrc/gemm.c where it multiplies the dtype here, else for oneDNN (CPU,
+        float32/bfloat16), dropping the plain copy; False (left plain) if neither takes it."""
+        return self.load(self.weight.detach(), "gemm" if gemm_packs(self.weight.dtype) else "onednn") != "plain"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.weight_format == "plain":
             return F.linear(x, self.weight, self.bias)
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, self.out_features)
+            return gemm(x, self.packed, self.bias, self.out_features, amx_from=self.amx_from, scales=self.scales)
         return onednn_linear(x, self.packed, self.bias)
 
 
@@ -75,7 +114,7 @@ class GateUpLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         half = self.out_features // 2
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, half, gated=True)
+            return gemm(x, self.packed, self.bias, half, gated=True, amx_from=self.amx_from, scales=self.scales)
         gate, up = super().forward(x).split(half, dim=-1)
         return F.silu(gate).mul_(up)
 
@@ -111,28 +150,110 @@ def gemm_packs(dtype: torch.dtype) -> bool:
     return _gemm_function("gemm", dtype) is not None
 
 
-def gemm_pack(w: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] as int8 q and a float32 scale per output column, symmetric: scale = max |w| / 127 of the
+    column (1 for a column of zeros), q = round(w / scale); w's dequantized weight is q * scale (in float32).
+    In blocks of columns, so that no float32 copy of the whole weight is held."""
+    q = cpu_tensor(tuple(w.shape), torch.int8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    block = max(1, 2**22 // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], block):
+        part = w[start:start + block].to(torch.float32, copy=True)
+        scale = part.abs().amax(dim=1) / 127
+        scale[scale == 0] = 1.0
+        q[start:start + block] = part.div_(scale[:, None]).round_().clamp_(-127, 127)
+        scales[start:start + block] = scale
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The weight (float32) whose products an int8 layer computes: q * scale, column by column."""
+    return q.float() * scales[:, None]
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] as int4 numbers q (0..15, one a byte: uint8) with a float16 scale and minimum per output column
+    and group of INT4_GROUP inputs (the last group may be shorter), asymmetric: min = the group's smallest number,
+    scale = (largest - min) / 15 (1 where they are equal), both rounded to float16, q = round((w - min) / scale).
+    dequantize_int4 gives the weight (float32) whose products an int4 layer computes, rounded to its dtype."""
+    n, k = w.shape
+    groups = -(-k // INT4_GROUP)
+    q = cpu_tensor((n, k), torch.uint8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.uint8)
+    scales = torch.empty(n, groups, dtype=torch.float16, device=w.device)
+    mins = torch.empty_like(scales)
+    block = max(1, 2**22 // max(1, k))
+    for start in range(0, n, block):
+        part = w[start:start + block].to(torch.float32, copy=True)
+        if groups * INT4_GROUP > k:     # the short group filled with its own last number: no new min or max
+            part = torch.cat((part, part[:, -1:].expand(-1, groups * INT4_GROUP - k)), dim=1)
+        g = part.view(len(part), groups, INT4_GROUP)
+        low, high = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((high - low) / 15).to(torch.float16)
+        scale[scale == 0] = 1.0
+        low = low.to(torch.float16)
+        g.sub_(low.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
+        q[start:start + block] = g.view(len(part), -1)[:, :k]
+        scales[start:start + block], mins[start:start + block] = scale, low
+    return q, scales, mins
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The weight (float32) of quantize_int4's numbers: q * scale + min, group by group."""
+    k = q.shape[1]
+    expand = lambda t: t.float().repeat_interleave(INT4_GROUP, dim=1)[:, :k]   # noqa: E731
+    return q.float() * expand(scales) + expand(mins)
+
+
+def gemm_pack_groups(scales: torch.Tensor, mins: torch.Tensor, gated: bool, dtype: torch.dtype) -> torch.Tensor:
+    """An int4 weight's scales and minimums ([out, groups], float16) laid out beside its panels (gemm_pack of
+    its numbers for products in dtype), as gemm() takes them."""
+    size, pack = _gemm_function("gemm_groups_size", dtype), _gemm_function("gemm_pack_groups", dtype)
+    n, k = scales.shape[0], scales.shape[1] * INT4_GROUP
+    out = torch.empty(size(DTYPE_KINDS[dtype], n, k, gated), dtype=torch.float16)
+    pack(scales.contiguous().data_ptr(), mins.contiguous().data_ptr(), DTYPE_KINDS[dtype], n, k, gated, out.data_ptr())
+    return out
+
+
+def gemm_pack(w: torch.Tensor, gated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """w [out, in] packed for gemm(), or None (a fallback: see kvserve.kernels) where csrc/gemm.c does not
-    multiply its dtype here. gated: w is [gate; up], for gemm(gated=True)."""
-    size, pack = _gemm_function("gemm_packed_size", w.dtype), _gemm_function("gemm_pack", w.dtype)
+    multiply the products' dtype here. dtype: that of the products, w's unless w is int8 (quantize_int8) or int4
+    (uint8, quantize_int4: packed two a byte). gated: w is [gate; up], for gemm(gated=True)."""
+    dtype = dtype or w.dtype
+    size, pack = _gemm_function("gemm_packed_size", dtype), _gemm_function("gemm_pack", dtype)
     if pack is None:
-        fallback("gemm_pack", f"csrc/gemm.c does not multiply {w.dtype} on this CPU (or the kernels are not built)")
+        fallback("gemm_pack", f"csrc/gemm.c does not multiply {dtype} on this CPU (or the kernels are not built)")
         return None
-    kind, (n, k) = DTYPE_KINDS[w.dtype], w.shape
+    if w.dtype not in (dtype, torch.int8, torch.uint8):
+        raise TypeError(f"gemm_pack takes a weight of the products' dtype {dtype}, int8 or int4 (uint8), got {w.dtype}")
+    kind, (n, k) = WEIGHT_KINDS[w.dtype], w.shape
     if gated and n % 2:
         raise ValueError(f"a gated weight has an even number of rows (gate and up), got {n}")
-    packed = torch.empty(size(kind, n, k, gated), dtype=w.dtype)
-    pack(w.contiguous().data_ptr(), kind, n, k, gated, packed.data_ptr())
+    numbers = size(kind, DTYPE_KINDS[dtype], n, k, gated)
+    packed = cpu_tensor((numbers // 2 if w.dtype == torch.uint8 else numbers,), w.dtype)
+    pack(w.contiguous().data_ptr(), kind, DTYPE_KINDS[dtype], n, k, gated, packed.data_ptr())
     return packed
 
 
+def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels csrc/gemm.c runs for dtype in this process, of GEMM_KERNELS: avx512 wherever it multiplies
+    dtype; amx for bfloat16 where the CPU has AMX and the OS grants this process its tile state (asked here)."""
+    fn = _gemm_function("gemm_kernels", dtype)
+    if fn is None:
+        return ()
+    bits = fn()
+    return tuple(k for i, k in enumerate(GEMM_KERNELS) if bits >> i & 1 and (k != "amx" or dtype == torch.bfloat16))
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         gated: bool = False) -> torch.Tensor:
-    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack; gated: silu(gate) * up of out_features
-    each, w packed gated."""
-    if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
-        raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be the "
-                        f"weight's dtype {packed.dtype}")
+         gated: bool = False, amx_from: int = NEVER, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack (quantized: with its scales, int8's or int4's
+    gemm_pack_groups, and w its dequantized weight); gated: silu(gate) * up of out_features each, w packed gated.
+    Products of amx_from rows or more run AMX's kernel (where gemm_kernels has it), others AVX-512's."""
+    quantized = packed.dtype in (torch.int8, torch.uint8)
+    if quantized != (scales is not None) or (not quantized and x.dtype != packed.dtype) or \
+            (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"Linear: input {x.dtype} and bias {None if bias is None else bias.dtype} must be of one "
+                        f"dtype, the weight's {packed.dtype} unless quantized (with scales: {scales is not None})")
     if x.shape[-1] == 0:        # no products: the bias alone, as F.linear gives
         y = torch.zeros(*x.shape[:-1], out_features * (1 + gated), dtype=x.dtype)
         y = y if bias is None else y.add_(bias)
@@ -142,14 +263,41 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    fn(packed.data_ptr(), None if bias is None else bias.data_ptr(), DTYPE_KINDS[x.dtype], rows.data_ptr(),
-       rows.stride(0), rows.shape[0], rows.shape[1], out_features, y.data_ptr(), gated, torch.get_num_threads())
+    fn(packed.data_ptr(), None if scales is None else scales.data_ptr(), WEIGHT_KINDS[packed.dtype],
+       None if bias is None else bias.data_ptr(), DTYPE_KINDS[x.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0],
+       rows.shape[1], out_features, y.data_ptr(), gated,
+       GEMM_KERNELS.index("amx" if rows.shape[0] >= amx_from else "avx512"), torch.get_num_threads())
     return y
 
 
 class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be the packed weight of a tied lm_head (`rows_of`), its only copy."""
+
+    rows_of: Linear | None = None
+
     def reset_parameters(self) -> None:
         pass
+
+    def share_with(self, lm_head: Linear) -> None:
+        """Read the table's rows from lm_head's weight, packed for csrc/gemm.c from this table, and drop the
+        table's own copy."""
+        if not lm_head.own_gemm:
+            raise ValueError("an embedding reads its rows only from a weight packed for csrc/gemm.c")
+        object.__setattr__(self, "rows_of", lm_head)      # not a submodule: lm_head stays the model's alone
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows_of is None:
+            return super().forward(ids)
+        flat = ids.reshape(-1).contiguous()
+        out = torch.empty(len(flat), self.embedding_dim, dtype=self.weight.dtype)
+        if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {flat.min()}..{flat.max()}")
+        head = self.rows_of
+        function("gemm_rows")(head.packed.data_ptr(), None if head.scales is None else head.scales.data_ptr(),
+                              WEIGHT_KINDS[head.packed.dtype], DTYPE_KINDS[out.dtype], self.embedding_dim,
+                              flat.data_ptr(), len(flat), out.data_ptr(), torch.get_num_threads())
+        return out.view(*ids.shape, self.embedding_dim)
 
 
 def _layer_op(name: str, x: torch.Tensor, *contiguous: torch.Tensor):

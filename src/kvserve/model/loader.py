@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from kvserve.config import ModelConfig, parse_dtype
 from kvserve.distributed import TensorParallel
+from kvserve.engine.cpu_memory import cpu_tensor
 from kvserve.model.decoder import CausalLM
+from kvserve.model.layers import Linear
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
@@ -61,12 +66,13 @@ def choose_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devic
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, pack_weights: bool = True, tp: TensorParallel | None = None) -> CausalLM:
-    """The checkpoint's model (with `tp`: this rank's shard of it), ready to run."""
+               max_positions: int, weight_format: str = "plain", quantization: str | None = None,
+               tp: TensorParallel | None = None) -> CausalLM:
+    """The checkpoint's model (with `tp`: this rank's shard of it), each linear layer's weight held once in
+    weight_format (Linear.load; quantized: every one, lm_head too): packed as it is read, so that at most a
+    layer's plain weight is held beside the packed ones."""
     model = _empty_model(cfg, dtype, device, tp)
-    load_weights(model, path)
-    if pack_weights:
-        model.pack_weights()
+    load_weights(model, path, weight_format, quantization)
     model.init_rope(max_positions, device)
     return model.eval().requires_grad_(False)
 
@@ -84,37 +90,123 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         torch.set_default_dtype(default)
 
 
-def load_weights(model: CausalLM, path: Path) -> None:
+def load_weights(model: CausalLM, path: Path, weight_format: str = "plain", quantization: str | None = None) -> None:
     """Copy every tensor of the *.safetensors files into the model (a tensor-parallel shard: its part of each);
-    all parameters must be covered."""
+    all parameters must be covered. A linear layer's weight is assembled from its checkpoint tensors (q, k, v;
+    gate, up) in a buffer of its own and, once whole, handed to Linear.load in weight_format (and quantization);
+    a tied lm_head packs the embedding table, which then reads its rows from it (Embedding.share_with:
+    quantized, its rows dequantized) where csrc/gemm.c packs it."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
+    tied = model.config.tie_word_embeddings
     params = dict(model.named_parameters())
+    linears = {f"{name}.weight": m for name, m in model.named_modules()
+               if isinstance(m, Linear) and not (tied and m is model.lm_head)}
     missing = {_part(n, s) for n in params for s in _shards_of(n)}
+    building: dict[str, torch.Tensor] = {}     # linear weight -> its buffer, until every shard is in
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                target, shard = _target(name, model.config.tie_word_embeddings)
-                if target is None:
-                    continue
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
-                merged = target.split(".")[-2]
+        for name, shape, read in _tensors(file):
+            target, shard = _target(name, tied)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
+            if target in linears:
+                linear = linears[target]
+                dst = building.get(target)
+                if dst is None:
+                    dst = building[target] = _weight_buffer(linear, params[target].dtype, params[target].device)
+            else:
                 dst = params[target].data
-                if shard is not None:
-                    dst = dst[model.shard_slice(merged, shard)]
-                src = f.get_tensor(name)
-                if model.tp is not None:
-                    src = model.tp.shard(target, shard, src, model.config)
-                if src.shape != dst.shape:
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
+            if shard is not None:
+                dst = dst[model.shard_slice(target.split(".")[-2], shard)]
+            if model.tp is None:
+                read(name, dst)
+            else:       # the whole tensor, then this rank's part of it
+                whole = torch.empty(shape, dtype=dst.dtype)
+                read(name, whole)
+                part = model.tp.shard(target, shard, whole, model.config)
+                if part.shape != dst.shape:
+                    raise ValueError(f"checkpoint tensor {name!r}: this rank's part has shape {tuple(part.shape)}, "
                                      f"expected {tuple(dst.shape)}")
-                dst.copy_(src)
-                # a checkpoint's fused tensor (Phi-3's qkv_proj, gate_up_proj) fills every shard of its parameter
-                missing -= {_part(target, s) for s in ([shard] if shard is not None else _shards_of(target))}
+                dst.copy_(part)
+            # a checkpoint's fused tensor (Phi-3's qkv_proj, gate_up_proj) fills every shard of its parameter
+            missing -= {_part(target, s) for s in ([shard] if shard is not None else _shards_of(target))}
+            if target in linears and not any(_part(target, s) in missing for s in _shards_of(target)):
+                linears[target].load(building.pop(target), weight_format, quantization)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(sorted(missing))}")
+    if tied:
+        # packed for oneDNN, the table would be held twice: a tied lm_head is packed only where the table can
+        # read its rows back from it (csrc/gemm.c's panels), else it multiplies by the table as it is
+        embed, head = model.model.embed_tokens, model.lm_head
+        if head.load(embed.weight.detach(), "gemm" if weight_format == "gemm" else "plain", quantization) == "gemm":
+            embed.share_with(head)
+        else:
+            head.weight = embed.weight
+
+
+def _weight_buffer(linear: Linear, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where a linear layer's plain weight is assembled: on the CPU a mapping of its own, whose memory goes
+    back to the system once the weight is packed (or stays as the plain weight, on huge pages)."""
+    shape = (linear.out_features, linear.in_features)
+    return cpu_tensor(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype, device=device)
+
+
+# safetensors' dtype names
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _tensors(file: Path) -> Iterator[tuple[str, tuple[int, ...], Callable[[str, torch.Tensor], None]]]:
+    """Each tensor of a .safetensors file, in file order, as (name, shape, read), read(name, dst) copying it into
+    dst (of its shape; any dtype and device). Read by plain file reads, not mapped: mapped, every page of the file
+    would count in the process's resident memory until the file is closed, a second copy of the weights at
+    the end of loading."""
+    with open(file, "rb", buffering=0) as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        head = f.read(8)
+        header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if header_len > size - 8:
+            raise ValueError(f"{file} is not a safetensors file (its header length {header_len} exceeds the file)")
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        base = 8 + header_len
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            begin, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+            if dtype is None:
+                raise ValueError(f"checkpoint tensor {name!r} in {file} has dtype {info['dtype']}, which kvserve does "
+                                 f"not load (it takes {', '.join(_SAFETENSORS_DTYPES)})")
+            if end - begin != math.prod(shape) * dtype.itemsize or base + end > size:
+                raise ValueError(f"checkpoint tensor {name!r} in {file}: its data offsets do not match its shape "
+                                 f"{shape} and dtype, or run past the file")
+
+            def read(name: str, dst: torch.Tensor, begin: int = begin, shape: tuple = shape, dtype=dtype) -> None:
+                if tuple(dst.shape) != shape:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, expected {tuple(dst.shape)}")
+                direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous()
+                into = dst if direct else torch.empty(shape, dtype=dtype)
+                _read_exactly(f, base + begin, into.view(-1).view(torch.uint8).numpy())
+                if not direct:
+                    dst.copy_(into)
+
+            yield name, shape, read
+
+
+def _read_exactly(f, offset: int, buffer) -> None:
+    """Fill buffer (a writable bytes-like object) from the file at offset."""
+    view, done = memoryview(buffer).cast("B"), 0
+    f.seek(offset)
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{f.name} ends before its tensors do")
+        done += got
 
 
 def _target(name: str, tied: bool) -> tuple[str | None, int | None]:
