@@ -55,6 +55,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
     one, two = _run(path, 1, params), _run(path, 2, params)
     _assert_same(one, two)
     assert two[2]["steps"]["eager_tp"] > 0 and two[2]["tensor_parallel_size"] == 2
+    assert two[2]["gemm"]["source"].startswith("tensor parallel, 2 ranks")     # the GEMMs say why they were not timed
     # each rank's pool holds its KV heads: half the bytes of one rank's, unless its one KV head is replicated
     replicated = overrides.get("num_key_value_heads") == 1
     assert two[2]["kv_cache_bytes"] * (1 if replicated else 2) == one[2]["kv_cache_bytes"]
@@ -124,7 +125,7 @@ def test_a_dead_worker_fails_the_step_and_shutdown_leaves_no_process(tiny_llama)
 def test_a_worker_that_fails_to_start_says_why(tmp_path, tiny_llama):
     """A worker whose shard cannot load reports its error to rank 0, which raises it (no wait for a timeout)."""
     cfg = ModelConfig.from_path(tiny_llama)
-    args = WorkerArgs(tmp_path / "missing", cfg, torch.float32, "cpu", 64, "auto", False)
+    args = WorkerArgs(tmp_path / "missing", cfg, torch.float32, "cpu", 64, "auto", False, "plain")
     workers = Workers(2, args, torch.device("cpu"))
     try:
         with pytest.raises(RuntimeError, match="worker rank 1 failed:(.|\n)*FileNotFoundError"):
@@ -145,6 +146,8 @@ def test_shapes_that_do_not_split_are_refused(tiny_llama):
                                                      "num_key_value_heads": 3}), 4)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="quantization 'int8' with tensor_parallel_size 2"):
+        EngineConfig(tensor_parallel_size=2, quantization="int8")
 
 
 def _raw(path) -> dict:
