@@ -90,8 +90,9 @@ def files(tier: Path) -> list[Path]:
 def test_a_prefix_evicted_from_the_pool_is_served_from_the_tier(ckpt, tmp_path):
     llm = tiered(ckpt, tmp_path / "tier")
     llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)     # one at a time in the pool: A's blocks leave it
+    llm.engine.offload.tier.flush()                             # the writer stores them in the background
     stats = llm.stats()
-    assert stats["kv_offload_blocks_stored"] + stats["kv_offload_skipped"] > 0
+    assert stats["kv_offload_blocks_stored"] > 0
     steps = computed_tokens(llm)
     again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]
     stats = llm.stats()
