@@ -77,7 +77,7 @@ def test_the_state_counts_each_block_as_the_pool_holds_it_at_every_step(tiny_lla
         counts = state["counts"]
         assert counts == {name: state["blocks"].count(c) for name, c in STATES.items()}
         # the same counts as LLMEngine.stats() (and so /metrics) at the same step
-        assert state["stats"] == stats
+        assert state["stats"] == stats and "kv_offload" not in state      # no second tier here
         assert counts["free"] + counts["cached"] == stats["kv_blocks_free"] == engine.kv.pool.num_free
         assert [s["seq_id"] for s in state["running"]] == [s.seq_id for s in engine.scheduler.running]
         assert len(state["running"]) == stats["num_running"] and len(state["waiting"]) == stats["num_waiting"]
@@ -137,6 +137,29 @@ def test_no_cache_has_no_blocks(tiny_llama):
     engine.step()
     state = render(snapshot(engine))
     assert state["blocks"] == "" and state["num_blocks"] == 0 and len(state["running"]) == 1
+
+
+def test_the_state_carries_the_offload_tiers_counters_as_stats_counts_them(tiny_llama, tmp_path):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=8,
+                                    kv_offload=f"disk:{tmp_path / 'tier'}", kv_offload_size="1MiB",
+                                    preemption_mode="recompute"))
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    prompts = [list(range(3 + 40 * i, 24 + 40 * i)) for i in range(3)]     # five full blocks each
+    # one at a time in a pool of 8 blocks: the first prompt's blocks leave it for the tier, and come back
+    for i, prompt in enumerate(prompts + prompts[:1]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy)
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.offload.tier.flush()         # its writer stores blocks in the background: none moves now
+            state, stats = render(snapshot(engine)), engine.stats()
+            assert state["kv_offload"] == {"kind": "disk", "blocks": stats["kv_offload_blocks"],
+                                           "bytes": stats["kv_offload_bytes"],
+                                           "capacity_bytes": stats["kv_offload_capacity_bytes"],
+                                           "hit_tokens": stats["kv_offload_hit_tokens"],
+                                           "miss_tokens": stats["kv_offload_miss_tokens"]}
+    assert state["kv_offload"]["capacity_bytes"] == 2**20
+    assert state["kv_offload"]["blocks"] > 0 and 0 < state["kv_offload"]["bytes"] <= 2**20
+    assert state["kv_offload"]["hit_tokens"] == 20
 
 
 # ---- the endpoints ----------------------------------------------------------------------

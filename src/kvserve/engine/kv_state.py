@@ -57,6 +57,10 @@ class KVSnapshot:
     sequences: list[SequenceState]
 
 
+# the second KV tier's counters that the state reports (LLMEngine.stats() keys, less "kv_offload_")
+TIER_COUNTERS = ("blocks", "bytes", "capacity_bytes", "hit_tokens", "miss_tokens")
+
+
 def snapshot(engine: LLMEngine) -> KVSnapshot:
     """Copy the KV cache's state from `engine` (an LLMEngine between two steps); changes nothing."""
     kv, scheduler = engine.kv, engine.scheduler
@@ -97,12 +101,23 @@ def block_states(snap: KVSnapshot) -> np.ndarray:
     return states
 
 
+def _tier_state(stats: dict) -> dict | None:
+    """The second KV tier (kv_offload) as `stats` (LLMEngine.stats()) counts it: what it holds against
+    its capacity, and the prompt tokens it served and missed; None for an engine without one."""
+    if stats.get("kv_offload") is None:
+        return None
+    return {"kind": stats["kv_offload"].split(":", 1)[0],
+            **{name: stats[f"kv_offload_{name}"] for name in TIER_COUNTERS}}
+
+
 def render(snap: KVSnapshot) -> dict:
     """The snapshot as the JSON of GET /v1/kv/state: every block's state, the count of each, the
-    sequences with their block tables, and the engine's stats of the same step."""
+    sequences with their block tables, the engine's stats of the same step and, where the engine has a
+    second KV tier, that tier's counters from those stats ("kv_offload"; absent without one)."""
     states = block_states(snap)
     counts = np.bincount(states, minlength=256)
     stats = snap.stats
+    tier = _tier_state(stats)
     return {
         "object": "kv_state",
         "time": snap.time,
@@ -115,6 +130,7 @@ def render(snap: KVSnapshot) -> dict:
         "running": [asdict(s) for s in snap.sequences if s.status == "running"],
         "waiting": [asdict(s) for s in snap.sequences if s.status == "waiting"],
         "stats": stats,
+        **({"kv_offload": tier} if tier is not None else {}),
     }
 
 
