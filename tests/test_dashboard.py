@@ -24,6 +24,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.tokenization import ServerTokenizer
 from kvserve.server.top import grid_cells
 from test_server import ServerThread
+from tiny_models import make_checkpoint
 
 MODEL = "tiny-llama"
 KEY = "sk-dash"
@@ -35,7 +36,10 @@ def expected_states(engine: LLMEngine) -> str:
     """Each block's state from the block tables (who owns it) and the prefix index (what it holds),
     as the view's characters."""
     kv, pool = engine.kv, engine.kv.pool
-    owners = Counter(b for table in [*kv.block_tables.values(), *kv.pinned.values()] for b in table)
+    tables = [t for m in getattr(kv, "groups", [kv]) for t in m.block_tables.values()]
+    owners = Counter(b for table in [*tables, *kv.pinned.values()] for b in table)
+    if hasattr(kv, "null_block"):       # a hybrid cache's: held by the cache itself
+        owners[kv.null_block] += 1
     borrowed = {b for blocks in kv.residuals.values() for b in blocks}
     states = []
     for b in range(kv.num_blocks):
@@ -115,7 +119,8 @@ def test_a_block_shows_its_owners_hash_and_tokens(tiny_llama):
                                                                            sink.num_evicted_tokens:
                                                                            sink.num_computed_tokens]
     pinned = block_detail(engine, engine.kv.pinned[sink.seq_id][0])
-    assert pinned["owners"] == [{"request_id": "sink", "seq_id": sink.seq_id, "index": 0, "pinned": True}]
+    assert pinned["owners"] == [{"request_id": "sink", "seq_id": sink.seq_id, "group": 0, "index": 0,
+                                 "pinned": True}]
     assert pinned["token_ids"] == sink.token_ids[:4]
     with pytest.raises(ValueError, match="block_id"):
         block_detail(engine, 48)
@@ -160,6 +165,38 @@ def test_the_state_carries_the_offload_tiers_counters_as_stats_counts_them(tiny_
     assert state["kv_offload"]["capacity_bytes"] == 2**20
     assert state["kv_offload"]["blocks"] > 0 and 0 < state["kv_offload"]["bytes"] <= 2**20
     assert state["kv_offload"]["hit_tokens"] == 20
+
+
+def test_every_block_of_a_hybrid_cache_has_its_owners_in_their_group(tmp_path):
+    # three layers: two sliding (window 8), one global: three layer groups, each with its own block tables
+    gemma3 = make_checkpoint(tmp_path, "gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3,
+                             sliding_window_pattern=3)
+    engine = LLMEngine(EngineConfig(model=str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32"))
+    kv = engine.kv
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    engine.add_request("a", {"prompt_token_ids": SYSTEM}, greedy)
+    engine.add_request("b", {"prompt_token_ids": SYSTEM[:12] + [40, 41]}, greedy)
+    groups_seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        state = render(snapshot(engine))
+        assert state["blocks"] == expected_states(engine)
+        for seq in state["running"]:
+            assert [seq["block_table"], *seq["group_tables"]] == kv.group_tables(seq["seq_id"])
+        # a block's owners are the entries of every group's tables, the null block's (the one a sliding group
+        # puts for the blocks that left its window) too, beyond the reference the cache itself keeps on it
+        entries = Counter(b for seq in state["running"] for table in [seq["block_table"], *seq["group_tables"]]
+                          for b in table)
+        assert entries == {b: n - (b == kv.null_block) for b, n in enumerate(kv.pool.ref_counts)
+                           if n - (b == kv.null_block)}
+        for seq in state["running"]:
+            for group, table in enumerate(seq["group_tables"], start=1):
+                for index, b in enumerate(table[:1]):
+                    owners = block_detail(engine, b)["owners"]
+                    assert {"request_id": seq["request_id"], "seq_id": seq["seq_id"], "group": group,
+                            "index": index, "pinned": False} in owners
+                    groups_seen.add(group)
+    assert groups_seen == {1, 2}
 
 
 # ---- the endpoints ----------------------------------------------------------------------
