@@ -24,6 +24,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.tokenization import ServerTokenizer
 from kvserve.server.top import grid_cells
 from test_server import ServerThread
+from tiny_models import make_checkpoint
 
 MODEL = "tiny-llama"
 KEY = "sk-dash"
@@ -35,7 +36,10 @@ def expected_states(engine: LLMEngine) -> str:
     """Each block's state from the block tables (who owns it) and the prefix index (what it holds),
     as the view's characters."""
     kv, pool = engine.kv, engine.kv.pool
-    owners = Counter(b for table in [*kv.block_tables.values(), *kv.pinned.values()] for b in table)
+    tables = [t for m in getattr(kv, "groups", [kv]) for t in m.block_tables.values()]
+    owners = Counter(b for table in [*tables, *kv.pinned.values()] for b in table)
+    if hasattr(kv, "null_block"):       # a hybrid cache's: held by the cache itself
+        owners[kv.null_block] += 1
     borrowed = {b for blocks in kv.residuals.values() for b in blocks}
     states = []
     for b in range(kv.num_blocks):
@@ -77,7 +81,7 @@ def test_the_state_counts_each_block_as_the_pool_holds_it_at_every_step(tiny_lla
         counts = state["counts"]
         assert counts == {name: state["blocks"].count(c) for name, c in STATES.items()}
         # the same counts as LLMEngine.stats() (and so /metrics) at the same step
-        assert state["stats"] == stats
+        assert state["stats"] == stats and "kv_offload" not in state      # no second tier here
         assert counts["free"] + counts["cached"] == stats["kv_blocks_free"] == engine.kv.pool.num_free
         assert [s["seq_id"] for s in state["running"]] == [s.seq_id for s in engine.scheduler.running]
         assert len(state["running"]) == stats["num_running"] and len(state["waiting"]) == stats["num_waiting"]
@@ -115,7 +119,8 @@ def test_a_block_shows_its_owners_hash_and_tokens(tiny_llama):
                                                                            sink.num_evicted_tokens:
                                                                            sink.num_computed_tokens]
     pinned = block_detail(engine, engine.kv.pinned[sink.seq_id][0])
-    assert pinned["owners"] == [{"request_id": "sink", "seq_id": sink.seq_id, "index": 0, "pinned": True}]
+    assert pinned["owners"] == [{"request_id": "sink", "seq_id": sink.seq_id, "group": 0, "index": 0,
+                                 "pinned": True}]
     assert pinned["token_ids"] == sink.token_ids[:4]
     with pytest.raises(ValueError, match="block_id"):
         block_detail(engine, 48)
@@ -137,6 +142,61 @@ def test_no_cache_has_no_blocks(tiny_llama):
     engine.step()
     state = render(snapshot(engine))
     assert state["blocks"] == "" and state["num_blocks"] == 0 and len(state["running"]) == 1
+
+
+def test_the_state_carries_the_offload_tiers_counters_as_stats_counts_them(tiny_llama, tmp_path):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=8,
+                                    kv_offload=f"disk:{tmp_path / 'tier'}", kv_offload_size="1MiB",
+                                    preemption_mode="recompute"))
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    prompts = [list(range(3 + 40 * i, 24 + 40 * i)) for i in range(3)]     # five full blocks each
+    # one at a time in a pool of 8 blocks: the first prompt's blocks leave it for the tier, and come back
+    for i, prompt in enumerate(prompts + prompts[:1]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy)
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.offload.tier.flush()         # its writer stores blocks in the background: none moves now
+            state, stats = render(snapshot(engine)), engine.stats()
+            assert state["kv_offload"] == {"kind": "disk", "blocks": stats["kv_offload_blocks"],
+                                           "bytes": stats["kv_offload_bytes"],
+                                           "capacity_bytes": stats["kv_offload_capacity_bytes"],
+                                           "hit_tokens": stats["kv_offload_hit_tokens"],
+                                           "miss_tokens": stats["kv_offload_miss_tokens"]}
+    assert state["kv_offload"]["capacity_bytes"] == 2**20
+    assert state["kv_offload"]["blocks"] > 0 and 0 < state["kv_offload"]["bytes"] <= 2**20
+    assert state["kv_offload"]["hit_tokens"] == 20
+
+
+def test_every_block_of_a_hybrid_cache_has_its_owners_in_their_group(tmp_path):
+    # three layers: two sliding (window 8), one global: three layer groups, each with its own block tables
+    gemma3 = make_checkpoint(tmp_path, "gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3,
+                             sliding_window_pattern=3)
+    engine = LLMEngine(EngineConfig(model=str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32"))
+    kv = engine.kv
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    engine.add_request("a", {"prompt_token_ids": SYSTEM}, greedy)
+    engine.add_request("b", {"prompt_token_ids": SYSTEM[:12] + [40, 41]}, greedy)
+    groups_seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        state = render(snapshot(engine))
+        assert state["blocks"] == expected_states(engine)
+        for seq in state["running"]:
+            assert [seq["block_table"], *seq["group_tables"]] == kv.group_tables(seq["seq_id"])
+        # a block's owners are the entries of every group's tables, the null block's (the one a sliding group
+        # puts for the blocks that left its window) too, beyond the reference the cache itself keeps on it
+        entries = Counter(b for seq in state["running"] for table in [seq["block_table"], *seq["group_tables"]]
+                          for b in table)
+        assert entries == {b: n - (b == kv.null_block) for b, n in enumerate(kv.pool.ref_counts)
+                           if n - (b == kv.null_block)}
+        for seq in state["running"]:
+            for group, table in enumerate(seq["group_tables"], start=1):
+                for index, b in enumerate(table[:1]):
+                    owners = block_detail(engine, b)["owners"]
+                    assert {"request_id": seq["request_id"], "seq_id": seq["seq_id"], "group": group,
+                            "index": index, "pinned": False} in owners
+                    groups_seen.add(group)
+    assert groups_seen == {1, 2}
 
 
 # ---- the endpoints ----------------------------------------------------------------------

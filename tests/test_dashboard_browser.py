@@ -85,6 +85,8 @@ def test_the_page_shows_blocks_taken_and_returned(url, tmp_path):
         driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
         until(lambda d: d.find_element(By.ID, "status").text == "live", "the state")
         assert len(driver.find_elements(By.CSS_SELECTOR, "#grid > i")) == NUM_BLOCKS
+        # no second KV tier: no counters of one
+        assert not any(driver.find_element(By.ID, f"spark-{s}").is_displayed() for s in ("tier", "tier-hits"))
         assert count("inuse") == 0 and count("cached") == 0
 
         prompt_len = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()["count"]
@@ -110,3 +112,25 @@ def test_the_page_shows_blocks_taken_and_returned(url, tmp_path):
         assert (tmp_path / "dashboard.png").stat().st_size > 0
     finally:
         driver.quit()
+
+
+def test_the_page_shows_the_offload_tier_where_there_is_one(tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    config = EngineConfig(model=None, num_kv_blocks=NUM_BLOCKS, kv_offload=f"disk:{tmp_path / 'tier'}",
+                          kv_offload_size="16MiB")
+    with ServerThread(build_app(config, "demo", ServerConfig(api_key=KEY))) as base:
+        driver = browser()
+        try:
+            driver.get(f"{base}/dashboard")
+            WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "key-form").is_displayed())
+            driver.find_element(By.ID, "key-input").send_keys(KEY)
+            driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+            WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "status").text == "live")
+            tier = driver.find_element(By.ID, "spark-tier")
+            assert tier.is_displayed() and driver.find_element(By.ID, "spark-tier-hits").is_displayed()
+            # nothing has left the pool yet: the tier is empty
+            assert tier.find_element(By.CLASS_NAME, "v").text == "0.0% · disk, 0 blocks, 0.0 MiB of 16.0 MiB"
+        finally:
+            driver.quit()

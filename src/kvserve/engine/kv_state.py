@@ -25,6 +25,7 @@ import numpy as np
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.eviction import Sink
+from kvserve.kv.hybrid import HybridKVCacheManager
 
 STATES = {"free": ".", "cached": "c", "used": "u", "shared": "s", "filling": "f", "borrowed": "b"}
 
@@ -43,6 +44,8 @@ class SequenceState:
     num_evicted_tokens: int
     block_table: list[int]          # logical block i is physical block block_table[i]
     pinned: list[int]               # blocks it owns outside its table (the originals of a sink's blocks)
+    # a hybrid cache's tables of the layer groups after the first (block_table is the first's); else none
+    group_tables: list[list[int]]
 
 
 @dataclass
@@ -55,6 +58,10 @@ class KVSnapshot:
     hashed: list[int]               # the blocks in the prefix index (cached ones, and owned ones)
     residuals: dict[int, list[int]]  # filling block -> the blocks it borrows
     sequences: list[SequenceState]
+
+
+# the second KV tier's counters that the state reports (LLMEngine.stats() keys, less "kv_offload_")
+TIER_COUNTERS = ("blocks", "bytes", "capacity_bytes", "hit_tokens", "miss_tokens")
 
 
 def snapshot(engine: LLMEngine) -> KVSnapshot:
@@ -80,7 +87,15 @@ def _counts(ref_counts: list[int]) -> bytes | array:
 def _sequence(seq: Sequence, status: str, kv) -> SequenceState:
     return SequenceState(seq.request_id, seq.seq_id, status, seq.num_prompt_tokens, seq.num_tokens,
                          seq.num_computed_tokens, seq.num_cached_tokens, seq.num_evicted_tokens,
-                         list(kv.block_tables.get(seq.seq_id, ())), list(getattr(kv, "pinned", {}).get(seq.seq_id, ())))
+                         list(kv.block_tables.get(seq.seq_id, ())), list(getattr(kv, "pinned", {}).get(seq.seq_id, ())),
+                         [list(tables.get(seq.seq_id, ())) for tables in _group_tables(kv)[1:]])
+
+
+def _group_tables(kv) -> list[dict[int, list[int]]]:
+    """Each layer group's block tables (seq_id -> table): one group's unless the cache is hybrid."""
+    if isinstance(kv, HybridKVCacheManager):
+        return [m.block_tables for m in kv.groups]
+    return [kv.block_tables]
 
 
 def block_states(snap: KVSnapshot) -> np.ndarray:
@@ -97,12 +112,23 @@ def block_states(snap: KVSnapshot) -> np.ndarray:
     return states
 
 
+def _tier_state(stats: dict) -> dict | None:
+    """The second KV tier (kv_offload) as `stats` (LLMEngine.stats()) counts it: what it holds against
+    its capacity, and the prompt tokens it served and missed; None for an engine without one."""
+    if stats.get("kv_offload") is None:
+        return None
+    return {"kind": stats["kv_offload"].split(":", 1)[0],
+            **{name: stats[f"kv_offload_{name}"] for name in TIER_COUNTERS}}
+
+
 def render(snap: KVSnapshot) -> dict:
     """The snapshot as the JSON of GET /v1/kv/state: every block's state, the count of each, the
-    sequences with their block tables, and the engine's stats of the same step."""
+    sequences with their block tables, the engine's stats of the same step and, where the engine has a
+    second KV tier, that tier's counters from those stats ("kv_offload"; absent without one)."""
     states = block_states(snap)
     counts = np.bincount(states, minlength=256)
     stats = snap.stats
+    tier = _tier_state(stats)
     return {
         "object": "kv_state",
         "time": snap.time,
@@ -115,12 +141,13 @@ def render(snap: KVSnapshot) -> dict:
         "running": [asdict(s) for s in snap.sequences if s.status == "running"],
         "waiting": [asdict(s) for s in snap.sequences if s.status == "waiting"],
         "stats": stats,
+        **({"kv_offload": tier} if tier is not None else {}),
     }
 
 
 def block_detail(engine: LLMEngine, block_id: int) -> dict:
     """One block of `engine`'s pool (ValueError naming block_id if there is no such block): its state,
-    owners (sequence, logical index), reference count, prefix hash, what it borrows or is borrowed by,
+    owners (sequence, layer group, logical index), reference count, prefix hash, what it borrows or is borrowed by,
     and the token ids it holds (None where they are not known: a borrowed block holds part of another's,
     and a sequence that compacted its cache (h2o, snapkv) keeps no record of which tokens stayed)."""
     kv = engine.kv
@@ -133,9 +160,11 @@ def block_detail(engine: LLMEngine, block_id: int) -> dict:
     owners, token_ids = [], list(key.token_ids) if key is not None else None
     seqs = list(engine.scheduler.running) + list(engine.scheduler.waiting)
     for seq in seqs:
-        for pinned, table in ((False, kv.block_tables.get(seq.seq_id, ())), (True, kv.pinned.get(seq.seq_id, ()))):
+        tables = [(g, False, t.get(seq.seq_id, ())) for g, t in enumerate(_group_tables(kv))]
+        for group, pinned, table in tables + [(0, True, kv.pinned.get(seq.seq_id, ()))]:
             for index in (i for i, b in enumerate(table) if b == block_id):
-                owners.append({"request_id": seq.request_id, "seq_id": seq.seq_id, "index": index, "pinned": pinned})
+                owners.append({"request_id": seq.request_id, "seq_id": seq.seq_id, "group": group, "index": index,
+                               "pinned": pinned})
                 if token_ids is None and borrowed_by is None:
                     token_ids = _tokens_at(seq, index, pinned, kv.block_size)
     refs = pool.ref_counts[block_id]
