@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_prefix_caching import run_checked
 from tiny_models import make_checkpoint
 
 from kvserve import LLM, SamplingParams
@@ -190,14 +191,7 @@ def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block
     need = max(-(-(len(p["prompt_token_ids"]) + max_tokens) // block_size) for p in prompts)
     llm = LLM(str(gemma3), block_size=block_size, num_kv_blocks=3 * need + 4 + spare, max_num_batched_tokens=budget,
               dtype="float32", enable_prefix_caching=prefix_caching)
-    engine, results = llm.engine, {}
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            results[out.request_id] = [o.token_ids for o in out.outputs]
-        check_ownership(engine.kv)
-    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert run_checked(llm.engine, prompts, params, lambda: check_ownership(llm.engine.kv)) == expected
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
 
 

@@ -175,6 +175,19 @@ def test_a_long_prompt_does_not_stall_running_streams(ckpt):
     assert 0 < long_seq.num_computed_tokens < 200      # prefilled 14 tokens a step, alongside
 
 
+def run_checked(engine, prompts: list[dict], params: list[SamplingParams], check) -> list[list[list[int]]]:
+    """Each request's samples' tokens, in order, stepping the engine to the end and calling check() after
+    every step."""
+    results = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = [o.token_ids for o in out.outputs]
+        check()
+    return [results[str(i)] for i in range(len(prompts))]
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(suffixes=st.lists(st.integers(0, 9), min_size=1, max_size=6), ns=st.lists(st.integers(1, 3), min_size=6,
        max_size=6), block_size=st.integers(2, 6), spare=st.integers(0, 8), budget=st.integers(4, 40),
@@ -189,14 +202,7 @@ def test_sharing_never_leaks_and_never_changes_tokens(ckpt, suffixes, ns, block_
     ref = LLM(str(ckpt), block_size=block_size, num_kv_blocks=256, enable_prefix_caching=False, max_num_seqs=3)
     expected = [[o.token_ids for o in out.outputs] for out in ref.generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(ckpt), block_size=block_size, num_kv_blocks=need + 3 + spare, max_num_batched_tokens=budget)
-    engine, results = llm.engine, {}
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            results[out.request_id] = [o.token_ids for o in out.outputs]
-        check_ownership(llm)
-    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert run_checked(llm.engine, prompts, params, lambda: check_ownership(llm)) == expected
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 

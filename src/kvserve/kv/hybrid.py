@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv.blocks import BlockKey, BlockPool, NoFreeBlocksError
-from kvserve.kv.manager import KVCacheManager, cdiv
+from kvserve.kv.manager import BlockCounts, KVCacheManager, cdiv
 from kvserve.kv.quant import QuantizedLayer
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
@@ -116,7 +116,7 @@ class GroupPool:
         self.pool.uncache(block_id, key)
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(BlockCounts):
     """One KVCacheManager per layer group, over one BlockPool; the same interface as KVCacheManager.
 
     Each call acts on every group: a write takes blocks in each (what it takes is the sum), a sequence's
@@ -124,8 +124,6 @@ class HybridKVCacheManager:
     (the full-attention one, where the model has one): what the engine shows of a sequence's blocks;
     `group_tables` gives each group's.
     """
-
-    recomputes = False
 
     def __init__(self, num_blocks: int, block_size: int, groups: list[LayerGroup],
                  borrowed: tuple[int, ...] | None = None):
@@ -153,17 +151,6 @@ class HybridKVCacheManager:
     def group_tables(self, seq_id: int) -> list[list[int]]:
         """The sequence's block table in each group."""
         return [m.block_tables[seq_id] for m in self.groups]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
 
     def max_blocks_held(self, num_tokens: int, chunk: int) -> int:
         """The most blocks a sequence of num_tokens tokens holds in all groups, written in chunks of at

@@ -8,7 +8,28 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class BlockCounts:
+    """What a KV cache manager answers from its pool and block size (KVCacheManager, and the hybrid cache's
+    manager of several layer groups over one pool)."""
+
+    pool: BlockPool
+    block_size: int
+    # a sequence's computed tokens keep their K/V from one step to the next (kv/nocache.py: they do not)
+    recomputes = False
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+
+class KVCacheManager(BlockCounts):
     """Allocates, grows, forks and frees the block tables of sequences.
 
     With `borrowed` (a quantized pool whose codecs quantize whole blocks: KVSpec.borrowed_blocks), a
@@ -17,9 +38,6 @@ class KVCacheManager:
     return once a step fills the block (`release_filled`) or its last owner lets go of it. A write
     counts the blocks it borrows as blocks it takes, so that admission and preemption see them.
     """
-
-    # a sequence's computed tokens keep their K/V from one step to the next (kv/nocache.py: they do not)
-    recomputes = False
 
     def __init__(self, num_blocks: int, block_size: int, borrowed: tuple[int, ...] | None = None,
                  pool: BlockPool | None = None, residuals: dict[int, list[int]] | None = None):
@@ -33,17 +51,6 @@ class KVCacheManager:
         self.borrowed = borrowed
         # block held exact -> the blocks it borrows (a new list whenever it borrows more)
         self.residuals: dict[int, list[int]] = residuals if residuals is not None else {}
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
 
     def residual_cost(self, num_tokens: int) -> int:
         """Blocks that the last block of a table of num_tokens tokens borrows."""
