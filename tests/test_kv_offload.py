@@ -119,6 +119,27 @@ def test_a_restarted_engine_finds_what_the_last_one_kept(ckpt, tmp_path):
     assert_same(outs, reference(ckpt, [B, A]))
 
 
+def test_a_block_evicted_while_it_is_read_is_not_counted_again(ckpt, tmp_path, monkeypatch):
+    """The writer may evict a block (its file removed) between a read of that file and the read's
+    bookkeeping: the tier's bytes must stay those of the files it has."""
+    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    first.generate(prompts(A), GREEDY, use_tqdm=False)
+    first.engine.close()
+    second = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    tier = second.engine.offload.tier
+    check = type(tier)._check_header
+
+    def evicted_meanwhile(self, *args):
+        with self._lock:            # as the writer does, making room for a block
+            self._make_room(self.capacity)
+        return check(self, *args)
+
+    monkeypatch.setattr(type(tier), "_check_header", evicted_meanwhile)
+    second.generate(prompts(A), GREEDY, use_tqdm=False)
+    on_disk = sum(p.stat().st_size for p in files(tmp_path / "tier"))
+    assert tier.used_bytes == on_disk and tier.num_blocks == len(files(tmp_path / "tier"))
+
+
 def test_an_engine_collected_without_close_keeps_its_blocks(ckpt, tmp_path):
     llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
     llm.generate(prompts(A), GREEDY, use_tqdm=False)

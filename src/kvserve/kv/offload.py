@@ -420,7 +420,9 @@ class DiskTier(Tier):
         if header != {"compat": self.compat.digest, **_key_header(key), "bytes": self.block_bytes}:
             return None        # a colliding hash: another prefix's block
         with self._lock:
-            if key.hash not in self._index:      # another engine's file: ours to account for now
+            # another engine's file: ours to account for now, unless our writer evicted it (and removed the
+            # file, holding the lock) while we read it
+            if key.hash not in self._index and path.exists():
                 self._index[key.hash] = size
                 self._used += size
                 self._make_room(0)
