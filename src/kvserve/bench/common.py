@@ -161,6 +161,9 @@ def decode_rate(llm, prompts: list[list[int]], tokens: int, repeats: int = 3) ->
     return max(_timed_decode(llm.engine, prompts, tokens) for _ in range(repeats))
 
 
+_decode_runs = itertools.count()      # request ids unique across runs on one engine
+
+
 def _timed_decode(engine, prompts: list[list[int]], tokens: int) -> float:
     params = SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True)
     # final-only, as LLM.generate adds them: the engine may run several decode steps a call
@@ -173,9 +176,6 @@ def _timed_decode(engine, prompts: list[list[int]], tokens: int) -> float:
     while engine.has_unfinished_requests():
         engine.step()
     return (sum(s.num_output_tokens for s in seqs) - before) / (time.perf_counter() - start)
-
-
-_decode_runs = itertools.count()
 
 
 def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
