@@ -608,7 +608,8 @@ class LLMEngine:
             "kv_bytes_per_token": self.kv_spec.bytes_per_token,
             "kv_cache_bytes": self.storage.nbytes,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            # with those waiting for their blocks from the second tier (vLLM's WAITING_FOR_REMOTE_KVS)
+            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.loading),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_evicted_tokens": self.evictor.num_evicted_tokens,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
