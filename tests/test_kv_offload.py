@@ -639,7 +639,7 @@ def test_offloader_round_trips_quantized_pages():
         kv.pool.cache(b, key)
         kv.pool.decref(b)
     kv.pool.allocate(6)                           # every block: the three cached ones are evicted
-    assert offloader.lookup(keys) == 3
+    assert all(offloader.holds(key) for key in keys[:3])
     data = offloader.read(keys)
     offloader.load([5, 4, 3], data)
     assert torch.equal(storage.read_blocks([5, 4, 3]), before)
@@ -708,12 +708,112 @@ def test_plan_counts_the_prefix_tokens_a_tier_keeps(capsys):
 
 
 def test_the_tier_is_refused_where_it_would_miss_blocks(tmp_path):
-    """Under tensor parallelism the tier would see rank 0's heads only; a hybrid cache keeps each layer group's
-    blocks apart: both refused before anything starts, the second with the flag that lifts it."""
+    """Under tensor parallelism the tier would see rank 0's heads only: refused before anything starts."""
     with pytest.raises(ValueError, match="kv_offload with tensor_parallel_size 2"):
         EngineConfig(model=None, kv_offload=f"disk:{tmp_path}", tensor_parallel_size=2)
-    gemma3 = make_checkpoint(tmp_path / "gemma3", "gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3,
-                             sliding_window_pattern=3)
-    with pytest.raises(ValueError, match="kv_offload with a hybrid KV cache.*disable_hybrid_kv_cache_manager"):
-        LLM(str(gemma3), block_size=4, num_kv_blocks=64, kv_offload=f"disk:{tmp_path / 'tier'}")
-    assert not (tmp_path / "tier").exists()
+
+
+# ---------------------------------------------------------------- a hybrid KV cache: the tier per layer group
+
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Three layers: two sliding (window 8), one global: three layer groups of one layer."""
+    return make_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", sliding_window=WINDOW, head_dim=16,
+                           num_hidden_layers=3, sliding_window_pattern=3, max_position_embeddings=256)
+
+
+def hybrid_tiered(gemma3, tier: Path, **kw) -> LLM:
+    return tiered(gemma3, tier, dtype="float32", **kw)
+
+
+def hybrid_reference(gemma3, token_lists):
+    return reference(gemma3, token_lists, dtype="float32", disable_hybrid_kv_cache_manager=True)
+
+
+def group_files(llm: LLM, tokens: list[int], group: int) -> list[Path]:
+    """The tier's files of a prefix's blocks in one layer group."""
+    tier = llm.engine.offload.tier
+    return [tier._path(key.in_group(group).hash) for key in _keys(tokens)]
+
+
+def check_hybrid_pool(llm: LLM) -> None:
+    """Every block back but the null block."""
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
+
+
+def test_a_hybrid_cache_keeps_each_layer_group_in_the_tier(gemma3, tmp_path):
+    """Evicted blocks go to the tier under their group's key; a prefix comes back with every block of the
+    full-attention group and only the last window's of each sliding group: the same tokens as the one-table
+    cache."""
+    llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=24)
+    assert [g.sliding_window for g in llm.engine.kv_groups] == [None, WINDOW, WINDOW]
+    llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)       # A's blocks leave the pool for the tier
+    llm.engine.offload.tier.flush()
+    assert all(path.exists() for path in group_files(llm, A, 0))
+    steps = computed_tokens(llm)
+    again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 20 and steps[0] == 1
+    # the token after 20 attends to positions 13..20: blocks 3 and 4 of each sliding group
+    assert llm.stats()["kv_offload_loads"] == 5 + 2 * 2 and llm.stats()["kv_offload_hit_tokens"] == 20
+    assert_same([again], hybrid_reference(gemma3, [A]))
+    check_hybrid_pool(llm)
+
+
+def test_a_hybrid_prefix_needs_the_sliding_groups_window_only(gemma3, tmp_path):
+    """After a restart: with a sliding group's blocks before the window gone, the whole prefix still hits; with
+    a block of the full-attention group gone, the hit ends before it. The engine of the other layout (one
+    table) shares none of these blocks."""
+    first = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    first.engine.close()
+    for path in group_files(first, A, 1)[:3] + group_files(first, A, 2)[:3] + group_files(first, B, 0)[2:3]:
+        path.unlink()
+    second = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    outs = second.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [20, 8]
+    assert_same(outs, hybrid_reference(gemma3, [A, B]))
+    check_hybrid_pool(second)
+    one_table = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64, disable_hybrid_kv_cache_manager=True)
+    assert one_table.generate(prompts(A), GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_a_hybrid_load_that_fails_in_a_window_computes_the_prefix(gemma3, tmp_path):
+    """A sliding group's block in the window gone while the reads wait: no shorter prefix has its window in
+    the pool (the blocks before were never loaded), so the request computes it all, as without the tier, and
+    every fresh block returns."""
+    first = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    first.generate(prompts(A), GREEDY, use_tqdm=False)
+    first.engine.close()
+    llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    try:
+        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
+        engine.step()
+        engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
+        engine.step()
+        assert held.started.is_set() and engine.stats()["kv_offload_loads_in_flight"] == 5 + 2 * 2
+        group_files(llm, A, 2)[4].unlink()
+    finally:
+        held.release.set()
+    outs = step_to_end(engine)
+    assert outs["a"].num_cached_tokens == 0 and llm.stats()["kv_offload_hit_tokens"] == 0
+    assert_same([outs["a"], outs["x"]], [*hybrid_reference(gemma3, [A]),
+                                         *reference(gemma3, [X], DECODES, dtype="float32",
+                                                    disable_hybrid_kv_cache_manager=True)])
+    check_hybrid_pool(llm)
+
+
+def test_a_hybrid_cache_swaps_each_group(gemma3, tmp_path):
+    """Preemption by swap writes each group's blocks (a sliding group's window), and the resumption reads
+    them back: the tokens of the one-table cache, every block back."""
+    llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=40, preemption_mode="swap")
+    outs = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+    ref = LLM(str(gemma3), block_size=BS, num_kv_blocks=256, dtype="float32", disable_hybrid_kv_cache_manager=True)
+    assert_same(outs, ref.generate(prompts(*LONG), FORKS, use_tqdm=False))
+    stats = llm.stats()
+    assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
+    assert stats["kv_offload_swap_in_blocks"] > 0
+    check_hybrid_pool(llm)

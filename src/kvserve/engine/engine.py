@@ -220,9 +220,6 @@ class LLMEngine:
         spec = parse_kv_offload(config.kv_offload)
         if spec is None:
             return None
-        if self.kv_groups:
-            raise ValueError("kv_offload with a hybrid KV cache (sliding-window layers): the tier keeps blocks of "
-                             "every layer; set disable_hybrid_kv_cache_manager, so that every layer keeps every token")
         size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
         kv_spec = self.kv_spec
         if spec.kind == "cpu":
@@ -233,7 +230,8 @@ class LLMEngine:
         else:
             compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
                                 kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
-                                kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)))
+                                kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)),
+                                layer_groups=tuple((g.sliding_window, g.layers) for g in self.kv_groups))
             tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
         offload = KVOffloader(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks, self.device)
         offload.preemption_mode = config.preemption_mode

@@ -34,12 +34,14 @@ class SchedulerOutput:
 @dataclass
 class TierLoad:
     """A sequence admitted over blocks of the second tier while they are read (WAITING_FOR_REMOTE_KVS): its
-    table holds the pool's hits, then a fresh block for each of `keys`."""
+    table (each layer group's) holds the prefix of `keys`, in the pool's hits and in a fresh block for each
+    of `blocks`."""
 
     seq: Sequence
-    keys: list[BlockKey]          # the tier's blocks after the pool's hits
+    keys: list[BlockKey]                            # the prefix's blocks
+    blocks: list[tuple[int, int, int, BlockKey]]    # (layer group, table entry, fresh block, key) to load
     future: Future                # -> the leading ones read and checked (KVOffloader.start_read)
-    num_missed: int               # full blocks after those found in neither the pool nor the tier
+    num_missed: int               # full blocks after the prefix, found in neither the pool nor the tier
     first_query: bool             # the sequence's first prefix lookup: its hits count in num_cached_tokens
     swap_in: bool                 # the resumption of a sequence swapped out
 
@@ -160,49 +162,48 @@ class Scheduler:
 
     def _allocate_for_admission(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Share the cached prefix and allocate the first chunk's blocks, if they fit (counting the blocks
-        the second tier holds of the prefix past the pool's hits as computed): the chunk's tokens, or 0.
-        A sequence with blocks in the tier takes fresh blocks for them and waits while they are read
-        (WAITING_FOR_REMOTE_KVS); its chunk is scheduled once they are (_finish_loads)."""
+        the second tier holds of the prefix as computed): the chunk's tokens, or 0. A sequence with blocks
+        in the tier takes fresh blocks for them and waits while they are read (WAITING_FOR_REMOTE_KVS); its
+        chunk is scheduled once they are (_finish_loads)."""
         kv, bs = self.kv, self.kv.block_size
         keys = self._prefix_keys(seq)
-        hits = kv.cached_prefix(keys) if keys else []
+        in_tier = self.offload.holds if self.offload else None
+        hits = kv.cached_prefix(keys, in_tier) if keys else []
         num_hit = kv.num_hit_blocks(hits)          # a hybrid cache's hits are per layer group
-        rest = keys[num_hit:]
-        offloaded = self.offload.lookup(rest) if self.offload and rest else 0
-        computed = (num_hit + offloaded) * bs
-        n = self._num_new_tokens(seq, computed, budget)
+        n = self._num_new_tokens(seq, num_hit * bs, budget)
         reserve = self.watermark_blocks if self.running or self.loading else 0
-        if not n or kv.num_admit_blocks(hits, computed + n) + reserve > kv.num_free_blocks:
+        if not n or kv.num_admit_blocks(hits, num_hit * bs + n) + reserve > kv.num_free_blocks:
             return 0
+        kv.share_prefix(seq.seq_id, hits)
+        blocks = kv.tier_blocks(seq.seq_id, hits, keys) if self.offload else []
+        num_pool_hit = num_hit - len({j for _, j, _, _ in blocks})     # prefix blocks none of whose pages loads
         # counted once: recomputation after preemption is no hit; a cache that keeps nothing is not looked up
         first_query = not seq.prefix_queried and not kv.recomputes
         if first_query:
             seq.prefix_queried = True
             seq.num_cached_tokens = num_hit * bs
             self.prefix_cache_queries += seq.num_prompt_tokens
-            self.prefix_cache_hits += num_hit * bs
+            self.prefix_cache_hits += num_pool_hit * bs
         swap_in, seq.num_swapped_blocks = bool(seq.num_swapped_blocks), 0
-        kv.share_prefix(seq.seq_id, hits)
         seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, num_hit * bs
-        if offloaded:
-            # whole blocks after whole blocks: nothing to copy, nothing borrowed
-            kv.allocate(seq.seq_id, num_hit * bs, offloaded * bs)
+        if blocks:
             seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
-            self.loading[seq.seq_id] = TierLoad(seq, rest[:offloaded], self.offload.start_read(rest[:offloaded]),
-                                                len(rest) - offloaded, first_query, swap_in)
+            future = self.offload.start_read([key for *_, key in blocks])
+            self.loading[seq.seq_id] = TierLoad(seq, keys[:num_hit], blocks, future, len(keys) - num_hit,
+                                                first_query, swap_in)
             return n
-        self._count_tier(swap_in, 0, len(rest))
+        self._count_tier(swap_in, 0, 0, len(keys) - num_hit)
         out.block_copies += kv.allocate(seq.seq_id, num_hit * bs, n)
         self._cache_full_blocks(seq, num_hit * bs + n)
         return n
 
-    def _count_tier(self, swap_in: bool, num_loaded: int, num_missed: int) -> None:
-        """Count an admission's blocks from the tier: those a resumption read back, or a prefix's hits and
-        misses past the pool's hits."""
+    def _count_tier(self, swap_in: bool, num_loaded: int, num_hit: int, num_missed: int) -> None:
+        """Count an admission's blocks from the tier: those a resumption read back, or the prefix blocks the
+        tier served and the full blocks past the hit found in neither the pool nor the tier."""
         if swap_in:
             self.offload.count_swap_in(num_loaded)
-        elif self.offload and (num_loaded or num_missed):
-            self.offload.count(num_loaded * self.kv.block_size, num_missed * self.kv.block_size)
+        elif self.offload and (num_hit or num_missed):
+            self.offload.count(num_hit * self.kv.block_size, num_missed * self.kv.block_size)
 
     def _finish_loads(self) -> None:
         """Each sequence whose tier reads are done joins the running ones, in the order they were admitted."""
@@ -211,19 +212,21 @@ class Scheduler:
 
     def _finish_load(self, load: TierLoad) -> None:
         """Write the blocks read into the sequence's fresh blocks and index them (ordinary cached blocks
-        from now on); a block that failed its checks (or vanished) ends them there: the fresh blocks
-        after it return to the pool, and their tokens are computed."""
+        from now on). A block that failed its checks (or vanished) ends the blocks read there: the sequence
+        starts from the longest prefix it has whole (kv.usable_prefix), the blocks after it return to the
+        pool, and their tokens are computed."""
         seq, kv, bs = load.seq, self.kv, self.kv.block_size
         data = self.offload.read_result(load.future)
-        first = seq.num_computed_tokens // bs
-        self.offload.load(kv.block_tables[seq.seq_id][first:first + len(data)], data)
-        kv.drop(seq.seq_id, range(first + len(data), first + len(load.keys)))
-        kv.cache_blocks(seq.seq_id, first, load.keys[:len(data)])
-        seq.num_indexed_blocks += len(data)
-        seq.num_computed_tokens += len(data) * bs
+        self.offload.load([block for _, _, block, _ in load.blocks[:len(data)]], data)
+        missing = [(g, j) for g, j, _, _ in load.blocks[len(data):]]
+        num_hit = kv.usable_prefix(seq.seq_id, len(load.keys), missing)
+        kv.truncate(seq.seq_id, num_hit)
+        kv.cache_blocks(seq.seq_id, 0, load.keys[:num_hit])     # the pool's hits are indexed already
+        seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, num_hit * bs
         if load.first_query:
-            seq.num_cached_tokens += len(data) * bs
-        self._count_tier(load.swap_in, len(data), len(load.keys) - len(data) + load.num_missed)
+            seq.num_cached_tokens = num_hit * bs
+        num_tier_hit = len({j for _, j, _, _ in load.blocks[:len(data)] if j < num_hit})
+        self._count_tier(load.swap_in, len(data), num_tier_hit, len(load.keys) - num_hit + load.num_missed)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -297,14 +300,15 @@ class Scheduler:
         longer hold what their keys name."""
         if self.offload is None or seq.num_evicted_tokens:
             return False
-        return self.offload.should_swap(seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens))
+        keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
+        return self.offload.should_swap([key for _, key in self.kv.keyed_blocks(seq.seq_id, keys)])
 
     def preempt(self, seq: Sequence, swap: bool = False) -> None:
         """Free a running sequence's blocks and requeue it at the front: to be recomputed, or with `swap`,
         after its full blocks are written to the second tier, to read them back when it resumes."""
         if swap:
             keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
-            self.offload.swap_out(list(zip(self.kv.block_tables[seq.seq_id], keys)))
+            self.offload.swap_out(self.kv.keyed_blocks(seq.seq_id, keys))
             seq.num_swapped_blocks = len(keys)
         elif self.offload is not None:
             self.offload.count_recompute()

@@ -112,10 +112,15 @@ class TierCompat:
     head_dim: int
     skip_layers: tuple[int, ...] = ()
     tp_rank: int = 0
+    # a hybrid cache's layer groups, (sliding window, layers) each: a block holds one group's layers' pages
+    layer_groups: tuple[tuple[int | None, tuple[int, ...]], ...] = ()
 
     @property
     def digest(self) -> str:
-        return hashlib.blake2b(json.dumps(asdict(self), sort_keys=True).encode(), digest_size=12).hexdigest()
+        fields = asdict(self)
+        if not self.layer_groups:     # so that the directories of engines without layer groups stay theirs
+            del fields["layer_groups"]
+        return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
 def _salt_digest(salt: str | None) -> str | None:
@@ -679,12 +684,9 @@ class KVOffloader:
         for (_, key), row in zip(todo, data):
             self.tier.put(key, row, wait)
 
-    def lookup(self, keys: list[BlockKey]) -> int:
-        """How many of the leading keys the tier holds (by hash; read() checks the rest)."""
-        n = 0
-        while n < len(keys) and self.tier.contains(keys[n].hash):
-            n += 1
-        return n
+    def holds(self, key: BlockKey) -> bool:
+        """Whether the tier holds the block of `key` (by hash; read() checks the rest)."""
+        return self.tier.contains(key.hash)
 
     def read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
         """The bytes of the leading blocks of `keys` that the tier serves, checked: up to the first it
