@@ -258,9 +258,10 @@ class LLMEngine:
         return costs
 
     def close(self) -> None:
-        """Release what outlives a step: with kv_offload, the pool's cached blocks go to the tier (a disk
-        tier keeps them for the next engine) and its writer stops; the tier takes no block after (it still
-        serves what it holds)."""
+        """Release what outlives a step: with kv_offload, the tier's reader stops (a read under way finishes,
+        the requests of those not started compute their blocks instead), the pool's cached blocks go to the
+        tier (a disk tier keeps them for the next engine) and its writer stops; the tier takes no block
+        after (it still serves what it holds, read at once)."""
         if self.offload is not None:
             self._close_offload()
 
