@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvserve import LLM, SamplingParams
 from kvserve.cli import build_parser, engine_kwargs
 from kvserve.config import EngineConfig
+from kvserve.engine import kv_state
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv import offload as offload_module
 from kvserve.kv.blocks import BlockKey, block_key
@@ -114,7 +115,8 @@ def test_a_restarted_engine_finds_what_the_last_one_kept(ckpt, tmp_path):
     assert second.stats()["kv_offload_blocks"] == 12
     steps = computed_tokens(second)
     outs = second.generate(prompts(B, A), GREEDY, use_tqdm=False)
-    assert [o.num_cached_tokens for o in outs] == [20, 20] and steps[0] == 2
+    assert [o.num_cached_tokens for o in outs] == [20, 20]
+    assert sum(steps) == 2 * 5          # each computes its last prompt token, then decodes 4 more
     assert second.stats()["kv_offload_hit_tokens"] == 40
     assert_same(outs, reference(ckpt, [B, A]))
 
@@ -147,6 +149,163 @@ def test_an_engine_collected_without_close_keeps_its_blocks(ckpt, tmp_path):
     gc.collect()
     again = tiered(ckpt, tmp_path / "tier").generate(prompts(A), GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 20
+
+
+class HeldReads:
+    """The tier's reads of an engine, held until `release` is set; each sets `started` first. A read on
+    the engine's own thread fails at once instead (it would hold every sequence, and this test)."""
+
+    def __init__(self, offload: KVOffloader):
+        self.started, self.release = threading.Event(), threading.Event()
+        read = offload.read
+
+        def held(keys):
+            if threading.current_thread() is threading.main_thread():
+                raise AssertionError("the tier was read on the engine's thread: every sequence waits for it")
+            self.started.set()
+            self.release.wait()
+            return read(keys)
+
+        offload.read = held
+
+
+def tier_holding_a(ckpt, tmp_path) -> LLM:
+    """An engine whose tier holds A's blocks and whose pool holds none."""
+    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    first.generate(prompts(A), GREEDY, use_tqdm=False)
+    first.engine.close()
+    return tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+
+
+def step_to_end(engine) -> dict:
+    """Each request's last output, stepping the engine until nothing is left."""
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+    return outs
+
+
+X = ids(6, 9)
+DECODES = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def test_a_load_from_the_tier_overlaps_the_other_sequences_steps(ckpt, tmp_path):
+    """A request whose prefix is in the tier waits for its reads while another sequence decodes, and
+    joins a later step over the blocks read: the same tokens as without the tier, counted as tier hits."""
+    llm = tier_holding_a(ckpt, tmp_path)
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    try:
+        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
+        engine.step()                                     # x's prompt
+        engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
+        gained = [[o.request_id for o in engine.step()] for _ in range(4)]
+        assert held.started.is_set() and gained == [["x"]] * 4       # a waits for its blocks, x goes on
+        stats = engine.stats()
+        assert stats["kv_offload_loads_in_flight"] == 5 and stats["num_waiting"] == 1
+        assert stats["kv_offload_hit_tokens"] == 0                    # nothing is counted before it is read
+        assert [s.request_id for s in kv_state.snapshot(engine).sequences] == ["x", "a"]    # a holds blocks
+    finally:
+        held.release.set()
+    outs = step_to_end(engine)
+    assert outs["a"].num_cached_tokens == 20
+    stats = llm.stats()
+    assert stats["kv_offload_hit_tokens"] == 20 and stats["kv_offload_loads"] == 5
+    assert stats["kv_offload_loads_in_flight"] == 0
+    assert_same([outs["a"]], reference(ckpt, [A]))
+    assert_same([outs["x"]], reference(ckpt, [X], DECODES))
+    check_pool(llm)
+
+
+def test_a_step_with_nothing_else_to_run_waits_for_the_load(ckpt, tmp_path):
+    """Alone, a request with blocks in the tier is not stepped over empty: the step waits for its reads and
+    computes its first token."""
+    llm = tier_holding_a(ckpt, tmp_path)
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    releaser = threading.Thread(target=lambda: held.started.wait() and held.release.set(), daemon=True)
+    releaser.start()
+    try:
+        engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
+        first = engine.step()
+    finally:
+        held.release.set()
+    assert [o.request_id for o in first] == ["a"] and len(first[0].outputs[0].token_ids) == 1
+    assert first[0].num_cached_tokens == 20
+
+
+def test_a_request_aborted_while_it_loads_leaks_nothing(ckpt, tmp_path):
+    """The fresh blocks of a request aborted while its reads are under way return to the pool at once; what
+    is read after is dropped; the prefix is served again from the tier after."""
+    llm = tier_holding_a(ckpt, tmp_path)
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    try:
+        x = engine.add_request("x", {"prompt_token_ids": X}, DECODES)
+        engine.step()
+        engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
+        engine.step()
+        kv = engine.kv
+        assert held.started.is_set() and kv.num_free_blocks == kv.num_blocks - len(kv.block_tables[x.seq_id]) - 5
+        engine.abort_request("a")
+        assert not engine.scheduler.loading and "a" not in engine.requests
+        assert kv.num_free_blocks == kv.num_blocks - len(kv.block_tables[x.seq_id])
+        assert engine.stats()["kv_offload_loads_in_flight"] == 0
+    finally:
+        held.release.set()
+    outs = step_to_end(engine)
+    assert list(outs) == ["x"]
+    check_pool(llm)
+    assert llm.stats()["kv_offload_loads"] == 0
+    again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 20
+    assert_same([again], reference(ckpt, [A]))
+    check_pool(llm)
+
+
+def test_closing_the_engine_with_loads_in_flight(ckpt, tmp_path):
+    """close() lets the read under way finish and cancels the queued ones: the request of the first is
+    served its blocks, the other computes its prefix; both as without the tier, nothing leaked."""
+    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    first.engine.close()
+    llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    try:
+        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
+        engine.step()
+        engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
+        engine.add_request("b", {"prompt_token_ids": B}, GREEDY)
+        engine.step()
+        assert held.started.is_set() and len(engine.scheduler.loading) == 2
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+    finally:
+        held.release.set()
+    closing.join()
+    outs = step_to_end(engine)
+    assert outs["a"].num_cached_tokens == 20 and outs["b"].num_cached_tokens == 0
+    assert llm.stats()["kv_offload_hit_tokens"] == 20
+    assert_same([outs["a"], outs["b"]], reference(ckpt, [A, B]))
+    check_pool(llm)
+
+
+def test_a_block_gone_while_its_read_waits_is_computed(ckpt, tmp_path):
+    """A file removed while its read waits (another engine's eviction, say) ends the blocks read there; the
+    request computes the rest, as without the tier."""
+    llm = tier_holding_a(ckpt, tmp_path)
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    try:
+        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
+        engine.step()
+        engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
+        engine.step()
+        assert held.started.is_set()
+        engine.offload.tier._path(_keys(A)[3].hash).unlink()
+    finally:
+        held.release.set()
+    outs = step_to_end(engine)
+    assert outs["a"].num_cached_tokens == 12 and llm.stats()["kv_offload_loads"] == 3
+    assert llm.stats()["kv_offload_miss_tokens"] == BS + 2 * BS       # x's full block, and a's last two
+    assert_same([outs["a"]], reference(ckpt, [A]))
+    check_pool(llm)
 
 
 SYSTEM = ids(12, 7)
@@ -192,12 +351,15 @@ FORKS = SamplingParams(n=2, max_tokens=20, temperature=0, ignore_eos=True, logpr
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
 def test_preemption_by_swap_changes_no_output(ckpt, tmp_path, kv_cache_dtype):
     """Forks that grow past a small pool: preempted ones go to the tier and resume over the blocks read
-    back from it (the pool has given theirs to others), exactly as the same engine without a tier
-    recomputes them."""
+    back from it (the pool has given theirs to others), as the same engine without a tier recomputes
+    them. A resumption waits for its reads while the others step, so the steps differ from the other
+    engine's: outputs are compared where they do not depend on which steps a sequence was preempted in
+    (full precision; a quantized cache's do: two greedy forks of one prompt part where one was preempted)."""
     kw = {"block_size": BS, "num_kv_blocks": 24, "kv_cache_dtype": kv_cache_dtype}
     llm = tiered(ckpt, tmp_path / "tier", preemption_mode="swap", **kw)
     outs = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
-    assert_same(outs, LLM(str(ckpt), **kw).generate(prompts(*LONG), FORKS, use_tqdm=False))
+    if kv_cache_dtype == "auto":
+        assert_same(outs, LLM(str(ckpt), **kw).generate(prompts(*LONG), FORKS, use_tqdm=False))
     check_pool(llm)
     stats = llm.stats()
     assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
@@ -207,8 +369,9 @@ def test_preemption_by_swap_changes_no_output(ckpt, tmp_path, kv_cache_dtype):
 def test_swap_reads_back_what_recompute_computes_again(ckpt, tmp_path, monkeypatch):
     """With a writer that takes one block at a time, most blocks the pool evicts are skipped: a sequence
     left to recompute finds few of its blocks again. One swapped out has its blocks written whole (the
-    swap waits for the writer) and computes no token twice: the same tokens as a pool that never
-    preempts, for the same outputs."""
+    swap waits for the writer) and computes again only the tokens of its last block, if part full (the
+    tier keeps full blocks): at most BS - 1 tokens a preemption more than a pool that never preempts,
+    for the same outputs."""
     monkeypatch.setattr(offload_module, "WRITE_QUEUE_BYTES", 1)
     computed, outs, stats = {}, {}, {}
     for name, mode, blocks in (("swap", "swap", 24), ("recompute", "recompute", 24), ("never", "recompute", 64)):
@@ -217,7 +380,8 @@ def test_swap_reads_back_what_recompute_computes_again(ckpt, tmp_path, monkeypat
         outs[name] = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
         computed[name], stats[name] = sum(steps), llm.stats()
     assert stats["never"]["num_preemptions"] == 0
-    assert computed["swap"] == computed["never"] < computed["recompute"]
+    assert computed["never"] <= computed["swap"] <= computed["never"] + (BS - 1) * stats["swap"]["num_preemptions"]
+    assert computed["swap"] < computed["recompute"]
     assert_same(outs["swap"], outs["never"])
     assert_same(outs["recompute"], outs["never"])
     assert stats["swap"]["kv_offload_swap_outs"] > 0 and stats["swap"]["kv_offload_recomputes"] == 0
@@ -475,7 +639,7 @@ def test_offloader_round_trips_quantized_pages():
         kv.pool.cache(b, key)
         kv.pool.decref(b)
     kv.pool.allocate(6)                           # every block: the three cached ones are evicted
-    assert offloader.lookup(keys) == 3
+    assert all(offloader.holds(key) for key in keys[:3])
     data = offloader.read(keys)
     offloader.load([5, 4, 3], data)
     assert torch.equal(storage.read_blocks([5, 4, 3]), before)
@@ -508,6 +672,7 @@ def test_stats_reach_the_metrics(ckpt, tmp_path):
     text = generate_latest(registry).decode()
     assert 'kvserve:kv_offload_hit_tokens_total{model_name="tiny"} 20.0' in text
     assert 'kvserve:kv_offload_loads_total{model_name="tiny"} 5.0' in text
+    assert 'kvserve:kv_offload_loads_in_flight{model_name="tiny"} 0.0' in text
     assert 'kvserve:kv_offload_swap_outs_total{model_name="tiny"} 0.0' in text
     assert f'kvserve:kv_offload_recomputes_total{{model_name="tiny"}} {float(llm.stats()["num_preemptions"])}' in text
     assert f'kvserve:kv_offload_bytes{{model_name="tiny"}} {float(llm.stats()["kv_offload_bytes"])}' in text
@@ -543,12 +708,112 @@ def test_plan_counts_the_prefix_tokens_a_tier_keeps(capsys):
 
 
 def test_the_tier_is_refused_where_it_would_miss_blocks(tmp_path):
-    """Under tensor parallelism the tier would see rank 0's heads only; a hybrid cache keeps each layer group's
-    blocks apart: both refused before anything starts, the second with the flag that lifts it."""
+    """Under tensor parallelism the tier would see rank 0's heads only: refused before anything starts."""
     with pytest.raises(ValueError, match="kv_offload with tensor_parallel_size 2"):
         EngineConfig(model=None, kv_offload=f"disk:{tmp_path}", tensor_parallel_size=2)
-    gemma3 = make_checkpoint(tmp_path / "gemma3", "gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3,
-                             sliding_window_pattern=3)
-    with pytest.raises(ValueError, match="kv_offload with a hybrid KV cache.*disable_hybrid_kv_cache_manager"):
-        LLM(str(gemma3), block_size=4, num_kv_blocks=64, kv_offload=f"disk:{tmp_path / 'tier'}")
-    assert not (tmp_path / "tier").exists()
+
+
+# ---------------------------------------------------------------- a hybrid KV cache: the tier per layer group
+
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Three layers: two sliding (window 8), one global: three layer groups of one layer."""
+    return make_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", sliding_window=WINDOW, head_dim=16,
+                           num_hidden_layers=3, sliding_window_pattern=3, max_position_embeddings=256)
+
+
+def hybrid_tiered(gemma3, tier: Path, **kw) -> LLM:
+    return tiered(gemma3, tier, dtype="float32", **kw)
+
+
+def hybrid_reference(gemma3, token_lists):
+    return reference(gemma3, token_lists, dtype="float32", disable_hybrid_kv_cache_manager=True)
+
+
+def group_files(llm: LLM, tokens: list[int], group: int) -> list[Path]:
+    """The tier's files of a prefix's blocks in one layer group."""
+    tier = llm.engine.offload.tier
+    return [tier._path(key.in_group(group).hash) for key in _keys(tokens)]
+
+
+def check_hybrid_pool(llm: LLM) -> None:
+    """Every block back but the null block."""
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
+
+
+def test_a_hybrid_cache_keeps_each_layer_group_in_the_tier(gemma3, tmp_path):
+    """Evicted blocks go to the tier under their group's key; a prefix comes back with every block of the
+    full-attention group and only the last window's of each sliding group: the same tokens as the one-table
+    cache."""
+    llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=24)
+    assert [g.sliding_window for g in llm.engine.kv_groups] == [None, WINDOW, WINDOW]
+    llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)       # A's blocks leave the pool for the tier
+    llm.engine.offload.tier.flush()
+    assert all(path.exists() for path in group_files(llm, A, 0))
+    steps = computed_tokens(llm)
+    again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 20 and steps[0] == 1
+    # the token after 20 attends to positions 13..20: blocks 3 and 4 of each sliding group
+    assert llm.stats()["kv_offload_loads"] == 5 + 2 * 2 and llm.stats()["kv_offload_hit_tokens"] == 20
+    assert_same([again], hybrid_reference(gemma3, [A]))
+    check_hybrid_pool(llm)
+
+
+def test_a_hybrid_prefix_needs_the_sliding_groups_window_only(gemma3, tmp_path):
+    """After a restart: with a sliding group's blocks before the window gone, the whole prefix still hits; with
+    a block of the full-attention group gone, the hit ends before it. The engine of the other layout (one
+    table) shares none of these blocks."""
+    first = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    first.engine.close()
+    for path in group_files(first, A, 1)[:3] + group_files(first, A, 2)[:3] + group_files(first, B, 0)[2:3]:
+        path.unlink()
+    second = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    outs = second.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [20, 8]
+    assert_same(outs, hybrid_reference(gemma3, [A, B]))
+    check_hybrid_pool(second)
+    one_table = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64, disable_hybrid_kv_cache_manager=True)
+    assert one_table.generate(prompts(A), GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_a_hybrid_load_that_fails_in_a_window_computes_the_prefix(gemma3, tmp_path):
+    """A sliding group's block in the window gone while the reads wait: no shorter prefix has its window in
+    the pool (the blocks before were never loaded), so the request computes it all, as without the tier, and
+    every fresh block returns."""
+    first = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    first.generate(prompts(A), GREEDY, use_tqdm=False)
+    first.engine.close()
+    llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    try:
+        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
+        engine.step()
+        engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
+        engine.step()
+        assert held.started.is_set() and engine.stats()["kv_offload_loads_in_flight"] == 5 + 2 * 2
+        group_files(llm, A, 2)[4].unlink()
+    finally:
+        held.release.set()
+    outs = step_to_end(engine)
+    assert outs["a"].num_cached_tokens == 0 and llm.stats()["kv_offload_hit_tokens"] == 0
+    assert_same([outs["a"], outs["x"]], [*hybrid_reference(gemma3, [A]),
+                                         *reference(gemma3, [X], DECODES, dtype="float32",
+                                                    disable_hybrid_kv_cache_manager=True)])
+    check_hybrid_pool(llm)
+
+
+def test_a_hybrid_cache_swaps_each_group(gemma3, tmp_path):
+    """Preemption by swap writes each group's blocks (a sliding group's window), and the resumption reads
+    them back: the tokens of the one-table cache, every block back."""
+    llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=40, preemption_mode="swap")
+    outs = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+    ref = LLM(str(gemma3), block_size=BS, num_kv_blocks=256, dtype="float32", disable_hybrid_kv_cache_manager=True)
+    assert_same(outs, ref.generate(prompts(*LONG), FORKS, use_tqdm=False))
+    stats = llm.stats()
+    assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
+    assert stats["kv_offload_swap_in_blocks"] > 0
+    check_hybrid_pool(llm)

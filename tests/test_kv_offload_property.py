@@ -1,8 +1,10 @@
 """A property of the second KV tier: random workloads over a small pool and a small tier, with restarts and
 preemptions (by swap or recompute), never leak a pool block, never serve a block under another key, never
-let the tier pass its size, and (full-precision pages) never change an output."""
+let the tier pass its size, and (full-precision pages) never change an output; also while reads of the
+tier are slow, so that sequences wait for their blocks across several steps of the others."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -44,8 +46,9 @@ def prompt(prefix: int, keep: int, suffix: int, salt: str | None) -> dict:
     return {"prompt_token_ids": PREFIXES[prefix][:keep] + tail or [5], "cache_salt": salt}
 
 
-def watch(llm: LLM, stored: dict) -> None:
-    """Record the bytes the tier takes under each key; check every block it serves against them."""
+def watch(llm: LLM, stored: dict, slow_reads: bool) -> None:
+    """Record the bytes the tier takes under each key; check every block it serves against them. With
+    `slow_reads`, each read first lets the engine step for a while."""
     offload: KVOffloader = llm.engine.offload
     tier: DiskTier = offload.tier
     put, read = tier.put, offload.read
@@ -58,6 +61,8 @@ def watch(llm: LLM, stored: dict) -> None:
         return ok
 
     def checked_read(keys):
+        if slow_reads:
+            time.sleep(0.01)
         out = read(keys)
         for key, data in zip(keys, out):
             assert torch.equal(data, stored[key]), "a block served under another key"
@@ -71,15 +76,16 @@ def check_pool(llm: LLM) -> None:
     owners = Counter(b for table in kv.block_tables.values() for b in table)
     assert all(kv.pool.ref_counts[b] == owners.get(b, 0) for b in range(kv.num_blocks))
     assert kv.num_free_blocks == kv.num_blocks and not kv.residuals
+    assert not llm.engine.scheduler.loading and llm.stats()["kv_offload_loads_in_flight"] == 0
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(workload=workloads, tier_blocks=st.integers(1, 10), pool=st.integers(18, 26),
        restart_at=st.integers(0, 5), kv_cache_dtype=st.sampled_from(["auto", "int8", "int4"]),
-       preemption_mode=st.sampled_from(["swap", "recompute"]))
+       preemption_mode=st.sampled_from(["swap", "recompute"]), slow_reads=st.booleans())
 def test_random_workloads(ckpt, file_bytes, tmp_path_factory, workload, tier_blocks, pool, restart_at,
-                          kv_cache_dtype, preemption_mode):
+                          kv_cache_dtype, preemption_mode, slow_reads):
     tier = tmp_path_factory.mktemp("tier")
     capacity = tier_blocks * file_bytes
     kw = {"block_size": BS, "num_kv_blocks": pool, "kv_cache_dtype": kv_cache_dtype}
@@ -88,7 +94,7 @@ def test_random_workloads(ckpt, file_bytes, tmp_path_factory, workload, tier_blo
     def engine() -> LLM:
         llm = LLM(str(ckpt), kv_offload=f"disk:{tier}", kv_offload_size=capacity, preemption_mode=preemption_mode,
                   **kw)
-        watch(llm, stored)
+        watch(llm, stored, slow_reads)
         return llm
 
     llm = engine()

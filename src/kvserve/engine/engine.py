@@ -220,9 +220,6 @@ class LLMEngine:
         spec = parse_kv_offload(config.kv_offload)
         if spec is None:
             return None
-        if self.kv_groups:
-            raise ValueError("kv_offload with a hybrid KV cache (sliding-window layers): the tier keeps blocks of "
-                             "every layer; set disable_hybrid_kv_cache_manager, so that every layer keeps every token")
         size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
         kv_spec = self.kv_spec
         if spec.kind == "cpu":
@@ -233,7 +230,8 @@ class LLMEngine:
         else:
             compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
                                 kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
-                                kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)))
+                                kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)),
+                                layer_groups=tuple((g.sliding_window, g.layers) for g in self.kv_groups))
             tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
         offload = KVOffloader(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks, self.device)
         offload.preemption_mode = config.preemption_mode
@@ -260,9 +258,10 @@ class LLMEngine:
         return costs
 
     def close(self) -> None:
-        """Release what outlives a step: with kv_offload, the pool's cached blocks go to the tier (a disk
-        tier keeps them for the next engine) and its writer stops; the tier takes no block after (it still
-        serves what it holds)."""
+        """Release what outlives a step: with kv_offload, the tier's reader stops (a read under way finishes,
+        the requests of those not started compute their blocks instead), the pool's cached blocks go to the
+        tier (a disk tier keeps them for the next engine) and its writer stops; the tier takes no block
+        after (it still serves what it holds, read at once)."""
         if self.offload is not None:
             self._close_offload()
 
@@ -608,7 +607,8 @@ class LLMEngine:
             "kv_bytes_per_token": self.kv_spec.bytes_per_token,
             "kv_cache_bytes": self.storage.nbytes,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            # with those waiting for their blocks from the second tier (vLLM's WAITING_FOR_REMOTE_KVS)
+            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.loading),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_evicted_tokens": self.evictor.num_evicted_tokens,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,

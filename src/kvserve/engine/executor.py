@@ -127,10 +127,11 @@ class NativeMultiStep:
     def supports(self, step: Step) -> bool:
         """Decodes only, as many as the C step takes, of final-only requests (nobody sees the steps between)
         that are greedy, with no logprobs, no eviction and no logit_bias (the C step takes the plain argmax),
-        while no request waits for a place (it would wait the whole call); at least two steps before any sequence reaches its max_tokens or max_model_len.
+        while no request waits for a place or for its blocks from the second tier (it would wait the whole call);
+        at least two steps before any sequence reaches its max_tokens or max_model_len.
         Then it reserves the blocks of all the steps (all or none: without them, the step is not taken)."""
         sched = step.sched
-        if (sched.num_decodes < len(sched.seqs) or self.scheduler.waiting
+        if (sched.num_decodes < len(sched.seqs) or self.scheduler.waiting or self.scheduler.loading
                 or not _takes(self.native, len(sched.seqs))):
             return False
         steps = self.max_steps

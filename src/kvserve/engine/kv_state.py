@@ -70,7 +70,9 @@ def snapshot(engine: LLMEngine) -> KVSnapshot:
     pool = getattr(kv, "pool", None)            # none where the engine keeps no cache
     ref_counts, hashed = (_counts(pool.ref_counts), pool.indexed_blocks()) if pool is not None else (b"", [])
     sequences = [_sequence(s, "running", kv) for s in scheduler.running]
-    sequences += [_sequence(s, "waiting", kv) for s in scheduler.waiting]
+    # with those waiting for their blocks from the second tier: they hold the pool's blocks those go to
+    waiting = [*scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
+    sequences += [_sequence(s, "waiting", kv) for s in waiting]
     return KVSnapshot(time.time(), engine.stats(), ref_counts, hashed,
                       {b: list(borrowed) for b, borrowed in kv.residuals.items()}, sequences)
 
@@ -158,7 +160,8 @@ def block_detail(engine: LLMEngine, block_id: int) -> dict:
     key = pool.keys[block_id]
     borrowed_by = next((b for b, borrowed in kv.residuals.items() if block_id in borrowed), None)
     owners, token_ids = [], list(key.token_ids) if key is not None else None
-    seqs = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    scheduler = engine.scheduler
+    seqs = [*scheduler.running, *scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
     for seq in seqs:
         tables = [(g, False, t.get(seq.seq_id, ())) for g, t in enumerate(_group_tables(kv))]
         for group, pinned, table in tables + [(0, True, kv.pinned.get(seq.seq_id, ()))]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
@@ -30,10 +31,26 @@ class SchedulerOutput:
         self.num_new_tokens.append(n)
 
 
+@dataclass
+class TierLoad:
+    """A sequence admitted over blocks of the second tier while they are read (WAITING_FOR_REMOTE_KVS): its
+    table (each layer group's) holds the prefix of `keys`, in the pool's hits and in a fresh block for each
+    of `blocks`."""
+
+    seq: Sequence
+    keys: list[BlockKey]                            # the prefix's blocks
+    blocks: list[tuple[int, int, int, BlockKey]]    # (layer group, table entry, fresh block, key) to load
+    future: Future                # -> the leading ones read and checked (KVOffloader.start_read)
+    num_missed: int               # full blocks after the prefix, found in neither the pool nor the tier
+    first_query: bool             # the sequence's first prefix lookup: its hits count in num_cached_tokens
+    swap_in: bool                 # the resumption of a sequence swapped out
+
+
 class Scheduler:
     """Holds the waiting queue and the running list, over the engine's KV cache manager (NoKVCacheManager
     where the engine keeps no cache); with `offload`, a prefix lookup goes on in the second tier past
-    the pool's hits."""
+    the pool's hits, and a sequence with blocks there waits in `loading` while they are read: the running
+    ones step meanwhile, and it joins them once its blocks are in the pool."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager | NoKVCacheManager, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, offload: KVOffloader | None = None):
@@ -44,6 +61,7 @@ class Scheduler:
         self.watermark_blocks = int(watermark * kv.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[int, TierLoad] = {}     # by seq_id, in the order of admission
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -52,9 +70,20 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's sequences and tokens. Sequences whose tier blocks are read join the running
+        ones first; when nothing can run while blocks are being read, waits for a read rather than return
+        an empty step (the engine has nothing else to do)."""
+        while True:
+            self._finish_loads()
+            out = self._schedule()
+            if not out.empty or not self.loading:
+                return out
+            self.offload.wait_for_read(load.future for load in self.loading.values())
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Decodes before the chunks of long prompts, so that a long prompt never stalls the streams.
@@ -116,6 +145,8 @@ class Scheduler:
             if not n:
                 break
             self.waiting.popleft()
+            if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                continue        # joins a later step, once its blocks are read (_finish_loads)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.add(seq, n)
@@ -127,48 +158,77 @@ class Scheduler:
         return seq.params.n if seq.num_output_tokens == 0 else 1
 
     def _slots_in_use(self) -> int:
-        return sum(self._slots(s) for s in self.running)
+        return sum(self._slots(s) for s in self.running) + sum(self._slots(t.seq) for t in self.loading.values())
 
     def _allocate_for_admission(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Share the cached prefix, load what the second tier holds of it past the pool's hits into fresh
-        blocks, and allocate the first chunk's blocks, if they fit: the chunk's tokens, or 0."""
+        """Share the cached prefix and allocate the first chunk's blocks, if they fit (counting the blocks
+        the second tier holds of the prefix as computed): the chunk's tokens, or 0. A sequence with blocks
+        in the tier takes fresh blocks for them and waits while they are read (WAITING_FOR_REMOTE_KVS); its
+        chunk is scheduled once they are (_finish_loads)."""
         kv, bs = self.kv, self.kv.block_size
         keys = self._prefix_keys(seq)
-        hits = kv.cached_prefix(keys) if keys else []
+        in_tier = self.offload.holds if self.offload else None
+        hits = kv.cached_prefix(keys, in_tier) if keys else []
         num_hit = kv.num_hit_blocks(hits)          # a hybrid cache's hits are per layer group
-        rest = keys[num_hit:]
-        offloaded = self.offload.lookup(rest) if self.offload and rest else 0
-        loaded = None
-        while True:
-            computed = (num_hit + offloaded) * bs
-            n = self._num_new_tokens(seq, computed, budget)
-            needed = kv.num_admit_blocks(hits, computed + n)
-            reserve = self.watermark_blocks if self.running else 0
-            if not n or needed + reserve > kv.num_free_blocks:
-                return 0
-            if loaded is None:     # read once it fits: a block that fails its checks ends the hits there
-                loaded = self.offload.read(rest[:offloaded]) if offloaded else []
-            if len(loaded) == offloaded:
-                break
-            offloaded = len(loaded)
-        # counted once: recomputation after preemption is no hit; a cache that keeps nothing is not looked up
-        if not seq.prefix_queried and not kv.recomputes:
-            seq.prefix_queried = True
-            seq.num_cached_tokens = computed
-            self.prefix_cache_queries += seq.num_prompt_tokens
-            self.prefix_cache_hits += num_hit * bs
-        if seq.num_swapped_blocks:
-            self.offload.count_swap_in(offloaded)
-            seq.num_swapped_blocks = 0
-        elif self.offload and rest:
-            self.offload.count(offloaded * bs, (len(rest) - offloaded) * bs)
+        n = self._num_new_tokens(seq, num_hit * bs, budget)
+        reserve = self.watermark_blocks if self.running or self.loading else 0
+        if not n or kv.num_admit_blocks(hits, num_hit * bs + n) + reserve > kv.num_free_blocks:
+            return 0
         kv.share_prefix(seq.seq_id, hits)
-        seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, computed
-        out.block_copies += kv.allocate(seq.seq_id, num_hit * bs, offloaded * bs + n)
-        if loaded:
-            self.offload.load(kv.block_tables[seq.seq_id][num_hit:num_hit + offloaded], loaded)
-        self._cache_full_blocks(seq, computed + n)
+        blocks = kv.tier_blocks(seq.seq_id, hits, keys) if self.offload else []
+        num_pool_hit = num_hit - len({j for _, j, _, _ in blocks})     # prefix blocks none of whose pages loads
+        # counted once: recomputation after preemption is no hit; a cache that keeps nothing is not looked up
+        first_query = not seq.prefix_queried and not kv.recomputes
+        if first_query:
+            seq.prefix_queried = True
+            seq.num_cached_tokens = num_hit * bs
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += num_pool_hit * bs
+        swap_in, seq.num_swapped_blocks = bool(seq.num_swapped_blocks), 0
+        seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, num_hit * bs
+        if blocks:
+            seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+            future = self.offload.start_read([key for *_, key in blocks])
+            self.loading[seq.seq_id] = TierLoad(seq, keys[:num_hit], blocks, future, len(keys) - num_hit,
+                                                first_query, swap_in)
+            return n
+        self._count_tier(swap_in, 0, 0, len(keys) - num_hit)
+        out.block_copies += kv.allocate(seq.seq_id, num_hit * bs, n)
+        self._cache_full_blocks(seq, num_hit * bs + n)
         return n
+
+    def _count_tier(self, swap_in: bool, num_loaded: int, num_hit: int, num_missed: int) -> None:
+        """Count an admission's blocks from the tier: those a resumption read back, or the prefix blocks the
+        tier served and the full blocks past the hit found in neither the pool nor the tier."""
+        if swap_in:
+            self.offload.count_swap_in(num_loaded)
+        elif self.offload and (num_hit or num_missed):
+            self.offload.count(num_hit * self.kv.block_size, num_missed * self.kv.block_size)
+
+    def _finish_loads(self) -> None:
+        """Each sequence whose tier reads are done joins the running ones, in the order they were admitted."""
+        for seq_id in [i for i, load in self.loading.items() if load.future.done()]:
+            self._finish_load(self.loading.pop(seq_id))
+
+    def _finish_load(self, load: TierLoad) -> None:
+        """Write the blocks read into the sequence's fresh blocks and index them (ordinary cached blocks
+        from now on). A block that failed its checks (or vanished) ends the blocks read there: the sequence
+        starts from the longest prefix it has whole (kv.usable_prefix), the blocks after it return to the
+        pool, and their tokens are computed."""
+        seq, kv, bs = load.seq, self.kv, self.kv.block_size
+        data = self.offload.read_result(load.future)
+        self.offload.load([block for _, _, block, _ in load.blocks[:len(data)]], data)
+        missing = [(g, j) for g, j, _, _ in load.blocks[len(data):]]
+        num_hit = kv.usable_prefix(seq.seq_id, len(load.keys), missing)
+        kv.truncate(seq.seq_id, num_hit)
+        kv.cache_blocks(seq.seq_id, 0, load.keys[:num_hit])     # the pool's hits are indexed already
+        seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, num_hit * bs
+        if load.first_query:
+            seq.num_cached_tokens = num_hit * bs
+        num_tier_hit = len({j for _, j, _, _ in load.blocks[:len(data)] if j < num_hit})
+        self._count_tier(load.swap_in, len(data), num_tier_hit, len(load.keys) - num_hit + load.num_missed)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _prefix_keys(self, seq: Sequence) -> list[BlockKey]:
         """Keys of the leading full blocks a prefix hit may cover (none without prefix caching)."""
@@ -240,14 +300,15 @@ class Scheduler:
         longer hold what their keys name."""
         if self.offload is None or seq.num_evicted_tokens:
             return False
-        return self.offload.should_swap(seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens))
+        keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
+        return self.offload.should_swap([key for _, key in self.kv.keyed_blocks(seq.seq_id, keys)])
 
     def preempt(self, seq: Sequence, swap: bool = False) -> None:
         """Free a running sequence's blocks and requeue it at the front: to be recomputed, or with `swap`,
         after its full blocks are written to the second tier, to read them back when it resumes."""
         if swap:
             keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
-            self.offload.swap_out(list(zip(self.kv.block_tables[seq.seq_id], keys)))
+            self.offload.swap_out(self.kv.keyed_blocks(seq.seq_id, keys))
             seq.num_swapped_blocks = len(keys)
         elif self.offload is not None:
             self.offload.count_recompute()
@@ -264,6 +325,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            self.offload.cancel_read(self.loading.pop(seq.seq_id).future)
         self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

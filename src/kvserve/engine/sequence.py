@@ -15,6 +15,8 @@ from kvserve.sampling import Logprob, SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    # admitted over blocks of the second KV tier: holds fresh blocks for them while they are read (vLLM's)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -10,16 +10,19 @@ still holds tokens [j * block_size, (j + 1) * block_size): attention never reads
 positions (they lie outside the window), and its pages stay zero.
 
 Prefix caching: each group indexes its blocks under its own keys (BlockKey.in_group). A prefix hit needs
-the whole prefix's blocks in a full-attention group but only a sliding group's last window of them.
+the whole prefix's blocks in a full-attention group but only a sliding group's last window of them. The
+second KV tier keeps each group's blocks under the same keys: a hit finds each block it needs in the pool
+or in the tier, which loads it into a fresh block.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.kv.blocks import BlockKey, BlockPool, NoFreeBlocksError
-from kvserve.kv.manager import BlockCounts, KVCacheManager, cdiv
+from kvserve.kv.manager import LOAD, BlockCounts, KVCacheManager, cdiv
 from kvserve.kv.quant import QuantizedLayer
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
@@ -197,43 +200,58 @@ class HybridKVCacheManager(BlockCounts):
             if last > first:
                 released[seq_id] = last
 
-    def cached_prefix(self, keys: list[BlockKey]) -> list[list[int]]:
+    def cached_prefix(self, keys: list[BlockKey], in_tier: Callable[[BlockKey], bool] | None = None
+                      ) -> list[list[int]]:
         """Each group's blocks of the longest prefix of `keys` that every group can start from: a
         full-attention group holds all of its blocks, a sliding group those of the window of the token after
-        it (the null block before them). The same number of entries in every group."""
+        it (the null block before them). The same number of entries in every group. With `in_tier`, a block
+        the second tier holds (under the group's key) counts too, as LOAD."""
         n, hits = len(keys), None
         while hits is None or any(len(h) != n for h in hits):
-            hits = [self._group_hits(g, keys, n) for g in range(len(self.groups))]
+            hits = [self._group_hits(g, keys, n, in_tier) for g in range(len(self.groups))]
             n = min(len(h) for h in hits)
         return hits
 
-    def _group_hits(self, g: int, keys: list[BlockKey], n: int) -> list[int]:
+    def _find(self, key: BlockKey, in_tier: Callable[[BlockKey], bool] | None) -> int | None:
+        """The cached block of `key`, else LOAD if the second tier holds it, else None."""
+        block_id = self.pool.lookup(key)
+        if block_id is None and in_tier is not None and in_tier(key):
+            return LOAD
+        return block_id
+
+    def _window_blocks(self, g: int, h: int) -> int:
+        """How many of the last blocks of a prefix of h blocks group g needs: all of them in a full-attention
+        group, in a sliding one those that the window of the token after them reaches."""
+        window = self.layer_groups[g].sliding_window
+        return h if window is None else h - max(0, h * self.block_size - window + 1) // self.block_size
+
+    def _group_hits(self, g: int, keys: list[BlockKey], n: int,
+                    in_tier: Callable[[BlockKey], bool] | None = None) -> list[int]:
         """Group g's table for the longest hit of at most n blocks."""
-        lookup, window = self.pool.lookup, self.layer_groups[g].sliding_window
-        if window is None:
+        if self.layer_groups[g].sliding_window is None:
             hits = []
             for key in keys[:n]:
-                block_id = lookup(key.in_group(g))
+                block_id = self._find(key.in_group(g), in_tier)
                 if block_id is None:
                     break
                 hits.append(block_id)
             return hits
         # the token after a hit of h blocks attends to those from position h * bs - W + 1: scan back from n
         # for the first h whose blocks from there are all cached
-        need = lambda h: h - max(0, h * self.block_size - window + 1) // self.block_size  # noqa: E731
-        if n and not need(n):         # a window of one token: the query attends to itself alone
+        if n and not self._window_blocks(g, n):         # a window of one token: the query attends to itself alone
             return [self.null_block] * n
         run: list[int] = []
         for h in range(n, 0, -1):
-            block_id = lookup(keys[h - 1].in_group(g))
+            block_id = self._find(keys[h - 1].in_group(g), in_tier)
             if block_id is None:
                 run = []
                 continue
             run.append(block_id)
-            # blocks h-1 .. h-1+len(run)-1 are cached: a hit of h - 1 + len(run) blocks needs its last need() of them
+            # blocks h-1 .. h-1+len(run)-1 are cached: a hit of h - 1 + len(run) blocks needs the last `need` of them
             end = h - 1 + len(run)
-            if len(run) >= need(end):
-                kept = list(reversed(run))[:need(end)]
+            need = self._window_blocks(g, end)
+            if len(run) >= need:
+                kept = list(reversed(run))[:need]
                 return [self.null_block] * (end - len(kept)) + kept
         return []
 
@@ -250,12 +268,48 @@ class HybridKVCacheManager(BlockCounts):
         return hits or [[] for _ in self.groups]
 
     def share_prefix(self, seq_id: int, hits: list[list[int]]) -> None:
-        """Start each group's table of a sequence with its cached blocks (a prefix hit)."""
+        """Start each group's table of a sequence with its cached blocks (a prefix hit), and a fresh block for
+        each LOAD (once every group holds its cached ones: a fresh block is never one of those)."""
         for g, (m, h) in enumerate(zip(self.groups, self._per_group(hits))):
-            m.share_prefix(seq_id, h)
+            m.hold_prefix(seq_id, h)
             nulls = next((i for i, b in enumerate(h) if b != self.null_block), len(h))
             if nulls:
                 self._released[g][seq_id] = nulls
+        for m in self.groups:
+            m.fill_loads(seq_id)
+
+    def tier_blocks(self, seq_id: int, hits: list[list[int]], keys: list[BlockKey]
+                    ) -> list[tuple[int, int, int, BlockKey]]:
+        """(layer group, table entry, block, group's key) of each block of a hit (after share_prefix) to load
+        from the second tier, in the order of the prefix."""
+        blocks = [(g, j, m.block_tables[seq_id][j], keys[j].in_group(g))
+                  for g, (m, h) in enumerate(zip(self.groups, hits)) for j, b in enumerate(h) if b == LOAD]
+        return sorted(blocks, key=lambda block: block[1])
+
+    def usable_prefix(self, seq_id: int, num_blocks: int, missing: list[tuple[int, int]]) -> int:
+        """The longest prefix of the sequence's first num_blocks blocks that it can start from when the
+        (layer group, table entry) blocks `missing` could not be loaded: every group has the blocks it needs
+        of it (a sliding group's null blocks are missing for a shorter prefix, whose window reaches further
+        back)."""
+        gone = set(missing) | {(g, j) for g, table in enumerate(self.group_tables(seq_id))
+                               for j, b in enumerate(table[:num_blocks]) if b == self.null_block}
+        for h in range(num_blocks, 0, -1):
+            if not any((g, j) in gone for g in range(len(self.groups)) for j in range(h - self._window_blocks(g, h), h)):
+                return h
+        return 0
+
+    def truncate(self, seq_id: int, num_blocks: int) -> None:
+        """Keep the first num_blocks entries of the sequence's table in every group; let go of the rest."""
+        for m, released in zip(self.groups, self._released):
+            m.truncate(seq_id, num_blocks)
+            if released.get(seq_id, 0) > num_blocks:
+                released[seq_id] = num_blocks
+
+    def keyed_blocks(self, seq_id: int, keys: list[BlockKey]) -> list[tuple[int, BlockKey]]:
+        """(block, group's key) of the sequence's leading blocks that hold `keys`, in every group (the null
+        block in none)."""
+        return [(table[j], key.in_group(g)) for g, table in enumerate(self.group_tables(seq_id))
+                for j, key in enumerate(keys) if table[j] != self.null_block]
 
     def cache_blocks(self, seq_id: int, first: int, keys: list[BlockKey]) -> None:
         """Index blocks first, first + 1, ... of the sequence (now full) in every group, under its keys."""

@@ -1,7 +1,13 @@
 """KVCacheManager: one block table per sequence over a shared BlockPool."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvserve.kv.blocks import BlockKey, BlockPool, NoFreeBlocksError
+
+# a prefix block that the second KV tier holds (cached_prefix's hits): share_prefix gives it a fresh block,
+# which the block's bytes are read into
+LOAD = -1
 
 
 def cdiv(a: int, b: int) -> int:
@@ -143,37 +149,73 @@ class KVCacheManager(BlockCounts):
         if not self.pool.ref_counts[block_id]:
             self._return_borrowed(block_id)
 
-    def cached_prefix(self, keys: list[BlockKey]) -> list[int]:
-        """The longest run of cached blocks holding the prefix that `keys` describe."""
+    def cached_prefix(self, keys: list[BlockKey], in_tier: Callable[[BlockKey], bool] | None = None) -> list[int]:
+        """The longest run of cached blocks holding the prefix that `keys` describe; with `in_tier`, it goes
+        on over the blocks the second tier holds, as LOAD."""
         hits = []
         for key in keys:
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
+        while in_tier is not None and len(hits) < len(keys) and in_tier(keys[len(hits)]):
+            hits.append(LOAD)
         return hits
 
     def num_hit_blocks(self, hits: list[int]) -> int:
-        """Blocks of the prefix that a hit (cached_prefix's blocks) computes."""
+        """Blocks of the prefix that a hit (cached_prefix's blocks) computes, those to load included."""
         return len(hits)
 
     def num_admit_blocks(self, hits: list[int], num_tokens: int) -> int:
         """Blocks that admitting a sequence over `hits` with its first num_tokens tokens takes from the pool:
-        its table's new blocks, the cached hits that are free now, and what its last block borrows."""
-        return (self.blocks_for(num_tokens) - len(hits) + self.num_reclaimed(hits)
+        its table's new blocks (those to load included), the cached hits that are free now, and what its
+        last block borrows."""
+        return (self.blocks_for(num_tokens) - len(hits) + hits.count(LOAD) + self.num_reclaimed(hits)
                 + self.residual_cost(num_tokens))
 
     def num_reclaimed(self, block_ids: list[int]) -> int:
         """How many of these cached blocks are free now, so that sharing them takes from the pool."""
-        return sum(1 for b in block_ids if self.pool.ref_counts[b] == 0)
+        return sum(1 for b in block_ids if b != LOAD and self.pool.ref_counts[b] == 0)
 
     def share_prefix(self, seq_id: int, block_ids: list[int]) -> None:
-        """Start a sequence's table with cached blocks (a prefix hit)."""
+        """Start a sequence's table with cached blocks (a prefix hit), and a fresh block for each LOAD."""
+        self.hold_prefix(seq_id, block_ids)
+        self.fill_loads(seq_id)
+
+    def hold_prefix(self, seq_id: int, block_ids: list[int]) -> None:
+        """share_prefix's first half: the cached blocks are the sequence's (out of the free queue, where a
+        fresh block could be taken from), LOAD entries stay until fill_loads."""
         if self.block_tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already has blocks")
         for b in block_ids:
-            self.pool.incref(b)
+            if b != LOAD:
+                self.pool.incref(b)
         self.block_tables[seq_id] = list(block_ids)
+
+    def fill_loads(self, seq_id: int) -> None:
+        """share_prefix's second half: a fresh block for each LOAD entry of the sequence's table."""
+        table = self.block_tables[seq_id]
+        fresh = iter(self.pool.allocate(table.count(LOAD)))
+        table[:] = [next(fresh) if b == LOAD else b for b in table]
+
+    def tier_blocks(self, seq_id: int, hits: list[int], keys: list[BlockKey]) -> list[tuple[int, int, int, BlockKey]]:
+        """(layer group, table entry, block, key) of each block of a hit (after share_prefix) to load from the
+        second tier, in the order of the prefix."""
+        table = self.block_tables[seq_id]
+        return [(0, j, table[j], keys[j]) for j, b in enumerate(hits) if b == LOAD]
+
+    def usable_prefix(self, seq_id: int, num_blocks: int, missing: list[tuple[int, int]]) -> int:
+        """The longest prefix of the sequence's first num_blocks blocks that it can start from when the
+        (layer group, table entry) blocks `missing` could not be loaded: up to the first of them."""
+        return min((j for _, j in missing), default=num_blocks)
+
+    def truncate(self, seq_id: int, num_blocks: int) -> None:
+        """Keep the first num_blocks entries of the sequence's table; let go of the blocks after."""
+        self.drop(seq_id, range(num_blocks, len(self.block_tables[seq_id])))
+
+    def keyed_blocks(self, seq_id: int, keys: list[BlockKey]) -> list[tuple[int, BlockKey]]:
+        """(block, key) of the sequence's leading blocks that hold `keys`."""
+        return list(zip(self.block_tables[seq_id], keys))
 
     def cache_blocks(self, seq_id: int, first: int, keys: list[BlockKey]) -> None:
         """Index the sequence's blocks first, first + 1, ... (now full) under `keys`."""

@@ -4,8 +4,9 @@ A block the pool drops from its prefix cache to reuse it is copied out at once (
 be overwritten) and handed to the tier: on disk a background writer stores it as one file, off the
 step's critical path (its queue is bounded: when it is full the block is skipped, a step never waits).
 A new request's prefix lookup consults the pool, then the tier: the blocks the tier holds right after
-the pool's hits are read, checked and loaded into fresh pool blocks before the request's first step,
-and from then on are ordinary cached blocks of the pool.
+the pool's hits are read and checked by a background reader while the other sequences go on stepping,
+loaded into fresh pool blocks reserved for them before the request's first step, and from then on are
+ordinary cached blocks of the pool.
 
 Blocks are keyed by the prefix cache's chained block hash (kv/blocks.py), and checked against the whole
 key (parent hash, tokens, salt) on every read, so that a hash collision never serves a block. What
@@ -33,6 +34,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -110,10 +112,15 @@ class TierCompat:
     head_dim: int
     skip_layers: tuple[int, ...] = ()
     tp_rank: int = 0
+    # a hybrid cache's layer groups, (sliding window, layers) each: a block holds one group's layers' pages
+    layer_groups: tuple[tuple[int | None, tuple[int, ...]], ...] = ()
 
     @property
     def digest(self) -> str:
-        return hashlib.blake2b(json.dumps(asdict(self), sort_keys=True).encode(), digest_size=12).hexdigest()
+        fields = asdict(self)
+        if not self.layer_groups:     # so that the directories of engines without layer groups stay theirs
+            del fields["layer_groups"]
+        return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
 def _salt_digest(salt: str | None) -> str | None:
@@ -196,7 +203,8 @@ class Tier:
 
 class HostTier(Tier):
     """Blocks in one preallocated host-memory slab of `capacity // block_bytes` slots (pinned, for a CUDA
-    pool: copies in and out run at full speed), least recently used first out."""
+    pool: copies in and out run at full speed), least recently used first out. A lock keeps a slot from
+    being reused while the reader thread copies it out."""
 
     wants_host_memory = False
 
@@ -209,19 +217,25 @@ class HostTier(Tier):
         self._index: OrderedDict[bytes, tuple[int, BlockKey]] = OrderedDict()
         self._free = list(range(slots - 1, -1, -1))
         self.counters = TierCounters()
+        self._lock = threading.Lock()
 
     def has(self, block_hash: bytes) -> bool:
         return block_hash in self._index
 
     def touch(self, block_hash: bytes) -> None:
-        if block_hash in self._index:
-            self._index.move_to_end(block_hash)
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
 
     def room(self) -> int:
         return len(self.slab)
 
     def put(self, key: BlockKey, data: torch.Tensor, wait: bool = False) -> bool:
         """Copy a block's bytes into a slot (the least recently used one's when none is free)."""
+        with self._lock:
+            return self._put(key, data)
+
+    def _put(self, key: BlockKey, data: torch.Tensor) -> bool:
         if key.hash in self._index:
             self._index.move_to_end(key.hash)
             return True
@@ -238,12 +252,13 @@ class HostTier(Tier):
 
     def get(self, key: BlockKey) -> torch.Tensor | None:
         """A copy of the block's bytes if the tier holds exactly `key` (a later put may reuse its slot)."""
-        entry = self._index.get(key.hash)
-        if entry is None or entry[1] != key:
-            return None
-        self._index.move_to_end(key.hash)
-        self.counters.bytes_read += self.block_bytes
-        return self.slab[entry[0]].clone()
+        with self._lock:
+            entry = self._index.get(key.hash)
+            if entry is None or entry[1] != key:
+                return None
+            self._index.move_to_end(key.hash)
+            self.counters.bytes_read += self.block_bytes
+            return self.slab[entry[0]].clone()
 
     def probe(self, data: torch.Tensor) -> tuple[float, float]:
         """Copy `data` into host memory like the slab's, and back where it came from."""
@@ -636,8 +651,8 @@ def measure_prefill(prefill: Callable[[int], None], tokens: int, repeats: int = 
 
 class KVOffloader:
     """Binds a tier to an engine's pool and pages: blocks the pool evicts go to the tier (`save`, the
-    pool's on_evict hook), blocks a prefix lookup finds there come back into fresh pool blocks (`read`,
-    then `load`)."""
+    pool's on_evict hook), blocks a prefix lookup finds there come back into fresh pool blocks (`read`
+    on the reader thread, started by `start_read`, then `load` by the scheduler once it is done)."""
 
     def __init__(self, tier: Tier, pool: BlockPool, read_blocks: Callable[[list[int]], torch.Tensor],
                  write_blocks: Callable[[list[int], torch.Tensor], None], device: torch.device):
@@ -648,6 +663,10 @@ class KVOffloader:
         self.preemption_mode: str | None = "recompute"
         self.swap_costs: SwapCosts | None = None
         self._closed = False
+        # one thread reads the tier's files and checks them (file reads and CRCs release the GIL): a step
+        # runs meanwhile; its thread starts with the first read
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-read")
+        self._reads: dict[Future, int] = {}       # reads not yet taken by read_result -> their blocks
 
     def save(self, evicted: list[tuple[int, BlockKey]], wait: bool = False) -> None:
         """Copy the pages of blocks leaving the pool's prefix cache into the tier: those it lacks, as many
@@ -665,12 +684,9 @@ class KVOffloader:
         for (_, key), row in zip(todo, data):
             self.tier.put(key, row, wait)
 
-    def lookup(self, keys: list[BlockKey]) -> int:
-        """How many of the leading keys the tier holds (by hash; read() checks the rest)."""
-        n = 0
-        while n < len(keys) and self.tier.contains(keys[n].hash):
-            n += 1
-        return n
+    def holds(self, key: BlockKey) -> bool:
+        """Whether the tier holds the block of `key` (by hash; read() checks the rest)."""
+        return self.tier.contains(key.hash)
 
     def read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
         """The bytes of the leading blocks of `keys` that the tier serves, checked: up to the first it
@@ -682,6 +698,41 @@ class KVOffloader:
                 break
             out.append(data)
         return out
+
+    def start_read(self, keys: list[BlockKey]) -> Future:
+        """Start `read(keys)` on the reader thread and return at once: its future gives the blocks read
+        (read_result). Once the tier is closed the read is done before it returns."""
+        if self._closed:
+            future = Future()
+            future.set_running_or_notify_cancel()
+            future.set_result(self.read(keys))
+        else:
+            future = self._reader.submit(self.read, keys)
+        self._reads[future] = len(keys)
+        return future
+
+    def read_result(self, future: Future) -> list[torch.Tensor]:
+        """The blocks a done read (start_read) got: none if it was cancelled (the engine closed), so that
+        their tokens are computed instead. (A file that cannot be read or fails its checks ends the
+        blocks read there, in `read`.)"""
+        self._reads.pop(future, None)
+        return [] if future.cancelled() else future.result()
+
+    def cancel_read(self, future: Future) -> None:
+        """Drop a read nobody waits for any more: it does not start if it has not; its blocks are never
+        loaded."""
+        future.cancel()
+        self._reads.pop(future, None)
+
+    @staticmethod
+    def wait_for_read(futures: Iterable[Future]) -> None:
+        """Block until one of these reads is done (a step with nothing else to run waits for its blocks)."""
+        wait(list(futures), return_when=FIRST_COMPLETED)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Blocks being read from the tier for a sequence that waits for them, or queued for the reader."""
+        return sum(n for f, n in self._reads.items() if not f.done())
 
     def load(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
         """Write blocks read from the tier into pool blocks (fresh ones, before any step reads them)."""
@@ -748,12 +799,14 @@ class KVOffloader:
         self.counters.swap_in_blocks += num_loaded
 
     def close(self) -> None:
-        """Write the blocks still in the pool's prefix cache to the tier (so that a restart finds them
-        too), wait for the writer, stop it. Idempotent."""
+        """Stop the reader (reads not started are cancelled: their sequences compute those tokens; the one
+        under way finishes), write the blocks still in the pool's prefix cache to the tier (so that a
+        restart finds them too), wait for the writer, stop it. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.pool.on_evict = None
+        self._reader.shutdown(wait=True, cancel_futures=True)
         try:
             if self.tier.persistent:
                 cached = [(b, key) for b, key in enumerate(self.pool.keys) if key is not None]
@@ -776,6 +829,7 @@ class KVOffloader:
             "kv_offload_hit_tokens": self.counters.hit_tokens,
             "kv_offload_miss_tokens": self.counters.miss_tokens,
             "kv_offload_loads": self.counters.loads,
+            "kv_offload_loads_in_flight": self.loads_in_flight,
             "kv_offload_swap_outs": self.counters.swap_outs,
             "kv_offload_swap_out_blocks": self.counters.swap_out_blocks,
             "kv_offload_swap_ins": self.counters.swap_ins,

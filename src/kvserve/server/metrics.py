@@ -51,7 +51,8 @@ class EngineCollector:
         """The second KV tier's gauges and counters (an engine with kv_offload)."""
         for name, doc in (("blocks", "KV blocks held by the offload tier."),
                           ("bytes", "Bytes held by the offload tier."),
-                          ("capacity_bytes", "The offload tier's size (kv_offload_size).")):
+                          ("capacity_bytes", "The offload tier's size (kv_offload_size)."),
+                          ("loads_in_flight", "KV blocks being read from the offload tier for waiting requests.")):
             yield self._gauge(f"kv_offload_{name}", doc, stats[f"kv_offload_{name}"])
         for name, doc in (("blocks_stored", "KV blocks written to the offload tier."),
                           ("bytes_written", "Bytes written to the offload tier."),
