@@ -20,6 +20,9 @@ VARIANTS = {
     "qwen3-tied": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     # rows and heads that are not whole vectors of 16: the kernels' masked tails
     "llama-head-dim-24-odd-sizes": ("llama", dict(head_dim=24, hidden_size=72, intermediate_size=100)),
+    # a hybrid cache: a full-attention layer group and one sliding (window 4), each with its block tables
+    "qwen2-hybrid": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                   num_hidden_layers=3)),
 }
 
 

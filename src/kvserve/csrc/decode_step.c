@@ -36,6 +36,7 @@ typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
     void *kv;                                                 /* pages [2][KVH][NB][BS][D] */
     int64_t window;                                           /* its sliding window, or 0: full attention */
+    int group;                                                /* its layer group: the block table it reads */
 } Layer;
 
 typedef struct {
@@ -59,7 +60,7 @@ static const struct {
     FIELD(Proj, amx_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
-    FIELD(Layer, window),
+    FIELD(Layer, window), FIELD(Layer, group),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
     FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, intermediate), FIELD(Model, vocab),
     FIELD(Model, dtype), FIELD(Model, num_blocks), FIELD(Model, block_size), FIELD(Model, eps), FIELD(Model, scale),
@@ -259,11 +260,14 @@ static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t
 }
 
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
- * token each at `positions`, writing their K/V at `slots` and attending over their pages. 0, or -1
- * where memory ran out (the logits and the step's K/V are then not all written). */
-int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
-                 const int64_t *block_tables, int table_width, const int64_t *context_lens,
-                 const float *cos_table, const float *sin_table, void *logits, int threads) {
+ * token each at `positions`, attending over their pages. A hybrid cache (kv/hybrid.py) has a block table
+ * per layer group: layer l writes its K/V at slots[g][t] and reads block_tables[g] ([n][table_widths[g]])
+ * of its group g = l->group (one group: g = 0 for every layer). 0, or -1 where memory ran out (the logits
+ * and the step's K/V are then not all written). */
+int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions,
+                 const int64_t *const *slots, const int64_t *const *block_tables, const int *table_widths,
+                 const int64_t *context_lens, const float *cos_table, const float *sin_table, void *logits,
+                 int threads) {
     const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int inter = m->intermediate, dt = m->dtype, q_size = nh * d, qkv_size = (nh + 2 * nkv) * d;
 #if AVX512_BW_VL
@@ -300,12 +304,14 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
             const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
+            const int64_t *table = block_tables[l->group], *slot = slots[l->group];
+            const int width = table_widths[l->group];
             project(&l->qkv, 0, dt, a, n, hdim, qkv_size, b);
             #pragma omp for collapse(2) schedule(dynamic)
             for (int t = 0; t < n; t++)
                 for (int kh = 0; kh < nkv; kh++)
-                    if (attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slots[t],
-                                    block_tables + (int64_t)t * table_width, context_lens[t], cos_table, sin_table, a)) {
+                    if (attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slot[t], table + (int64_t)t * width,
+                                    context_lens[t], cos_table, sin_table, a)) {
                         /* the rest of the step still runs (every thread must meet the barriers), and is discarded */
                         #pragma omp atomic write
                         failed = 1;
@@ -342,27 +348,31 @@ done:
 }
 
 /* `steps` greedy decode steps of n sequences in one call: each step's argmax is the next step's input, and
- * its K/V go at the next slot of the sequence's table, which holds blocks for all the steps. input_ids,
- * positions and context_lens are the first step's, and advance in place; tokens [steps][n]; logits: room
- * for one step's. 0, or -1 where memory ran out (the steps stop there). */
-int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions,
-                  const int64_t *block_tables, int table_width, int64_t *context_lens, const float *cos_table,
-                  const float *sin_table, void *logits, int64_t *tokens, int threads) {
+ * its K/V go at the next slot of the sequence's table in each of the `groups` layer groups (decode_step),
+ * whose tables hold blocks for all the steps. input_ids, positions and context_lens are the first step's,
+ * and advance in place; tokens [steps][n]; logits: room for one step's. 0, or -1 where memory ran out (the
+ * steps stop there). */
+int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions, int groups,
+                  const int64_t *const *block_tables, const int *table_widths, int64_t *context_lens,
+                  const float *cos_table, const float *sin_table, void *logits, int64_t *tokens, int threads) {
     const int bs = m->block_size;
-    int64_t *slots = malloc(sizeof(int64_t) * n);
-    int status = slots ? 0 : -1;
+    int64_t *slots = malloc(sizeof(int64_t) * n * groups);
+    const int64_t **slot_rows = malloc(sizeof(int64_t *) * groups);
+    int status = slots && slot_rows ? 0 : -1;
+    for (int g = 0; g < groups && status == 0; g++) slot_rows[g] = slots + (int64_t)g * n;
     for (int s = 0; s < steps && status == 0; s++) {
-        for (int t = 0; t < n; t++) {
-            const int64_t at = context_lens[t] - 1;     /* the new token's place in the cache */
-            slots[t] = block_tables[(int64_t)t * table_width + at / bs] * bs + at % bs;
-        }
-        status = decode_step(m, n, input_ids, positions, slots, block_tables, table_width, context_lens, cos_table,
-                             sin_table, logits, threads);
+        for (int g = 0; g < groups; g++)
+            for (int t = 0; t < n; t++) {
+                const int64_t at = context_lens[t] - 1;     /* the new token's place in the cache */
+                slots[(int64_t)g * n + t] = block_tables[g][(int64_t)t * table_widths[g] + at / bs] * bs + at % bs;
+            }
+        status = decode_step(m, n, input_ids, positions, slot_rows, block_tables, table_widths, context_lens,
+                             cos_table, sin_table, logits, threads);
         if (status) break;
         argmax_rows(logits, n, m->vocab, m->vocab, m->dtype, tokens + (int64_t)s * n, threads);
         for (int t = 0; t < n; t++) input_ids[t] = tokens[(int64_t)s * n + t], positions[t]++, context_lens[t]++;
     }
-    free(slots);
+    free(slots), free(slot_rows);
     return status;
 }
 

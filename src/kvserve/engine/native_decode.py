@@ -39,7 +39,7 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
                 *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv")),
-                ("window", ctypes.c_int64)]
+                ("window", ctypes.c_int64), ("group", ctypes.c_int)]
 
 
 class _Model(ctypes.Structure):
@@ -123,6 +123,8 @@ class NativeDecode:
         if lacks(cfg):
             raise ValueError(f"the C decode step does not compute {', '.join(lacks(cfg))} ({cfg.architecture})")
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
+        # a hybrid cache's layer groups (kv/hybrid.py), each with its own block tables; else one
+        owner = getattr(storage, "layer_group", None) or [0] * cfg.num_layers
         layers = []
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -130,7 +132,7 @@ class NativeDecode:
                      attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                      storage.layer(index)]
             layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                                 *map(_address, norms), attn.sliding_window or 0))
+                                 *map(_address, norms), attn.sliding_window or 0, owner[index]))
         self._layers = (_Layer * len(layers))(*layers)
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
@@ -141,29 +143,41 @@ class NativeDecode:
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0
 
+    @staticmethod
+    def _tables(batch: AttentionBatch) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+        """Each layer group's slots, block tables and their widths, as the C step takes them (the first group's
+        are the batch's own: AttentionBatch.groups holds the others')."""
+        groups = [batch, *batch.groups]
+        pointers = ctypes.c_void_p * len(groups)
+        return (pointers(*(g.slot_mapping.data_ptr() for g in groups)),
+                pointers(*(g.block_tables.data_ptr() for g in groups)),
+                (ctypes.c_int * len(groups))(*(g.block_tables.shape[1] for g in groups)))
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache."""
+        """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache (each layer at its group's
+        slots, a hybrid cache's)."""
         n = len(input_ids)
         rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
-        self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), batch.slot_mapping.data_ptr(),
-                batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
-                rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        slots, tables, widths = self._tables(batch)
+        self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), slots, tables, widths,
+                batch.context_lens.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(),
+                torch.get_num_threads())
         self.steps += 1
         return logits
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                   steps: int) -> torch.Tensor:
         """Tokens [steps, n] of `steps` greedy decode steps of n sequences, each step's argmax the next one's
-        input (their block tables hold blocks for all the steps); input_ids, positions and the batch's
-        context_lens advance in place."""
+        input (their block tables, in every layer group, hold blocks for all the steps); input_ids, positions and
+        the batch's context_lens advance in place."""
         n = len(input_ids)
         rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         tokens = torch.empty(steps, n, dtype=torch.int64)
-        self.steps_fn(ctypes.byref(self.spec), n, steps, input_ids.data_ptr(), positions.data_ptr(),
-                      batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
-                      rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), tokens.data_ptr(),
-                      torch.get_num_threads())
+        _, tables, widths = self._tables(batch)
+        self.steps_fn(ctypes.byref(self.spec), n, steps, input_ids.data_ptr(), positions.data_ptr(), len(widths),
+                      tables, widths, batch.context_lens.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
+                      logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
         self.steps += steps
         return tokens
