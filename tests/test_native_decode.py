@@ -23,6 +23,13 @@ VARIANTS = {
     # a hybrid cache: a full-attention layer group and one sliding (window 4), each with its block tables
     "qwen2-hybrid": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                    num_hidden_layers=3)),
+    # Gemma 2: caps low enough to change these weights' scores and logits, query_pre_attn_scalar, tied embeddings
+    "gemma2-caps-tied": ("gemma2", dict(sliding_window=4, head_dim=16, query_pre_attn_scalar=24,
+                                        attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                        tie_word_embeddings=True, num_hidden_layers=3)),
+    # Gemma 3: q/k norms, the sliding layers' own RoPE base
+    "gemma3": ("gemma3", dict(sliding_window=4, head_dim=16, sliding_window_pattern=2, num_hidden_layers=3,
+                              rope_local_base_freq=100.0)),
 }
 
 

@@ -247,8 +247,7 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
                          model_config: ModelConfig) -> bool:
     """The native executors: on the CPU unless enforce_eager, not under tensor parallelism (the C step runs whole
     layers, with no all-reduce between), a float32 or bfloat16 model that the C step computes exactly (the Llama
-    family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping and scaled embeddings, nor
-    partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache (a
+    family's and Gemma 2/3's layers, sliding windows included; not partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache (a
     hybrid cache's layer groups too: the C step reads each layer's group's block table), and the kernels built.
     (Asked before the model loads, whose weights are then held as the C step reads them where the GEMM choice
     allows: model/gemm_choice.py.)"""

@@ -39,14 +39,16 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
                 *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv")),
-                ("window", ctypes.c_int64), ("group", ctypes.c_int)]
+                ("window", ctypes.c_int64), ("group", ctypes.c_int), ("local_rope", ctypes.c_int),
+                ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
                                                     "head_dim", "intermediate", "vocab", "dtype",
                                                     "num_blocks", "block_size")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gelu", ctypes.c_int), ("gemma_norms", ctypes.c_int),
+                *((name, ctypes.c_float) for name in ("embed_scale", "attn_cap", "logit_cap")),
                 ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -54,12 +56,10 @@ class _Model(ctypes.Structure):
 def lacks(cfg: ModelConfig) -> list[str]:
     """What of the model the C step does not compute (none: it runs the model exactly). It computes the Llama
     family's layer (Llama, Mistral, Qwen2/3, Phi-3): RMSNorm, QKV with biases, Qwen3's q/k norms, RoPE of any
-    table over whole heads, attention over every layer's own sliding window, SwiGLU; Gemma's pieces it does not."""
-    missing = {"GeGLU": cfg.hidden_act != "silu", "Gemma's norms": cfg.gemma_norms,
-               "scaled embeddings": cfg.embed_scale != 1.0, "attention soft-capping": cfg.attn_logit_softcapping,
-               "logit soft-capping": cfg.final_logit_softcapping, "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
-               "a RoPE base of the sliding layers": cfg.rope_local_base_freq,
-               "partial RoPE": cfg.rotary_dim != cfg.head_dim}
+    table over whole heads, attention over every layer's own sliding window, SwiGLU; and Gemma 2/3's: GeGLU,
+    (1 + weight) norms around each sublayer, scaled embeddings, soft-capped scores and logits,
+    query_pre_attn_scalar, the sliding layers' own RoPE table. Not partial RoPE."""
+    missing = {"partial RoPE": cfg.rotary_dim != cfg.head_dim}
     return [name for name, found in missing.items() if found]
 
 
@@ -131,12 +131,20 @@ class NativeDecode:
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                      attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                      storage.layer(index)]
+            gemma = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] \
+                if layer.gemma_norms else [None, None]
             layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                                 *map(_address, norms), attn.sliding_window or 0, owner[index]))
+                                 *map(_address, norms), attn.sliding_window or 0, owner[index], attn.local_rope,
+                                 *map(_address, gemma)))
         self._layers = (_Layer * len(layers))(*layers)
+        dtype = model.lm_head.weight.dtype
+        # the embedding scale rounded to the dtype, as CausalLM.forward multiplies by it
+        embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype))
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
-                           storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
+                           cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[dtype],
+                           storage.num_blocks, storage.block_size, cfg.rms_norm_eps,
+                           model.model.layers[0].self_attn.scale, cfg.hidden_act != "silu", cfg.gemma_norms,
+                           embed_scale, cfg.attn_logit_softcapping or 0.0, cfg.final_logit_softcapping or 0.0,
                            _table(model), _address(model.model.norm.weight),
                            _proj(model.lm_head), self._layers)
         # the packed GEMMs take any batch; the matrix-vector products only small ones
@@ -153,16 +161,21 @@ class NativeDecode:
                 pointers(*(g.block_tables.data_ptr() for g in groups)),
                 (ctypes.c_int * len(groups))(*(g.block_tables.shape[1] for g in groups)))
 
+    def _rope_tables(self) -> tuple[int, int, int | None, int | None]:
+        """RoPE's cos and sin, then the sliding layers' own (Gemma 3; else None): asked at each call, since a
+        `sink` sequence that outgrows them reallocates them (CausalLM.ensure_rope)."""
+        rope, local = self.model.rope, self.model.rope_local
+        return (rope.cos.data_ptr(), rope.sin.data_ptr(), *((None, None) if local is None else
+                                                            (local.cos.data_ptr(), local.sin.data_ptr())))
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache (each layer at its group's
         slots, a hybrid cache's)."""
         n = len(input_ids)
-        rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         slots, tables, widths = self._tables(batch)
         self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), slots, tables, widths,
-                batch.context_lens.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(),
-                torch.get_num_threads())
+                batch.context_lens.data_ptr(), *self._rope_tables(), logits.data_ptr(), torch.get_num_threads())
         self.steps += 1
         return logits
 
@@ -172,12 +185,11 @@ class NativeDecode:
         input (their block tables, in every layer group, hold blocks for all the steps); input_ids, positions and
         the batch's context_lens advance in place."""
         n = len(input_ids)
-        rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         tokens = torch.empty(steps, n, dtype=torch.int64)
         _, tables, widths = self._tables(batch)
         self.steps_fn(ctypes.byref(self.spec), n, steps, input_ids.data_ptr(), positions.data_ptr(), len(widths),
-                      tables, widths, batch.context_lens.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
-                      logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
+                      tables, widths, batch.context_lens.data_ptr(), *self._rope_tables(), logits.data_ptr(),
+                      tokens.data_ptr(), torch.get_num_threads())
         self.steps += steps
         return tokens
