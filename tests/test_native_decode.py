@@ -30,6 +30,10 @@ VARIANTS = {
     # Gemma 3: q/k norms, the sliding layers' own RoPE base
     "gemma3": ("gemma3", dict(sliding_window=4, head_dim=16, sliding_window_pattern=2, num_hidden_layers=3,
                               rope_local_base_freq=100.0)),
+    # Phi-4-mini's partial RoPE (the first half of each head's channels) with LongRoPE's table
+    "phi3-partial-longrope": ("phi3", dict(head_dim=16, partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                         "long_factor": [2.0] * 4})),
 }
 
 

@@ -45,7 +45,7 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, dtype;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, vocab, dtype;
     int num_blocks, block_size;
     float eps, scale;
     int gelu, gemma_norms;         /* GeGLU, not SwiGLU; (1 + weight) norms in float32 (Gemma) */
@@ -71,7 +71,8 @@ static const struct {
     FIELD(Layer, window), FIELD(Layer, group), FIELD(Layer, local_rope), FIELD(Layer, pre_ff_norm),
     FIELD(Layer, post_ff_norm),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
-    FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, intermediate), FIELD(Model, vocab),
+    FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, rotary_dim), FIELD(Model, intermediate),
+    FIELD(Model, vocab),
     FIELD(Model, dtype), FIELD(Model, num_blocks), FIELD(Model, block_size), FIELD(Model, eps), FIELD(Model, scale),
     FIELD(Model, gelu), FIELD(Model, gemma_norms), FIELD(Model, embed_scale), FIELD(Model, attn_cap),
     FIELD(Model, logit_cap),
@@ -209,19 +210,21 @@ static inline void norm(const Model *m, const float *x, const void *weight, int 
 }
 
 /* Q/K norms and RoPE of a token's query heads of KV head kh and of its k head, in place in its qkv row
- * (float32), then its K and V of that head written at its cache slot. */
+ * (float32), then its K and V of that head written at its cache slot. RoPE rotates the first rotary_dim
+ * numbers of each head (all of them but under partial RoPE), whose cos/sin tables are rotary_dim wide. */
 static void position_and_store(const Model *m, const Layer *l, float *qkv, int kh, int64_t position, int64_t slot,
                                const float *cos_table, const float *sin_table) {
-    const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype, groups = nh / nkv;
+    const int d = m->head_dim, rd = m->rotary_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype;
+    const int groups = nh / nkv;
     /* the position's float32 cos/sin rounded to the model's dtype, as the eager model casts them */
-    float c[d], s[d], rotated[d];
-    const float *cos = cos_table + position * d, *sin = sin_table + position * d;
-    for (int i = 0; i < d; i++) c[i] = as_dtype(cos[i], dt), s[i] = as_dtype(sin[i], dt);
+    float c[rd], s[rd], rotated[rd];
+    const float *cos = cos_table + position * rd, *sin = sin_table + position * rd;
+    for (int i = 0; i < rd; i++) c[i] = as_dtype(cos[i], dt), s[i] = as_dtype(sin[i], dt);
     for (int i = 0; i <= groups; i++) {
         const int h = i < groups ? kh * groups + i : nh + kh;
         float *head = qkv + (size_t)h * d;
         if (l->q_norm) norm(m, head, h < nh ? l->q_norm : l->k_norm, d, head);
-        rope_row(head, c, s, d, dt, rotated);
+        rope_row(head, c, s, rd, dt, rotated);
         memcpy(head, rotated, sizeof(rotated));
     }
     const int64_t block = slot / m->block_size, offset = slot % m->block_size;

@@ -8,6 +8,12 @@ csrc/gemm.c does not multiply the dtype), the step reads them as torch's Linear 
 matrix-vector products, which win only while reading the weights bounds the step: larger steps then run
 op by op, by torch's F.linear over the same weights. `enforce_eager` turns it off; engine/executor.py
 says which steps it runs and how the weights are held.
+
+It computes the layers of every family ModelConfig reads: the Llama family's (Llama, Mistral, Qwen2/3,
+Phi-3/4-mini: RMSNorm, QKV with biases, Qwen3's q/k norms, RoPE of any table, LongRoPE's too, over whole heads
+or their first channels, SwiGLU) and Gemma 2/3's (GeGLU, (1 + weight) norms around each sublayer, scaled
+embeddings, soft-capped scores and logits, query_pre_attn_scalar, the sliding layers' own RoPE table), each
+layer over its own sliding window and its layer group's block tables (a hybrid cache).
 """
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ import torch
 
 from kvserve.attention import AttentionBatch
 from kvserve.attention.native import DTYPE_KINDS
-from kvserve.config import ModelConfig
 from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
@@ -45,22 +50,12 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
-                                                    "head_dim", "intermediate", "vocab", "dtype",
+                                                    "head_dim", "rotary_dim", "intermediate", "vocab", "dtype",
                                                     "num_blocks", "block_size")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gelu", ctypes.c_int), ("gemma_norms", ctypes.c_int),
                 *((name, ctypes.c_float) for name in ("embed_scale", "attn_cap", "logit_cap")),
                 ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
                 ("layers", ctypes.POINTER(_Layer))]
-
-
-def lacks(cfg: ModelConfig) -> list[str]:
-    """What of the model the C step does not compute (none: it runs the model exactly). It computes the Llama
-    family's layer (Llama, Mistral, Qwen2/3, Phi-3): RMSNorm, QKV with biases, Qwen3's q/k norms, RoPE of any
-    table over whole heads, attention over every layer's own sliding window, SwiGLU; and Gemma 2/3's: GeGLU,
-    (1 + weight) norms around each sublayer, scaled embeddings, soft-capped scores and logits,
-    query_pre_attn_scalar, the sliding layers' own RoPE table. Not partial RoPE."""
-    missing = {"partial RoPE": cfg.rotary_dim != cfg.head_dim}
-    return [name for name, found in missing.items() if found]
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -120,8 +115,6 @@ class NativeDecode:
         if not self.packed and any(m.weight_format != "plain" for m in linears):
             raise ValueError("the C decode step reads every linear layer packed for csrc/gemm.c, or every one plain: "
                              f"got {sorted({m.weight_format for m in linears})}")
-        if lacks(cfg):
-            raise ValueError(f"the C decode step does not compute {', '.join(lacks(cfg))} ({cfg.architecture})")
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
         # a hybrid cache's layer groups (kv/hybrid.py), each with its own block tables; else one
         owner = getattr(storage, "layer_group", None) or [0] * cfg.num_layers
@@ -141,7 +134,7 @@ class NativeDecode:
         # the embedding scale rounded to the dtype, as CausalLM.forward multiplies by it
         embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype))
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[dtype],
+                           cfg.rotary_dim, cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[dtype],
                            storage.num_blocks, storage.block_size, cfg.rms_norm_eps,
                            model.model.layers[0].self_attn.scale, cfg.hidden_act != "silu", cfg.gemma_norms,
                            embed_scale, cfg.attn_logit_softcapping or 0.0, cfg.final_logit_softcapping or 0.0,
