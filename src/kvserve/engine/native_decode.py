@@ -52,7 +52,8 @@ class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
                                                     "head_dim", "rotary_dim", "intermediate", "vocab", "dtype",
                                                     "num_blocks", "block_size")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("gelu", ctypes.c_int), ("gemma_norms", ctypes.c_int),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                *((name, ctypes.c_int) for name in ("gelu", "gemma_norms")),
                 *((name, ctypes.c_float) for name in ("embed_scale", "attn_cap", "logit_cap")),
                 ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
                 ("layers", ctypes.POINTER(_Layer))]
