@@ -217,8 +217,8 @@ def test_quantized_pages_per_group(gemma3, kv_cache_dtype):
 
 
 def test_one_table_executors_need_one_group():
-    """The native C step and CUDA graphs read one block table for every layer: a hybrid cache of several
-    layer groups decodes eagerly (one group of sliding layers, Mistral's, keeps them)."""
+    """CUDA graphs read one block table for every layer: a hybrid cache of several layer groups decodes eagerly on
+    CUDA (one group of sliding layers, Mistral's, keeps them; the CPU's C step reads a table per group)."""
     from kvserve.attention.triton import TritonBackend
     from kvserve.config import EngineConfig
     from kvserve.engine.executor import cuda_graphs_wanted

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.native_decode import lacks
 from tiny_models import hf_model, make_checkpoint
 
 VARIANTS = {
@@ -89,8 +88,8 @@ def test_decode_logits_and_greedy_tokens_match_transformers(checkpoint, decode):
     steps = 8 if decode == "native-steps" else 1
     llm = LLM(str(checkpoint), block_size=4, num_kv_blocks=64, dtype="float32", enforce_eager=decode == "eager",
               num_scheduler_steps=steps)
-    # the C step does not compute Gemma's layers, nor read a hybrid cache's several block tables (qwen2-window's)
-    native = decode != "eager" and not lacks(llm.engine.model_config) and len(llm.engine.kv_groups) <= 1
+    # every family in the C step: Gemma's layers, partial RoPE, a hybrid cache's block tables (qwen2-window's)
+    native = decode != "eager"
     hf = hf_model(checkpoint)
     for n in PROMPT_LENS:
         ids = prompt_ids(n, seed=1)

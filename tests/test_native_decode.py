@@ -20,6 +20,20 @@ VARIANTS = {
     "qwen3-tied": ("qwen3", dict(head_dim=32, tie_word_embeddings=True)),
     # rows and heads that are not whole vectors of 16: the kernels' masked tails
     "llama-head-dim-24-odd-sizes": ("llama", dict(head_dim=24, hidden_size=72, intermediate_size=100)),
+    # a hybrid cache: a full-attention layer group and one sliding (window 4), each with its block tables
+    "qwen2-hybrid": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                   num_hidden_layers=3)),
+    # Gemma 2: caps low enough to change these weights' scores and logits, query_pre_attn_scalar, tied embeddings
+    "gemma2-caps-tied": ("gemma2", dict(sliding_window=4, head_dim=16, query_pre_attn_scalar=24,
+                                        attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                        tie_word_embeddings=True, num_hidden_layers=3)),
+    # Gemma 3: q/k norms, the sliding layers' own RoPE base
+    "gemma3": ("gemma3", dict(sliding_window=4, head_dim=16, sliding_window_pattern=2, num_hidden_layers=3,
+                              rope_local_base_freq=100.0)),
+    # Phi-4-mini's partial RoPE (the first half of each head's channels) with LongRoPE's table
+    "phi3-partial-longrope": ("phi3", dict(head_dim=16, partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                         "long_factor": [2.0] * 4})),
 }
 
 

@@ -10,7 +10,6 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
-from kvserve.engine.native_decode import lacks
 from tiny_models import hf_model, make_checkpoint
 
 WINDOW = 8
@@ -84,19 +83,37 @@ def family(request, tmp_path_factory):
 def test_family_matches_transformers_past_its_window(family, backend):
     """Prompts of 40, 17 and 5 tokens and 10 new ones (a window of 8), batched, the long prompt in chunks of 12,
     decodes beside chunks: greedy tokens equal and every logit within 1e-4. Each sliding layer group keeps only
-    its window's blocks (kv/hybrid.py). With the native backend, the decode steps of the Llama-family models whose
-    layers share one window run in the C step (over each layer's window); Gemma's, and Qwen2's mix of full and
-    sliding layers (two block tables), run eagerly."""
+    its window's blocks (kv/hybrid.py). With the native backend, every family's decode steps run in the C step
+    (over each layer's window, and each layer group's block table: Qwen2's mix of full and sliding layers has
+    two, Gemma's too), Gemma's soft caps, norms, GeGLU and Gemma 3's RoPE table of the sliding layers included."""
     path, prompts, refs = family
     llm = LLM(str(path), attention_backend=backend, **CHUNKED)
     assert llm.engine.max_model_len == 512           # the model's context, not its window
     assert_matches(generate(llm, prompts), refs)
     assert any(g.sliding_window == WINDOW for g in llm.engine.kv_groups)
     native = llm.engine.runner.native
-    if backend == "native" and not lacks(llm.engine.model_config) and len(llm.engine.kv_groups) == 1:
-        assert native.steps > 0
+    if backend == "native":
+        assert native.steps > 0 and llm.stats()["steps"]["native"] == native.steps
     else:
         assert native is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3"])
+def test_native_multi_step_decodes_every_layer_group(tmp_path, arch):
+    """Greedy decodes of a hybrid cache (a full-attention and a sliding layer group) several steps a C call, each
+    layer's K/V at the next slot of its group's table: transformers' tokens for 24 new ones past a window of 8,
+    batched with other lengths, and every block back in the pool at the end (the null block aside)."""
+    path = make_checkpoint(tmp_path, FAMILIES[arch][0], **FAMILIES[arch][1])
+    prompts = [prompt(n) for n in PROMPT_LENS]
+    refs = reference(path, prompts, 24)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=128, dtype="float32", num_scheduler_steps=8)
+    assert len(llm.engine.kv_groups) > 1
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in refs]
+    stats = llm.stats()
+    assert stats["steps"]["native_multi_step"] >= 16 and stats["steps"]["eager"] <= 3
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] - 1
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2", "mistral"])
@@ -231,7 +248,6 @@ def test_gemma_configs_as_the_hub_writes_them():
     assert gemma3.sliding_windows == (512, 512, None, 512, 512, None)
     assert (gemma3.rope_theta, gemma3.rope_local_base_freq) == (1e6, 1e4)
     assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 8.0} and gemma3.qk_norm
-    assert lacks(gemma3) == ["GeGLU", "Gemma's norms", "scaled embeddings", "a RoPE base of the sliding layers"]
 
 
 def test_phi3_su_rope_is_longrope():
@@ -241,7 +257,7 @@ def test_phi3_su_rope_is_longrope():
                   rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
     assert phi3.rope_scaling["rope_type"] == "longrope" and phi3.rope_scaling["factor"] == 32.0
     assert phi3.rope_scaling["original_max_position_embeddings"] == 4096 and phi3.rotary_dim == 12
-    assert phi3.sliding_windows == (262144, 262144) and lacks(phi3) == ["partial RoPE"]
+    assert phi3.sliding_windows == (262144, 262144)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -36,6 +36,11 @@ SHAPES = {
                      "num_kv_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True},
     "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_layers": 24, "num_heads": 14,
                      "num_kv_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "architecture": "qwen2"},
+    # Gemma 3 1B's text model: five in six layers attend within 512 tokens (a hybrid KV cache past them)
+    "gemma3-1b": {"hidden_size": 1152, "intermediate_size": 6912, "num_layers": 26, "num_heads": 4,
+                  "num_kv_heads": 1, "vocab_size": 262144, "tie_word_embeddings": True, "architecture": "gemma3",
+                  "config": dict(head_dim=256, sliding_window=512, sliding_window_pattern=6,
+                                 query_pre_attn_scalar=256)},
 }
 _BOS, _EOS, _PAD = 0, 1, 2
 
@@ -106,12 +111,13 @@ def save_random_model(path: Path, config, dtype: torch.dtype = torch.float32, se
 
 def make_checkpoint(path: Path, shape: dict, max_positions: int,
                     dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """A random-weight Llama (or the shape's "architecture", qwen2) of `shape` (bench flags, and whether it
-    ties its embeddings) as a Hugging Face checkpoint."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A random-weight Llama (or the shape's "architecture", qwen2 or gemma3) of `shape` (bench flags, whether it
+    ties its embeddings, and its "config": the config's other fields) as a Hugging Face checkpoint."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.get("architecture", "llama")]
-    cfg = config(**{SHAPE_FIELDS[k]: v for k, v in shape.items() if k in SHAPE_FIELDS},
+    families = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig}
+    config = families[shape.get("architecture", "llama")]
+    cfg = config(**{SHAPE_FIELDS[k]: v for k, v in shape.items() if k in SHAPE_FIELDS}, **shape.get("config", {}),
                  max_position_embeddings=max_positions, bos_token_id=_BOS, eos_token_id=_EOS, pad_token_id=_PAD,
                  tie_word_embeddings=shape.get("tie_word_embeddings", False))
     return save_random_model(path, cfg, dtype, seed, make_tokenizer(total=shape["vocab_size"]))

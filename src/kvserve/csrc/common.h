@@ -236,11 +236,30 @@ static inline void rms_norm(const float *x, const void *weight, int dtype, int d
 #endif
 }
 
+/* y = RMSNorm(x) * (1 + weight) over `dim` numbers: Gemma's norm, all in float32 and rounded once to dtype,
+ * as the eager model's GemmaRMSNorm computes it. */
+static inline void gemma_rms_norm(const float *x, const void *weight, int dtype, int dim, float eps, float *y) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / dim + eps);
+    for (int i = 0; i < dim; i++) y[i] = as_dtype(x[i] * inv * (param(weight, dtype, i) + 1.0f), dtype);
+}
+
+/* gelu_tanh(gate) * up (GeGLU, Gemma's MLP), rounded as the eager model rounds: the GELU's output, then the
+ * product. The GELU as torch's approximate="tanh" writes it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+static inline float geglu(float gate, float up, int dtype) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f, cube = gate * gate * gate;
+    const float gelu = 0.5f * gate * (1.0f + tanhf(beta * (gate + kappa * cube)));
+    return as_dtype(as_dtype(gelu, dtype) * up, dtype);
+}
+
 /* out[g][:] = softmax(q[g] . K^T * scale) V for the `groups` query heads (fp32) that share KV head
  * `h`, over the first `ctx` cached tokens of a sequence whose blocks are `table` (the last `window` of
- * them where window > 0); 0, or -1 (out untouched) where memory ran out. */
+ * them where window > 0), its scores s soft-capped to cap * tanh(s / cap) where cap > 0; 0, or -1 (out
+ * untouched) where memory ran out. */
 int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
-                 float scale, int64_t window, float *out);
+                 float scale, int64_t window, float cap, float *out);
 
 /* csrc/sampling.c's argmax of each row of x [rows][n] (rows `stride` numbers apart). */
 void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int64_t *out, int threads);

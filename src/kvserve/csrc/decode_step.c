@@ -1,6 +1,8 @@
 /* A whole decode step of a Llama-family decoder on the CPU in one call: embedding, every layer
  * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, over the layer's sliding window where
  * it has one, O, RMSNorm, gate/up and SiLU, down) and the logits, for sequences of one new token each.
+ * Gemma 2/3's layers too: (1 + weight) norms in float32, the norms around each sublayer's output, GeGLU,
+ * scaled embeddings, soft-capped scores and logits, and Gemma 3's RoPE table of the sliding layers.
  *
  * Decoding a few tokens reads every weight once per step: the step is bound by memory reads, and
  * run op by op from Python it loses as much time again in dispatch and in small-matrix overheads.
@@ -36,12 +38,19 @@ typedef struct {
     const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
     void *kv;                                                 /* pages [2][KVH][NB][BS][D] */
     int64_t window;                                           /* its sliding window, or 0: full attention */
+    int group;                                                /* its layer group: the block table it reads */
+    int local_rope;                                           /* RoPE by the sliding layers' table (Gemma 3) */
+    /* Gemma's norms of the attention's output (post_norm) and the MLP's input and output: NULL elsewhere */
+    const void *pre_ff_norm, *post_ff_norm;
 } Layer;
 
 typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, dtype;
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, vocab, dtype;
     int num_blocks, block_size;
     float eps, scale;
+    int gelu, gemma_norms;         /* GeGLU, not SwiGLU; (1 + weight) norms in float32 (Gemma) */
+    float embed_scale;             /* the embeddings are multiplied by it (Gemma), else 1 */
+    float attn_cap, logit_cap;     /* soft caps of the attention scores and the logits (Gemma 2), or 0 */
     const void *embed, *norm;      /* embed NULL: the rows of lm_head's packed weight (tied embeddings) */
     Proj lm_head;
     const Layer *layers;
@@ -59,10 +68,14 @@ static const struct {
     FIELD(Proj, amx_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
-    FIELD(Layer, window),
+    FIELD(Layer, window), FIELD(Layer, group), FIELD(Layer, local_rope), FIELD(Layer, pre_ff_norm),
+    FIELD(Layer, post_ff_norm),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
-    FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, intermediate), FIELD(Model, vocab),
+    FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, rotary_dim), FIELD(Model, intermediate),
+    FIELD(Model, vocab),
     FIELD(Model, dtype), FIELD(Model, num_blocks), FIELD(Model, block_size), FIELD(Model, eps), FIELD(Model, scale),
+    FIELD(Model, gelu), FIELD(Model, gemma_norms), FIELD(Model, embed_scale), FIELD(Model, attn_cap),
+    FIELD(Model, logit_cap),
     FIELD(Model, embed), FIELD(Model, norm), FIELD(Model, lm_head), FIELD(Model, layers),
 };
 #undef SIZE_OF
@@ -190,20 +203,28 @@ static void project(const Proj *p, int gated, int dtype, const void *x, int n, i
     linear(p->w, p->b, dtype, x, n, in, out, y, out);
 }
 
+/* y = the model's RMSNorm of x (dim numbers) by weight: Gemma's or the Llama family's. */
+static inline void norm(const Model *m, const float *x, const void *weight, int dim, float *y) {
+    if (m->gemma_norms) gemma_rms_norm(x, weight, m->dtype, dim, m->eps, y);
+    else rms_norm(x, weight, m->dtype, dim, m->eps, y);
+}
+
 /* Q/K norms and RoPE of a token's query heads of KV head kh and of its k head, in place in its qkv row
- * (float32), then its K and V of that head written at its cache slot. */
+ * (float32), then its K and V of that head written at its cache slot. RoPE rotates the first rotary_dim
+ * numbers of each head (all of them but under partial RoPE), whose cos/sin tables are rotary_dim wide. */
 static void position_and_store(const Model *m, const Layer *l, float *qkv, int kh, int64_t position, int64_t slot,
                                const float *cos_table, const float *sin_table) {
-    const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype, groups = nh / nkv;
+    const int d = m->head_dim, rd = m->rotary_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype;
+    const int groups = nh / nkv;
     /* the position's float32 cos/sin rounded to the model's dtype, as the eager model casts them */
-    float c[d], s[d], rotated[d];
-    const float *cos = cos_table + position * d, *sin = sin_table + position * d;
-    for (int i = 0; i < d; i++) c[i] = as_dtype(cos[i], dt), s[i] = as_dtype(sin[i], dt);
+    float c[rd], s[rd], rotated[rd];
+    const float *cos = cos_table + position * rd, *sin = sin_table + position * rd;
+    for (int i = 0; i < rd; i++) c[i] = as_dtype(cos[i], dt), s[i] = as_dtype(sin[i], dt);
     for (int i = 0; i <= groups; i++) {
         const int h = i < groups ? kh * groups + i : nh + kh;
         float *head = qkv + (size_t)h * d;
-        if (l->q_norm) rms_norm(head, h < nh ? l->q_norm : l->k_norm, dt, d, m->eps, head);
-        rope_row(head, c, s, d, dt, rotated);
+        if (l->q_norm) norm(m, head, h < nh ? l->q_norm : l->k_norm, d, head);
+        rope_row(head, c, s, rd, dt, rotated);
         memcpy(head, rotated, sizeof(rotated));
     }
     const int64_t block = slot / m->block_size, offset = slot % m->block_size;
@@ -219,16 +240,21 @@ static inline int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (
 static void norm_row(const Model *m, const float *x, int t, const void *weight, void *rows, int gdt, float *buf) {
     const int hdim = m->hidden;
     float *h = gdt == F32 ? (float *)rows + (size_t)t * hdim : buf;
-    rms_norm(x + (size_t)t * hdim, weight, m->dtype, hdim, m->eps, h);
+    norm(m, x + (size_t)t * hdim, weight, hdim, h);
     narrow(rows, gdt, t, hdim, h);
 }
 
-/* Row t of `added` (gdt, the stream's width) added to row t of x (the residual stream), as the eager model
- * rounds; then that row RMSNormed by `weight` into row t of `normed` (gdt). buf: a float row. */
-static void add_and_norm(const Model *m, float *x, int t, void *added, const void *weight, void *normed, int gdt,
-                         float *buf) {
+/* Row t of `added` (gdt, the stream's width), first normed by `before` where not NULL (Gemma's norm of a
+ * sublayer's output), added to row t of x (the residual stream), as the eager model rounds; then that row
+ * RMSNormed by `weight` into row t of `normed` (gdt). buf: two float rows. */
+static void add_and_norm(const Model *m, float *x, int t, void *added, const void *before, const void *weight,
+                         void *normed, int gdt, float *buf) {
     const int hdim = m->hidden;
     const float *o = widen(added, gdt, t, hdim, buf);
+    if (before) {
+        norm(m, o, before, hdim, buf + hdim);
+        o = buf + hdim;
+    }
     for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] + o[i], m->dtype);
     norm_row(m, x, t, weight, normed, gdt, buf);
 }
@@ -252,18 +278,27 @@ static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t
     position_and_store(m, l, own, kh, position, slot, cos_table, sin_table);
     const size_t at = (size_t)t * nh * d + q;
     float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
-    if (attend_head(cache, kh, table, ctx, own + q, groups, m->scale, l->window, o)) return -1;
+    if (attend_head(cache, kh, table, ctx, own + q, groups, m->scale, l->window, m->attn_cap, o)) return -1;
     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], m->dtype);
     if (o == local) store_row((uint16_t *)out + at, o, gdt, groups * d);
     return 0;
 }
 
+/* cap * tanh(x / cap), rounded as the eager model rounds each op in dtype. */
+static inline float soft_cap(float x, float cap, int dtype) {
+    return as_dtype(as_dtype(tanhf(as_dtype(x / cap, dtype)), dtype) * cap, dtype);
+}
+
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
- * token each at `positions`, writing their K/V at `slots` and attending over their pages. 0, or -1
- * where memory ran out (the logits and the step's K/V are then not all written). */
-int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions, const int64_t *slots,
-                 const int64_t *block_tables, int table_width, const int64_t *context_lens,
-                 const float *cos_table, const float *sin_table, void *logits, int threads) {
+ * token each at `positions`, attending over their pages. A hybrid cache (kv/hybrid.py) has a block table
+ * per layer group: layer l writes its K/V at slots[g][t] and reads block_tables[g] ([n][table_widths[g]])
+ * of its group g = l->group (one group: g = 0 for every layer). RoPE's cos and sin: the tables of every
+ * layer but those with local_rope, which read local_cos and local_sin. 0, or -1 where memory ran out (the
+ * logits and the step's K/V are then not all written). */
+int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions,
+                 const int64_t *const *slots, const int64_t *const *block_tables, const int *table_widths,
+                 const int64_t *context_lens, const float *cos_table, const float *sin_table,
+                 const float *local_cos, const float *local_sin, void *logits, int threads) {
     const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int inter = m->intermediate, dt = m->dtype, q_size = nh * d, qkv_size = (nh + 2 * nkv) * d;
 #if AVX512_BW_VL
@@ -277,63 +312,82 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
     /* a: the products' inputs (and down's output), b: their outputs (and down's input), of gdt */
     void *a = malloc(es * n * (hdim > q_size ? hdim : q_size)), *b = malloc(es * n * widest);
     float *qkv = gdt == F32 ? b : malloc(sizeof(float) * n * qkv_size);     /* q, k, v as floats */
-    float *gate_up = gemm ? NULL : malloc(sizeof(float) * n * 2 * inter);
+    /* gate and up rows (gdt) where the gated GEMM does not apply the activation as it writes them */
+    const int fused = gemm && !m->gelu;
+    void *gate_up = fused ? NULL : malloc(es * n * 2 * inter);
     float *y = gemm ? NULL : malloc(sizeof(float) * n * m->vocab);
-    float *rows = malloc(sizeof(float) * widest * threads);                  /* a float row per thread */
-    int failed = !x || !a || !b || !qkv || (!gemm && (!gate_up || !y)) || !rows;
+    float *rows = malloc(sizeof(float) * 2 * widest * threads);              /* two float rows per thread */
+    int failed = !x || !a || !b || !qkv || (!fused && !gate_up) || (!gemm && !y) || !rows;
     if (failed) goto done;
     for (int t = 0; t < n; t++) {
 #if AVX512_BW_VL
         if (!m->embed) {            /* the table's only copy is the tied lm_head's packed weight */
             const Proj *head = &m->lm_head;
             gemm_row(head->packed, head->scales, head->kind, dt, hdim, input_ids[t], x + (size_t)t * hdim);
-            continue;
-        }
+        } else
 #endif
         for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
+        if (m->embed_scale != 1.0f)
+            for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] * m->embed_scale, dt);
     }
     #pragma omp parallel num_threads(threads)
     {
-        float *row = rows + (size_t)omp_get_thread_num() * widest;
+        float *row = rows + (size_t)omp_get_thread_num() * 2 * widest;
         #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) norm_row(m, x, t, m->layers[0].input_norm, a, gdt, row);
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
             const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
+            const int64_t *table = block_tables[l->group], *slot = slots[l->group];
+            const int width = table_widths[l->group];
+            const float *cos = l->local_rope ? local_cos : cos_table, *sin = l->local_rope ? local_sin : sin_table;
             project(&l->qkv, 0, dt, a, n, hdim, qkv_size, b);
             #pragma omp for collapse(2) schedule(dynamic)
             for (int t = 0; t < n; t++)
                 for (int kh = 0; kh < nkv; kh++)
-                    if (attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slots[t],
-                                    block_tables + (int64_t)t * table_width, context_lens[t], cos_table, sin_table, a)) {
+                    if (attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slot[t], table + (int64_t)t * width,
+                                    context_lens[t], cos, sin, a)) {
                         /* the rest of the step still runs (every thread must meet the barriers), and is discarded */
                         #pragma omp atomic write
                         failed = 1;
                     }
             project(&l->o, 0, dt, a, n, q_size, hdim, b);
+            /* Gemma: the attention's output normed (post_norm) before it joins the stream, the MLP's input
+             * by pre_ff_norm */
+            const void *before = l->pre_ff_norm ? l->post_norm : NULL;
             #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) add_and_norm(m, x, t, b, l->post_norm, a, gdt, row);
-            if (gemm) {
+            for (int t = 0; t < n; t++)
+                add_and_norm(m, x, t, b, before, before ? l->pre_ff_norm : l->post_norm, a, gdt, row);
+            if (fused) {
                 project(&l->gate_up, 1, dt, a, n, hdim, inter, b);
             } else {
                 project(&l->gate_up, 0, dt, a, n, hdim, 2 * inter, gate_up);
                 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++)
                     for (int i = 0; i < inter; i++) {
-                        const float *g = gate_up + (size_t)t * 2 * inter;
-                        ((float *)b)[(size_t)t * inter + i] = swiglu(g[i], g[inter + i], dt);
+                        const int64_t g = (int64_t)t * 2 * inter + i;
+                        const float gate = param(gate_up, gdt, g), up = param(gate_up, gdt, g + inter);
+                        store(b, gdt, (int64_t)t * inter + i, m->gelu ? geglu(gate, up, dt) : swiglu(gate, up, dt));
                     }
             }
             project(&l->down, 0, dt, b, n, inter, hdim, a);
-            /* the residual, and the next layer's input norm (or the final norm) */
-            const void *norm = li + 1 < m->num_layers ? m->layers[li + 1].input_norm : m->norm;
+            /* the residual (Gemma: the MLP's output normed first), and the next layer's input norm (or the
+             * final norm) */
+            const void *next = li + 1 < m->num_layers ? m->layers[li + 1].input_norm : m->norm;
             #pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) add_and_norm(m, x, t, a, norm, a, gdt, row);
+            for (int t = 0; t < n; t++) add_and_norm(m, x, t, a, l->post_ff_norm, next, a, gdt, row);
         }
         project(&m->lm_head, 0, dt, a, n, hdim, m->vocab, gemm ? logits : (void *)y);
+        if (!gemm) {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
+        }
+        if (m->logit_cap > 0.0f) {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < (int64_t)n * m->vocab; i++)
+                store(logits, dt, i, soft_cap(param(logits, dt, i), m->logit_cap, dt));
+        }
     }
-    if (!gemm)
-        for (int64_t i = 0; i < (int64_t)n * m->vocab; i++) store(logits, dt, i, y[i]);
 done:
     free(x), free(a), free(gate_up), free(y), free(rows);
     if (qkv != b) free(qkv);
@@ -342,27 +396,32 @@ done:
 }
 
 /* `steps` greedy decode steps of n sequences in one call: each step's argmax is the next step's input, and
- * its K/V go at the next slot of the sequence's table, which holds blocks for all the steps. input_ids,
- * positions and context_lens are the first step's, and advance in place; tokens [steps][n]; logits: room
- * for one step's. 0, or -1 where memory ran out (the steps stop there). */
-int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions,
-                  const int64_t *block_tables, int table_width, int64_t *context_lens, const float *cos_table,
-                  const float *sin_table, void *logits, int64_t *tokens, int threads) {
+ * its K/V go at the next slot of the sequence's table in each of the `groups` layer groups (decode_step),
+ * whose tables hold blocks for all the steps. input_ids, positions and context_lens are the first step's,
+ * and advance in place; tokens [steps][n]; logits: room for one step's. 0, or -1 where memory ran out (the
+ * steps stop there). */
+int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions, int groups,
+                  const int64_t *const *block_tables, const int *table_widths, int64_t *context_lens,
+                  const float *cos_table, const float *sin_table, const float *local_cos, const float *local_sin,
+                  void *logits, int64_t *tokens, int threads) {
     const int bs = m->block_size;
-    int64_t *slots = malloc(sizeof(int64_t) * n);
-    int status = slots ? 0 : -1;
+    int64_t *slots = malloc(sizeof(int64_t) * n * groups);
+    const int64_t **slot_rows = malloc(sizeof(int64_t *) * groups);
+    int status = slots && slot_rows ? 0 : -1;
+    for (int g = 0; g < groups && status == 0; g++) slot_rows[g] = slots + (int64_t)g * n;
     for (int s = 0; s < steps && status == 0; s++) {
-        for (int t = 0; t < n; t++) {
-            const int64_t at = context_lens[t] - 1;     /* the new token's place in the cache */
-            slots[t] = block_tables[(int64_t)t * table_width + at / bs] * bs + at % bs;
-        }
-        status = decode_step(m, n, input_ids, positions, slots, block_tables, table_width, context_lens, cos_table,
-                             sin_table, logits, threads);
+        for (int g = 0; g < groups; g++)
+            for (int t = 0; t < n; t++) {
+                const int64_t at = context_lens[t] - 1;     /* the new token's place in the cache */
+                slots[(int64_t)g * n + t] = block_tables[g][(int64_t)t * table_widths[g] + at / bs] * bs + at % bs;
+            }
+        status = decode_step(m, n, input_ids, positions, slot_rows, block_tables, table_widths, context_lens,
+                             cos_table, sin_table, local_cos, local_sin, logits, threads);
         if (status) break;
         argmax_rows(logits, n, m->vocab, m->vocab, m->dtype, tokens + (int64_t)s * n, threads);
         for (int t = 0; t < n; t++) input_ids[t] = tokens[(int64_t)s * n + t], positions[t]++, context_lens[t]++;
     }
-    free(slots);
+    free(slots), free(slot_rows);
     return status;
 }
 

@@ -893,8 +893,8 @@ static int attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx,
 }
 
 int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
-                float scale, int64_t window, float *out) {
-    return attend_rows(c, h, table, ctx, q, F32, 0, 1, groups, scale, window, 0.0f, out, 0);
+                float scale, int64_t window, float cap, float *out) {
+    return attend_rows(c, h, table, ctx, q, F32, 0, 1, groups, scale, window, cap, out, 0);
 }
 
 /* out[b][h * G + g][:] = softmax(q . K^T * scale) V for each decoding sequence b: q and out of

@@ -59,7 +59,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
         self.kv_groups = self._kv_groups(config, mcfg)
-        native = native_decode_wanted(config, self.device, self.dtype, self.backend, mcfg, len(self.kv_groups))
+        native = native_decode_wanted(config, self.device, self.dtype, self.backend)
         self.gemm = self._choose_gemm(config, mcfg, native)
         self._threads: int | None = None                # torch's threads before rank 0 took its share
         self.workers = self._start_workers(config, mcfg)

@@ -33,7 +33,7 @@ from kvserve.attention import AttentionBatch
 from kvserve.attention.native import NativeBackend
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.engine.cuda_graphs import DecodeGraphs
-from kvserve.engine.native_decode import DTYPES, NativeDecode, lacks
+from kvserve.engine.native_decode import DTYPES, NativeDecode
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.kernels import fallback, function
 from kvserve.kv import KVSpec, KVStorage, NoKVStorage
@@ -244,19 +244,21 @@ class TensorParallelEager(Eager):
             raise
 
 
-def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend,
-                         model_config: ModelConfig, num_kv_groups: int = 0) -> bool:
-    """The native executors: on the CPU unless enforce_eager, not under tensor parallelism (the C step runs whole
-    layers, with no all-reduce between), a float32 or bfloat16 model that the C step computes exactly (the Llama
-    family's layers, sliding windows included; not Gemma's GeGLU, norms, soft-capping and scaled embeddings, nor
-    partial RoPE: native_decode.lacks), whose attention the native backend runs over a full-precision cache with
-    one block table for every layer (a hybrid cache of several layer groups runs its decodes eagerly: the C step
-    reads one table), and the kernels built. (Asked before the model loads, whose weights are then held as the
-    C step reads them where the GEMM choice allows: model/gemm_choice.py.)"""
+def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
+    """The native executors: on the CPU unless enforce_eager, for a float32 or bfloat16 model (any family
+    ModelConfig reads, Gemma 2/3 and partial RoPE included, over a hybrid cache's layer groups too: the C step
+    reads each layer's group's block table) whose attention the native backend runs over a full-precision paged
+    or contiguous cache, and the kernels built. What falls back to op by op, and why: tensor parallelism (the C
+    step runs whole layers, with no all-reduce between); float16 (the kernels compute in float32 or bfloat16);
+    another attention backend; a cache whose dtype is not the model's (kv_cache_dtype other than "auto": the
+    C step writes its K/V as the model computes them, and quantized pages' writes are planned in Python);
+    cache_mode "none" (no pages to write). Of the steps of an engine that has them, NativeStep.supports and
+    NativeMultiStep.supports say which run natively (decodes only, for their logits). (Asked before the model
+    loads, whose weights are then held as the C step reads them where the GEMM choice allows:
+    model/gemm_choice.py.)"""
     return (device.type == "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1
-            and dtype in DTYPES and not lacks(model_config)
-            and isinstance(backend, NativeBackend) and config.cache_mode != "none"
-            and config.kv_cache_dtype == "auto" and num_kv_groups <= 1 and function("decode_step") is not None)
+            and dtype in DTYPES and isinstance(backend, NativeBackend) and config.cache_mode != "none"
+            and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
 
 
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend,
@@ -278,7 +280,7 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
     if workers is not None:
         return [TensorParallelEager(model, backend, storage, workers)]
     executors: list[Executor] = []
-    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend, model.config, num_kv_groups) \
+    if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend) \
             and NativeDecode.reads(model):
         native = NativeDecode(model, storage)
         if config.num_scheduler_steps > 1:

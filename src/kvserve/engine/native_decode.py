@@ -8,6 +8,12 @@ csrc/gemm.c does not multiply the dtype), the step reads them as torch's Linear 
 matrix-vector products, which win only while reading the weights bounds the step: larger steps then run
 op by op, by torch's F.linear over the same weights. `enforce_eager` turns it off; engine/executor.py
 says which steps it runs and how the weights are held.
+
+It computes the layers of every family ModelConfig reads: the Llama family's (Llama, Mistral, Qwen2/3,
+Phi-3/4-mini: RMSNorm, QKV with biases, Qwen3's q/k norms, RoPE of any table, LongRoPE's too, over whole heads
+or their first channels, SwiGLU) and Gemma 2/3's (GeGLU, (1 + weight) norms around each sublayer, scaled
+embeddings, soft-capped scores and logits, query_pre_attn_scalar, the sliding layers' own RoPE table), each
+layer over its own sliding window and its layer group's block tables (a hybrid cache).
 """
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ import torch
 
 from kvserve.attention import AttentionBatch
 from kvserve.attention.native import DTYPE_KINDS
-from kvserve.config import ModelConfig
 from kvserve.kernels import check_layout, function, library
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
@@ -39,28 +44,19 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
                 *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv")),
-                ("window", ctypes.c_int64)]
+                ("window", ctypes.c_int64), ("group", ctypes.c_int), ("local_rope", ctypes.c_int),
+                ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
-                                                    "head_dim", "intermediate", "vocab", "dtype",
+                                                    "head_dim", "rotary_dim", "intermediate", "vocab", "dtype",
                                                     "num_blocks", "block_size")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                *((name, ctypes.c_int) for name in ("gelu", "gemma_norms")),
+                *((name, ctypes.c_float) for name in ("embed_scale", "attn_cap", "logit_cap")),
                 ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
                 ("layers", ctypes.POINTER(_Layer))]
-
-
-def lacks(cfg: ModelConfig) -> list[str]:
-    """What of the model the C step does not compute (none: it runs the model exactly). It computes the Llama
-    family's layer (Llama, Mistral, Qwen2/3, Phi-3): RMSNorm, QKV with biases, Qwen3's q/k norms, RoPE of any
-    table over whole heads, attention over every layer's own sliding window, SwiGLU; Gemma's pieces it does not."""
-    missing = {"GeGLU": cfg.hidden_act != "silu", "Gemma's norms": cfg.gemma_norms,
-               "scaled embeddings": cfg.embed_scale != 1.0, "attention soft-capping": cfg.attn_logit_softcapping,
-               "logit soft-capping": cfg.final_logit_softcapping, "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
-               "a RoPE base of the sliding layers": cfg.rope_local_base_freq,
-               "partial RoPE": cfg.rotary_dim != cfg.head_dim}
-    return [name for name, found in missing.items() if found]
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -120,50 +116,74 @@ class NativeDecode:
         if not self.packed and any(m.weight_format != "plain" for m in linears):
             raise ValueError("the C decode step reads every linear layer packed for csrc/gemm.c, or every one plain: "
                              f"got {sorted({m.weight_format for m in linears})}")
-        if lacks(cfg):
-            raise ValueError(f"the C decode step does not compute {', '.join(lacks(cfg))} ({cfg.architecture})")
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
+        # a hybrid cache's layer groups (kv/hybrid.py), each with its own block tables; else one
+        owner = getattr(storage, "layer_group", None) or [0] * cfg.num_layers
         layers = []
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                      attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
                      storage.layer(index)]
+            gemma = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] \
+                if layer.gemma_norms else [None, None]
             layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                                 *map(_address, norms), attn.sliding_window or 0))
+                                 *map(_address, norms), attn.sliding_window or 0, owner[index], attn.local_rope,
+                                 *map(_address, gemma)))
         self._layers = (_Layer * len(layers))(*layers)
+        dtype = model.lm_head.weight.dtype
+        # the embedding scale rounded to the dtype, as CausalLM.forward multiplies by it
+        embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype))
         self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
-                           storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
+                           cfg.rotary_dim, cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[dtype],
+                           storage.num_blocks, storage.block_size, cfg.rms_norm_eps,
+                           model.model.layers[0].self_attn.scale, cfg.hidden_act != "silu", cfg.gemma_norms,
+                           embed_scale, cfg.attn_logit_softcapping or 0.0, cfg.final_logit_softcapping or 0.0,
                            _table(model), _address(model.model.norm.weight),
                            _proj(model.lm_head), self._layers)
         # the packed GEMMs take any batch; the matrix-vector products only small ones
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0
 
+    @staticmethod
+    def _tables(batch: AttentionBatch) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
+        """Each layer group's slots, block tables and their widths, as the C step takes them (the first group's
+        are the batch's own: AttentionBatch.groups holds the others')."""
+        groups = [batch, *batch.groups]
+        pointers = ctypes.c_void_p * len(groups)
+        return (pointers(*(g.slot_mapping.data_ptr() for g in groups)),
+                pointers(*(g.block_tables.data_ptr() for g in groups)),
+                (ctypes.c_int * len(groups))(*(g.block_tables.shape[1] for g in groups)))
+
+    def _rope_tables(self) -> tuple[int, int, int | None, int | None]:
+        """RoPE's cos and sin, then the sliding layers' own (Gemma 3; else None): asked at each call, since a
+        `sink` sequence that outgrows them reallocates them (CausalLM.ensure_rope)."""
+        rope, local = self.model.rope, self.model.rope_local
+        return (rope.cos.data_ptr(), rope.sin.data_ptr(), *((None, None) if local is None else
+                                                            (local.cos.data_ptr(), local.sin.data_ptr())))
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache."""
+        """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache (each layer at its group's
+        slots, a hybrid cache's)."""
         n = len(input_ids)
-        rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
-        self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), batch.slot_mapping.data_ptr(),
-                batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
-                rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        slots, tables, widths = self._tables(batch)
+        self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), slots, tables, widths,
+                batch.context_lens.data_ptr(), *self._rope_tables(), logits.data_ptr(), torch.get_num_threads())
         self.steps += 1
         return logits
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                   steps: int) -> torch.Tensor:
         """Tokens [steps, n] of `steps` greedy decode steps of n sequences, each step's argmax the next one's
-        input (their block tables hold blocks for all the steps); input_ids, positions and the batch's
-        context_lens advance in place."""
+        input (their block tables, in every layer group, hold blocks for all the steps); input_ids, positions and
+        the batch's context_lens advance in place."""
         n = len(input_ids)
-        rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         tokens = torch.empty(steps, n, dtype=torch.int64)
-        self.steps_fn(ctypes.byref(self.spec), n, steps, input_ids.data_ptr(), positions.data_ptr(),
-                      batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
-                      rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), tokens.data_ptr(),
-                      torch.get_num_threads())
+        _, tables, widths = self._tables(batch)
+        self.steps_fn(ctypes.byref(self.spec), n, steps, input_ids.data_ptr(), positions.data_ptr(), len(widths),
+                      tables, widths, batch.context_lens.data_ptr(), *self._rope_tables(), logits.data_ptr(),
+                      tokens.data_ptr(), torch.get_num_threads())
         self.steps += steps
         return tokens
