@@ -128,7 +128,7 @@ def test_a_worker_that_fails_to_start_says_why(tmp_path, tiny_llama):
     workers = Workers(2, args, torch.device("cpu"))
     try:
         with pytest.raises(RuntimeError, match="worker rank 1 failed:(.|\n)*FileNotFoundError"):
-            workers.init_cache(KVSpec.from_model(cfg, torch.float32), 4, None)
+            workers.init_cache(KVSpec.from_model(cfg, torch.float32), 4)
     finally:
         workers.close()
     assert not _alive(workers.pids[0])
