@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.attention.batch import AttentionBatch
 
@@ -43,33 +42,16 @@ def make_case(q_lens: list[int], ctx_lens: list[int], num_decodes: int, num_head
 
 def quantize_case(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
                   kv_cache_dtype: str, block_size: int, device: str | torch.device = "cpu"):
-    """The case's pages as a QuantizedLayer on `device`: every full block quantized; each sequence's
-    last block, when partial, held exact in its pages and in blocks past the case's own (taken in
-    descending order, so that pieces are never consecutive), where the codecs quantize whole blocks,
-    else quantized per token as the rest. Returns (layer, pages): `pages` (on the CPU) is the plain
-    tensor of what the layer stands for (dequantized blocks, exact residuals), the textbook's input.
-    The step's own k, v [T, KVH, D] are overwritten in place with the values the layer holds for them.
+    """The case's pages as a QuantizedLayer on `device`, every token quantized. Returns (layer, pages):
+    `pages` (on the CPU) is the plain tensor of what the layer stands for (dequantized blocks), the
+    textbook's input. The step's own k, v [T, KVH, D] are overwritten in place with the values the
+    layer holds for them.
     """
     from kvserve.kv.quant import QuantizedLayer, codecs
-    from kvserve.kv.spec import KVSpec
 
     _, kvh, nb, bs, d = kv_cache.shape
-    ends = [table[c // block_size].item() for c, table in zip(batch.context_lens_list, batch.block_tables)
-            if c % block_size]
-    pieces = KVSpec(1, kvh, d, kv_cache.dtype, bs, kv_cache_dtype).residual_pieces
-    borrowed = list(range(nb + len(ends) * max(0, pieces - 1) - 1, nb - 1, -1))
-    residual_of = torch.full((nb + len(borrowed), max(1, pieces)), -1, dtype=torch.long, device=device)
-    layer = QuantizedLayer(codecs(kv_cache_dtype), kvh, nb + len(borrowed), bs, d, kv_cache.dtype, residual_of)
+    layer = QuantizedLayer(codecs(kv_cache_dtype), kvh, nb, bs, d, kv_cache.dtype, torch.device(device))
     layer.quantize(torch.arange(nb, device=device), kv_cache.to(device))
-    if pieces and ends:
-        rows = torch.tensor([[b, *borrowed[i * (pieces - 1):(i + 1) * (pieces - 1)]] for i, b in enumerate(ends)],
-                            device=device)
-        # each block's exact numbers (for each K/V and head) run on from page to page of its pieces
-        exact = kv_cache[:, :, ends].reshape(2, kvh, len(ends), bs * d)
-        exact = F.pad(exact, (0, pieces * layer.page_numbers - bs * d))
-        layer.residual.view(2, kvh, -1, layer.page_numbers)[:, :, rows.flatten()] = \
-            exact.view(2, kvh, -1, layer.page_numbers).to(device)
-        residual_of[ends] = rows
     pages = layer.gather(torch.arange(nb, device=device)).cpu()
     flat = pages.view(2, kvh, -1, d)
     start = 0

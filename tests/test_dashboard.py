@@ -40,14 +40,9 @@ def expected_states(engine: LLMEngine) -> str:
     owners = Counter(b for table in [*tables, *kv.pinned.values()] for b in table)
     if hasattr(kv, "null_block"):       # a hybrid cache's: held by the cache itself
         owners[kv.null_block] += 1
-    borrowed = {b for blocks in kv.residuals.values() for b in blocks}
     states = []
     for b in range(kv.num_blocks):
-        if b in kv.residuals:
-            name = "filling"
-        elif b in borrowed:
-            name = "borrowed"
-        elif owners[b]:
+        if owners[b]:
             name = "shared" if owners[b] > 1 else "used"
         else:
             key = pool.keys[b]
@@ -89,8 +84,7 @@ def test_the_state_counts_each_block_as_the_pool_holds_it_at_every_step(tiny_lla
             assert seq["block_table"] == engine.kv.block_tables[seq["seq_id"]]
         seen.update(name for name, n in counts.items() if n)
     assert stats["prefix_cache_hits"] > 0 and stats["num_evicted_tokens"] > 0
-    states = {"free", "cached", "used", "shared"} | ({"filling", "borrowed"} if kv_cache_dtype == "int4" else set())
-    assert set(seen) == states
+    assert set(seen) == {"free", "cached", "used", "shared"}
 
 
 def test_a_block_shows_its_owners_hash_and_tokens(tiny_llama):

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.attention import mass
 from kvserve.kv.eviction import H2O, Sink, SnapKV, parse_eviction
-from kvserve.kv.spec import KVSpec
 from tiny_models import hf_model, make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -139,18 +138,15 @@ def test_sink_attends_to_the_kept_tokens_at_positions_within_the_cache(one_layer
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
 def test_sink_generates_past_max_model_len_at_constant_memory(one_layer, kv_cache_dtype):
-    # int4 keeps the block being filled exact in blocks it borrows (fp32: 7 more)
-    borrowed = KVSpec(1, 4, 16, torch.float32, 4, kv_cache_dtype).residual_blocks
-    llm = LLM(str(one_layer), block_size=4, num_kv_blocks=12 + 2 * borrowed, max_model_len=64,
+    llm = LLM(str(one_layer), block_size=4, num_kv_blocks=12, max_model_len=64,
               kv_cache_dtype=kv_cache_dtype, eviction="sink:sinks=4,window=16")
     engine = llm.engine
-    assert engine.kv_spec.residual_blocks == borrowed
     engine.add_request("long", {"prompt_token_ids": ids(10)}, SamplingParams(max_tokens=300, ignore_eos=True))
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
         peak = max(peak, engine.kv.num_blocks - engine.kv.num_free_blocks)
-    assert peak <= Sink(4, 16).max_cache_tokens(4) // 4 + 1 + borrowed     # + the pinned original sink block
+    assert peak <= Sink(4, 16).max_cache_tokens(4) // 4 + 1     # + the pinned original sink block
     assert llm.stats()["num_evicted_tokens"] > 250
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
@@ -200,8 +196,7 @@ def test_no_block_is_leaked_or_freed_twice(ckpt, policy, lens, max_tokens, block
                                           kv_cache_dtype, prefix):
     """Whatever the policy, pool, chunking, forks and preemptions: every request completes with its
     tokens, and the pool gets every block back (BlockPool raises on a double free)."""
-    borrowed = 2 * KVSpec(1, 2, 64, torch.float32, block_size, kv_cache_dtype).residual_blocks   # int4's, at most
-    blocks = -(-(8 + max(lens) + max_tokens) // block_size) + 2 + spare + borrowed
+    blocks = -(-(8 + max(lens) + max_tokens) // block_size) + 2 + spare
     llm = LLM(str(ckpt), block_size=block_size, num_kv_blocks=blocks, long_prefill_token_threshold=chunk,
               eviction=policy, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=prefix, max_num_seqs=4)
     head = ids(8, 99)          # a shared prefix, for prefix hits
@@ -210,4 +205,4 @@ def test_no_block_is_leaked_or_freed_twice(ckpt, policy, lens, max_tokens, block
     assert all(len(c.token_ids) == max_tokens for o in outs for c in o.outputs)
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
-    assert not llm.engine.kv.block_tables and not llm.engine.kv.pinned and not llm.engine.kv.residuals
+    assert not llm.engine.kv.block_tables and not llm.engine.kv.pinned

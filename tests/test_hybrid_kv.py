@@ -67,10 +67,10 @@ def test_a_sliding_group_holds_its_window_only(block_size):
     more than window/block_size + 1 blocks once decoding; the full group holds every token's; all return."""
     kv = hybrid(128, block_size)
     kv.allocate(0, 0, 5)
-    kv.release_filled(0, 0, 5)
+    kv.release_past_window(0, 5)
     for pos in range(5, 4 * WINDOW):
         kv.allocate(0, pos, 1)
-        kv.release_filled(0, pos, 1)
+        kv.release_past_window(0, pos + 1)
         full, sliding = kv.group_tables(0)
         assert len(full) == len(sliding) == -(-(pos + 1) // block_size)
         assert live(sliding, kv) <= -(-WINDOW // block_size) + 1
@@ -91,7 +91,7 @@ def test_prefix_hit_needs_only_the_sliding_window():
     ks = keys(tokens, bs)
     kv.allocate(0, 0, 32)
     kv.cache_blocks(0, 0, ks)
-    kv.release_filled(0, 0, 32)
+    kv.release_past_window(0, 32)
     assert live(kv.group_tables(0)[1], kv) == 2      # positions 25..31 for the query at 32: blocks 6, 7
     kv.free(0)
     hits = kv.cached_prefix(ks)
@@ -116,7 +116,7 @@ def test_a_missing_window_block_shortens_the_hit():
     ks = keys(list(range(32)), bs)
     kv.allocate(0, 0, 32)
     kv.cache_blocks(0, 0, ks)
-    kv.release_filled(0, 0, 32)
+    kv.release_past_window(0, 32)
     kv.free(0)
     kv.pool.uncache(kv.pool.lookup(ks[7].in_group(1)), ks[7].in_group(1))
     hits = kv.cached_prefix(ks)
@@ -135,7 +135,7 @@ def check_ownership(kv: HybridKVCacheManager) -> None:
     assert kv.pool.num_free + len(owned) == kv.num_blocks
     for m, held in zip(kv.groups, kv.blocks_per_group()):
         blocks = {b for t in m.block_tables.values() for b in t} - {kv.null_block}
-        assert held == len(blocks) + sum(len(kv.residuals.get(b, ())) for b in blocks)
+        assert held == len(blocks)
 
 
 # ---------------------------------------------------------------- end to end, against the one-table cache
@@ -197,8 +197,8 @@ def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_quantized_pages_per_group(gemma3, kv_cache_dtype):
-    """Quantized pages in every group (int4's blocks being filled borrowing from the one pool): the same tokens
-    and logits as the one-table cache quantized alike, in chunks across the window, with a prefix hit."""
+    """Quantized pages in every group: the same tokens and logits as the one-table cache quantized alike, in
+    chunks across the window, with a prefix hit."""
     prompts = [{"prompt_token_ids": SYSTEM[:30]}, {"prompt_token_ids": SYSTEM[:26] + [5, 6, 7]}]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
     kw = dict(block_size=4, num_kv_blocks=96, dtype="float32", kv_cache_dtype=kv_cache_dtype,
@@ -250,7 +250,7 @@ def test_a_window_of_one_token_never_indexes_the_null_block():
     kv = HybridKVCacheManager(16, 2, [LayerGroup(None, (0,)), LayerGroup(1, (1,))])
     ks = keys([5, 6, 7, 8], 2)
     kv.allocate(0, 0, 4)
-    kv.release_filled(0, 0, 4)
+    kv.release_past_window(0, 4)
     assert kv.group_tables(0)[1] == [kv.null_block, kv.null_block]
     kv.cache_blocks(0, 0, ks)
     assert kv.pool.keys[kv.null_block] is None

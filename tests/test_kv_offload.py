@@ -623,8 +623,8 @@ def test_the_host_memory_tier(ckpt, tmp_path):
 def test_offloader_round_trips_quantized_pages():
     """Blocks saved at eviction and loaded back into other blocks hold the same bytes, scales included."""
     spec = KVSpec(2, 2, 16, torch.float32, BS, "int4")
-    kv = KVCacheManager(6, BS, spec.borrowed_blocks)
-    storage = KVStorage(spec, 6, torch.device("cpu"), kv.residuals)
+    kv = KVCacheManager(6, BS)
+    storage = KVStorage(spec, 6, torch.device("cpu"))
     for layer in storage.quantized:
         layer.pages.copy_(torch.randint(0, 255, layer.pages.shape, dtype=torch.uint8))
         for meta in layer.meta:

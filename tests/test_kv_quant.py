@@ -1,4 +1,4 @@
-"""Quantized KV pages: codec error bounds, int4 packing, residual bookkeeping, attention over the pages."""
+"""Quantized KV pages: codec error bounds, int4 packing, writes token by token, attention over the pages."""
 from __future__ import annotations
 
 import pytest
@@ -51,13 +51,13 @@ def test_fp8_keeps_three_mantissa_bits_per_token():
     assert (x.abs().amax(-1) / scale).allclose(torch.full_like(scale, FP8_MAX), rtol=2 ** -10)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_per_token_codecs_quantize_a_token_alone(kv_cache_dtype):
-    """What int8 and fp8 store for a token does not depend on the other tokens of its block (an
-    outlier token leaves its neighbours' precision alone), nor on when the block fills."""
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+@pytest.mark.parametrize("which", [0, 1], ids=["keys", "values"])
+def test_every_codec_quantizes_a_token_alone(kv_cache_dtype, which):
+    """What any codec stores for a key or value token does not depend on the other tokens of its block
+    (an outlier token leaves its neighbours' precision alone), nor on when the block fills."""
     x = with_outliers((2, 3, 16, 64))
-    codec = codecs(kv_cache_dtype)[0]
-    assert codec.per_token
+    codec = codecs(kv_cache_dtype)[which]
     whole = codec.decode(*codec.encode(x))
     alone = torch.cat([codec.decode(*codec.encode(x[:, :, t:t + 1])) for t in range(16)], 2)
     assert whole.equal(alone)
@@ -66,14 +66,12 @@ def test_per_token_codecs_quantize_a_token_alone(kv_cache_dtype):
     assert zeros.equal(torch.zeros(1, 1, 4, 64))
 
 
-@pytest.mark.parametrize("axis", [-2, -1])
-def test_int4_error_is_within_half_a_step_per_group(axis):
+def test_int4_error_is_within_half_a_step_per_token():
     x = with_outliers((2, 3, 16, 64))
-    codec = Int4(axis)
+    codec = Int4()
     q, meta = codec.encode(x)
-    assert q.shape == (2, 3, 16, 32) and q.dtype == torch.uint8
-    assert meta.shape == ((2, 3, 2, 64) if axis == -2 else (2, 3, 2, 16))
-    step = meta[..., 0, :].float().unsqueeze(axis)
+    assert q.shape == (2, 3, 16, 32) and q.dtype == torch.uint8 and meta.shape == (2, 3, 2, 16)
+    step = meta[..., 0, :].float().unsqueeze(-1)
     err = (codec.decode(q, meta) - x).abs()
     assert (err <= step / 2 + 1e-3 * step + 1e-6).all()   # fp16 minimum adds a rounding of its own
 
@@ -81,7 +79,7 @@ def test_int4_error_is_within_half_a_step_per_group(axis):
 def test_int4_packs_two_numbers_per_byte():
     levels = torch.arange(16.0).repeat(2)[torch.randperm(32)]      # every level, even and odd channels
     x = levels.view(1, 1, 1, 32).expand(1, 1, 4, 32).contiguous()
-    codec = Int4(axis=-1)
+    codec = Int4()
     q, meta = codec.encode(x)
     assert (q & 15).equal(x[..., 0::2].to(torch.uint8)) and (q >> 4).equal(x[..., 1::2].to(torch.uint8))
     assert codec.decode(q, meta).equal(x)
@@ -93,20 +91,12 @@ def test_bytes_per_token_count_the_scales():
     assert spec("auto").bytes_per_token == 8192
     assert spec("int8").bytes_per_token == 8 * 2 * 4 * (64 + 2)                        # fp16 scale per token
     assert spec("fp8").bytes_per_token == 8 * 2 * 4 * (64 + 2)                         # fp16 scale per token
-    assert spec("int4").bytes_per_token == 8 * 4 * (32 + 2 * 2 * 64 / 16 + 32 + 2 * 2)  # K per channel, V per token
+    assert spec("int4").bytes_per_token == 8 * 2 * 4 * (32 + 2 * 2)                    # fp16 scale, min per token
+    # whatever the block size: every codec's scales are per token
+    assert KVSpec(8, 4, 64, torch.bfloat16, 64, "int4").bytes_per_token == spec("int4").bytes_per_token
     assert spec("int8", skip_layers=(0,)).bytes_per_token == 1024 + 7 * 2 * 4 * 66
-    # int4 keeps the block being filled exact: a page of 16 x 32 bytes a head holds 4 tokens in bf16, so a
-    # block holding t tokens borrows ceil(t / 4) - 1 blocks
     int4 = spec("int4")
-    assert int4.borrowed_blocks == (0,) * 5 + (1,) * 4 + (2,) * 4 + (3,) * 3
-    assert (int4.residual_pieces, int4.residual_blocks, int4.mean_borrowed_blocks) == (4, 3, 21 / 16)
-    fp32 = KVSpec(8, 4, 64, torch.float32, 16, "int4")
-    assert fp32.borrowed_blocks == tuple(max(0, -(-t // 2) - 1) for t in range(16))
-    assert spec("int8").borrowed_blocks is spec("fp8").borrowed_blocks is spec("auto").borrowed_blocks is None
-    assert spec("int8").residual_blocks == spec("auto").mean_borrowed_blocks == 0
-    assert int4.bytes_held(32 + 9) == (3 + 2) * int4.bytes_per_block and int4.bytes_held(32) == 2 * int4.bytes_per_block
-    with pytest.raises(ValueError, match="block_size 1"):
-        KVSpec(8, 4, 4, torch.float32, 1, "int4")
+    assert int4.bytes_held(32 + 9) == 3 * int4.bytes_per_block and int4.bytes_held(32) == 2 * int4.bytes_per_block
     with pytest.raises(ValueError, match="not layers"):
         spec("int8", skip_layers=(8,))
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -114,15 +104,15 @@ def test_bytes_per_token_count_the_scales():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
-def test_storage_quantizes_tokens_or_blocks_as_they_are_written(kv_cache_dtype):
+def test_storage_quantizes_each_token_as_it_is_written(kv_cache_dtype):
     """Chunked writes (partial blocks, blocks filled over several steps or in one), a copy-on-write of
     a block being filled, a sequence that ends while filling a block, which goes to a new sequence:
-    every sequence reads back its tokens, exact while their block fills (int4), else as quantized alone
-    (int8, fp8) or with their block (int4); the blocks borrowed to hold exact tokens all come back."""
+    every sequence reads back each of its tokens as the codecs quantize it alone, whether its block is
+    full or still filling; every block comes back."""
     bs, kvh, d = 4, 2, 64
     spec = KVSpec(2, kvh, d, torch.float32, bs, kv_cache_dtype, skip_layers=(1,))
-    kv = KVCacheManager(48, bs, spec.borrowed_blocks)
-    storage = KVStorage(spec, 48, torch.device("cpu"), kv.residuals)
+    kv = KVCacheManager(48, bs)
+    storage = KVStorage(spec, 48, torch.device("cpu"))
     layer = storage.layer(0)
     assert isinstance(storage.layer(1), torch.Tensor)
     codec = codecs(kv_cache_dtype)
@@ -135,48 +125,30 @@ def test_storage_quantizes_tokens_or_blocks_as_they_are_written(kv_cache_dtype):
         ids = list(new)
         kv_new = torch.randn(sum(new.values()), 2, kvh, d, generator=g)
         tables = [kv.block_tables[i] for i in ids]
-        plan = storage.plan_writes(tables, [lens[i] for i in ids], list(new.values()))
         slots = torch.tensor([t[p // bs] * bs + p % bs for t, i in zip(tables, ids)
                               for p in range(lens[i], lens[i] + new[i])])
-        plan.write(layer, kv_new, slots)
+        layer.write_tokens(kv_new, slots)
         t = 0
         for i, n in new.items():
             for p in range(lens[i], lens[i] + n):
                 truth[i, p] = kv_new[t]
                 t += 1
-            kv.release_filled(i, lens[i], n)
             lens[i] += n
         check()
 
     def check():
-        filling = set()
         for i, n in lens.items():
             table = kv.block_tables.get(i, [])
             pages = layer.gather(torch.tensor(table, dtype=torch.long))           # [2, KVH, blocks, BS, D]
             for j in range(-(-n // bs)):
                 want = torch.stack([truth[i, p] for p in range(j * bs, min(n, (j + 1) * bs))])   # [n, 2, KVH, D]
-                exact = (j + 1) * bs > n and not codec[0].per_token
-                if exact:
-                    filling.add(table[j])
-                elif codec[0].per_token:                                   # each token quantized alone
-                    want = torch.stack([c.decode(*c.encode(want[:, n].transpose(0, 1)))
-                                        for n, c in enumerate(codec)], 1).transpose(0, 2)
-                else:                                                      # the codec's round trip of the block
-                    block = want.permute(1, 2, 0, 3)                        # [2, KVH, BS, D]
-                    want = torch.stack([c.decode(*c.encode(block[n][:, None]))[:, 0]
-                                        for n, c in enumerate(codec)]).permute(2, 0, 1, 3)
-                assert (storage.residual_of[table[j], 0] >= 0) == exact
+                want = torch.stack([c.decode(*c.encode(want[:, n].transpose(0, 1)))
+                                    for n, c in enumerate(codec)], 1).transpose(0, 2)
                 got = pages[:, :, j, :len(want)].permute(2, 0, 1, 3)       # [n, 2, KVH, D]
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-        assert set(kv.residuals) == filling
-        # a block holding t exact tokens borrows what they need beyond its own pages: an fp32 token is
-        # two int4 pages of 4 tokens, so 2t - 1 blocks
-        assert spec.borrowed_blocks == ((0, 1, 3, 5) if kv_cache_dtype == "int4" else None)
-        assert all(len(kv.residuals[kv.block_tables[i][n // bs]]) == spec.borrowed_blocks[n % bs]
-                   for i, n in lens.items() if n % bs and spec.borrowed_blocks)
 
     step({0: 3, 1: 1, 2: 2})       # all partial
-    step({0: 1, 1: 8, 2: 1})       # seq 0 fills a block from its residual; seq 1 one from its residual and one at once
+    step({0: 1, 1: 8, 2: 1})       # seq 0 fills a block; seq 1 fills one and writes one whole
     step({0: 5, 1: 6})             # across block boundaries
     kv.fork(2, 3)                  # seq 3 forks seq 2 and copies its block being filled as it writes
     lens[3] = lens[2]
@@ -191,7 +163,7 @@ def test_storage_quantizes_tokens_or_blocks_as_they_are_written(kv_cache_dtype):
     step({4: 3})
     for i in list(lens):
         kv.free(i)
-    assert not kv.residuals and kv.num_free_blocks == kv.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
@@ -266,7 +238,7 @@ def test_pool_capacity_follows_the_bytes_per_block(ckpt, kv_cache_dtype):
     llm = LLM(str(ckpt), block_size=16, kv_cache_memory="4MiB", max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
     stats, spec = llm.stats(), llm.engine.kv_spec
     assert stats["kv_cache_dtype"] == kv_cache_dtype and stats["kv_bytes_per_token"] == spec.bytes_per_token
-    # nothing is set aside: blocks being filled borrow from the pool as they fill
+    # nothing is set aside
     assert stats["kv_blocks_total"] == 4 * 2**20 // spec.bytes_per_block
     assert stats["kv_cache_bytes"] <= 4 * 2**20
     # fp32 model, head_dim 64: 4 bytes a number become 1 (int8, fp8) or 1/2 (int4), plus scales
@@ -292,7 +264,7 @@ def test_batching_and_forks_keep_tokens(ckpt, kv_cache_dtype):
         solo = llm.generate(prompts(1)[0], SamplingParams(max_tokens=8, temperature=1.0, seed=5 + i),
                             use_tqdm=False)[0]
         assert completion.token_ids == solo.outputs[0].token_ids
-    assert not llm.engine.kv.residuals and llm.stats()["kv_blocks_free"] == 64   # all borrowed blocks came back
+    assert llm.stats()["kv_blocks_free"] == 64
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
@@ -311,14 +283,12 @@ def test_prefix_hit_reads_the_same_pages_as_a_chunked_prefill(ckpt, kv_cache_dty
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)
 def test_preemption_recomputes_and_returns_everything(ckpt, kv_cache_dtype):
-    # 10 blocks of 4 tokens: the longest request (30 + 8 tokens) needs all of them alone, and int4 as many
-    # again as a block being filled borrows, twice (a prompt chunk may start and end in one)
-    borrowed = 2 * KVSpec(2, 2, 64, torch.float32, 4, kv_cache_dtype).residual_blocks
-    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=10 + borrowed, kv_cache_dtype=kv_cache_dtype)
+    # 10 blocks of 4 tokens: the longest request (30 + 8 tokens) needs all of them alone
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=10, kv_cache_dtype=kv_cache_dtype)
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not llm.engine.kv.residuals
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_quantized_cache_options_are_checked(ckpt):
@@ -368,5 +338,5 @@ def test_quantized_pages_pay_off_at_a_small_budget_on_the_demo_model(block_size)
 
     full = tokens("auto")
     assert tokens("int8") >= 1.9 * full and tokens("fp8") >= 1.9 * full
-    # int4's keys carry a (scale, minimum) per channel of a block: 4 x head_dim / block_size bytes a token
-    assert tokens("int4") >= {16: 3.0, 64: 3.5}[block_size] * full
+    # int4: head_dim / 2 bytes of numbers and a float16 (scale, minimum) a token, keys and values alike
+    assert tokens("int4") >= 3.5 * full

@@ -50,8 +50,8 @@ def test_planner_blocks_equal_the_engines(ckpt, kv_dtype, budget):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_planner_bytes_per_request_are_what_the_engine_holds(ckpt, kv_dtype):
-    """A request holding T tokens holds KVSpec.bytes_held(T) in the engine (its blocks, and those its last
-    block borrows while held exact); over a block's fill levels, their mean is the planner's figure."""
+    """A request holding T tokens holds KVSpec.bytes_held(T) in the engine (its blocks); over a block's fill
+    levels, their mean is the planner's figure."""
     llm = LLM(str(ckpt), num_kv_blocks=64, block_size=16, dtype="float32", kv_cache_dtype=kv_dtype)
     engine, spec = llm.engine, llm.engine.kv_spec
     seq = engine.add_request("r", {"prompt_token_ids": list(range(3, 21))},
@@ -66,8 +66,6 @@ def test_planner_bytes_per_request_are_what_the_engine_holds(ckpt, kv_dtype):
     cycle = range(32, 48)                                  # every fill level of the third block
     mean = statistics.fmean(held[t] for t in cycle)
     assert _paged_bytes_per_user(spec, statistics.fmean(cycle), 1) == pytest.approx(mean, rel=1e-12)
-    if kv_dtype == "int4":                                 # the borrowed blocks are counted
-        assert held[47] > held[32] + spec.bytes_per_block and spec.mean_borrowed_blocks > 0
 
 
 def test_quantized_pages_fit_more_users():

@@ -61,16 +61,15 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
     assert two[2]["kv_cache_bytes"] * (1 if replicated else 2) == one[2]["kv_cache_bytes"]
 
 
-@pytest.mark.parametrize("kv_cache_dtype,num_kv_blocks", [("int8", 14), ("int4", 30)])
-def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cache_dtype, num_kv_blocks):
-    """Quantized pages (scales sharded with their heads; int4 also holds the blocks being filled exact, in blocks
-    they borrow), a prompt reusing a cached prefix, n=3 samples forked from one prompt (copy-on-write block
-    copies), and a pool so small that sequences are preempted: as one rank. A rank's partial sums round
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cache_dtype):
+    """Quantized pages (scales sharded with their heads), a prompt reusing a cached prefix, n=3 samples forked
+    from one prompt (copy-on-write block copies), and a pool so small that sequences are preempted: as one rank. A rank's partial sums round
     differently, and a number that then quantizes to its neighbour moves a logit by more than 1e-4: the sampled
     tokens' logprobs are compared within 1e-3."""
     batches = [[list(range(8, 60))], [list(range(8, 60)) + [3, 4, 5], list(range(8, 44)) + [9]]]
     params = SamplingParams(max_tokens=24, temperature=0, n=3, logprobs=2)    # (prompt_logprobs: no prefix reuse)
-    kw = dict(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=num_kv_blocks, block_size=8, max_num_seqs=4)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=14, block_size=8, max_num_seqs=4)
     one, two = _run(tiny_llama, 1, params, batches, **kw), _run(tiny_llama, 2, params, batches, **kw)
     _assert_same(one, two, tol=1e-3)
     stats = two[2]
@@ -129,7 +128,7 @@ def test_a_worker_that_fails_to_start_says_why(tmp_path, tiny_llama):
     workers = Workers(2, args, torch.device("cpu"))
     try:
         with pytest.raises(RuntimeError, match="worker rank 1 failed:(.|\n)*FileNotFoundError"):
-            workers.init_cache(KVSpec.from_model(cfg, torch.float32), 4, None)
+            workers.init_cache(KVSpec.from_model(cfg, torch.float32), 4)
     finally:
         workers.close()
     assert not _alive(workers.pids[0])

@@ -37,9 +37,8 @@ class Status(ctypes.c_int):
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-# a paged cache (csrc/paged_decode.c): pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta,
-# residual, residual kind, pieces (blocks a filling block's exact rows span), residual_of
-_CACHE = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P)
+# a paged cache (csrc/paged_decode.c): pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta
+_CACHE = (_P, _I, _I, _I, _I, _I, _P, _P)
 # name -> (argument types, result type) of each kernel; pointers (structs by ctypes.byref too) as void *
 SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     # csrc/paged_decode.c: q, q kind, q stride, out, sequences, heads, block tables, their width, context lens,

@@ -213,8 +213,7 @@ class GroupPlan:
     bytes_per_token: float         # per card
     mean_tokens_held: float        # a request of the length mix, over its life: min(its tokens, the window)
     # the most a request of `context` tokens holds, per card: every block in a full-attention group; in a sliding
-    # one, the blocks that its window touches (one more than the window's where it straddles a block edge), and
-    # those a block being filled borrows
+    # one, the blocks that its window touches (one more than the window's where it straddles a block edge)
     bytes_at_full_context: float
 
     @classmethod
@@ -225,7 +224,7 @@ class GroupPlan:
         blocks = -(-context // bs) if cap is None else window_blocks(cap, bs, context)
         return cls(cap, len(group.layers), slots.num_layers, slots.bytes_per_token / cards,
                    mean_tokens_held(context, avg_prompt, avg_output, cap),
-                   (blocks + slots.residual_blocks) * slots.bytes_per_block / cards)
+                   blocks * slots.bytes_per_block / cards)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -238,11 +237,11 @@ def offload_tokens(spec: KVSpec, size: int, cards: int = 1) -> int:
 
 
 def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
-    """Bytes a paged request holds on average, per card: its `held` tokens, the places its last block
-    has left ((block_size - 1) / 2 on average), and the blocks that block borrows while it fills
-    (KVSpec.mean_borrowed_blocks). Exactly the mean of KVSpec.bytes_held over a block's fill levels."""
+    """Bytes a paged request holds on average, per card: its `held` tokens and the places its last block
+    has left ((block_size - 1) / 2 on average). Exactly the mean of KVSpec.bytes_held over a block's fill
+    levels."""
     slack = (spec.block_size - 1) / 2
-    return ((held + slack) * spec.bytes_per_token + spec.mean_borrowed_blocks * spec.bytes_per_block) / cards
+    return (held + slack) * spec.bytes_per_token / cards
 
 
 def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",

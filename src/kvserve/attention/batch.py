@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kv.quant import QuantizedLayer, WritePlan
+from kvserve.kv.quant import QuantizedLayer
 from kvserve.kv.storage import KVStorage
 
 
@@ -26,7 +26,7 @@ class AttentionBatch:
     query_lens: list[int]                      # [seqs] new tokens per sequence
     context_lens_list: list[int]               # context_lens as Python ints (for shapes)
     has_prefix: bool                           # prefills read the pages (a cached prefix, or quantized pages)
-    kv_write: WritePlan | None = None          # where the quantized layers put the step's K/V
+    kv_quantized: bool = False                 # the cache has quantized layers: their codecs write the step's K/V
     # decodes' contexts are at most this long: kernels launched for it serve any step (CUDA graphs)
     decode_context_bound: int | None = None
     # (row, first flat token, count, "sum" | "max"): a row's last queries, whose attention mass over the cache
@@ -35,7 +35,7 @@ class AttentionBatch:
     mass: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
     # a hybrid cache (kv/hybrid.py): the batch of each layer group but the first (this one), with the group's
-    # slots, block tables and quantized writes, and each layer's group
+    # slots and block tables, and each layer's group
     groups: list[AttentionBatch] = field(default_factory=list)
     layer_group: list[int] = field(default_factory=list)
 
@@ -58,7 +58,7 @@ class AttentionBackend:
     def store(self, kv_cache: torch.Tensor | QuantizedLayer, kv: torch.Tensor, batch: AttentionBatch) -> None:
         """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] into a layer's cache."""
         if isinstance(kv_cache, QuantizedLayer):
-            batch.kv_write.write(kv_cache, kv, batch.slot_mapping)
+            kv_cache.write_tokens(kv, batch.slot_mapping)
         else:
             self.store_pages(kv_cache, kv, batch.slot_mapping)
 

@@ -33,23 +33,18 @@ def prefill_kernel():
 
 
 def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
-    """The cache as the kernels take it: pages, kind, KV heads, blocks, block size, head_dim, K meta,
-    V meta, residual numbers, their kind, pieces, residual_of (addresses; None for what a cache lacks).
-    None where the kernels do not read this cache."""
+    """The cache as the kernels take it: pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta
+    (addresses; None for the scales a full-precision cache lacks). None where the kernels do not read this
+    cache."""
     _, kvh, nb, bs, d = kv_cache.shape
     if isinstance(kv_cache, QuantizedLayer):
-        kind = CODEC_KINDS.get(type(kv_cache.k_codec))
-        exact = kv_cache.residual is not None       # blocks being filled are held exact
-        tensors = (kv_cache.pages, *kv_cache.meta, *((kv_cache.residual, kv_cache.residual_of) if exact else ()))
-        residual_kind = DTYPE_KINDS.get(kv_cache.dtype)
-        pieces = kv_cache.residual_of.shape[1] if exact else 0
+        kind, tensors = CODEC_KINDS.get(type(kv_cache.k_codec)), (kv_cache.pages, *kv_cache.meta)
     else:
-        kind, residual_kind, pieces = DTYPE_KINDS.get(kv_cache.dtype), 0, 0
-        tensors = (kv_cache,)            # no scales, no residual
-    if kind is None or residual_kind is None or not all(t.is_contiguous() for t in tensors):
+        kind, tensors = DTYPE_KINDS.get(kv_cache.dtype), (kv_cache,)     # no scales
+    if kind is None or not all(t.is_contiguous() for t in tensors):
         return None
-    pages, k_meta, v_meta, residual, residual_of = [t.data_ptr() for t in tensors] + [None] * (5 - len(tensors))
-    return pages, kind, kvh, nb, bs, d, k_meta, v_meta, residual, residual_kind, pieces, residual_of
+    pages, k_meta, v_meta = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
+    return pages, kind, kvh, nb, bs, d, k_meta, v_meta
 
 
 def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch, soft_cap
 from kvserve.attention.gather import gather_context
-from kvserve.kv.quant import Affine, QuantizedLayer, merge_channels, split_channels
+from kvserve.kv.quant import QuantizedLayer, merge_channels, split_channels
 
 
 def _pad(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -118,41 +118,21 @@ def _attend(q, k, v, mask: torch.Tensor, scale: float, cap: float | None) -> tor
 def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatch, scale: float,
                    window: int | None, cap: float | None) -> torch.Tensor:
     """Decode over quantized pages without scaling their numbers: the keys' scales go to the scores
-    (or, one per channel of a block, to the queries) and the values' to the probabilities."""
+    (their minimums, times the sum of the query, too) and the values' to the probabilities."""
     tables, max_len, bias = _decode_meta(batch, layer.shape[3], layer.shape[1], torch.float32, window)
-    filling = batch.scratch.get(("filling", window))
-    if filling is None:
-        filling = batch.scratch[("filling", window)] = layer.filling(tables)
-    pages, k_affine, v_affine = layer.gather_affine(tables, filling)
+    pages, k_affine, v_affine = layer.gather_affine(tables)
     if layer.splits_channels:
         qg = split_channels(qg)
     k, v = pages.flatten(3, 4).flatten(1, 2)                              # [KVH*B, L, D] each
-    if cap is not None:
-        raw = (_per_channel_key_scores(qg, k, k_affine, layer.shape[3]) if k_affine.per_channel
-               else torch.bmm(qg, k.transpose(1, 2)).float() * _per_token(k_affine.scale))
-        scores = soft_cap(raw * scale, cap) + bias
-    elif k_affine.per_channel:
-        scores = torch.add(bias, _per_channel_key_scores(qg, k, k_affine, layer.shape[3]), alpha=scale)
-    else:
-        scores = torch.addcmul(bias, torch.bmm(qg, k.transpose(1, 2)).float(), _per_token(k_affine.scale),
-                               value=scale)
+    raw = torch.bmm(qg, k.transpose(1, 2)).float().mul_(_per_token(k_affine.scale))
+    if k_affine.offset is not None:
+        raw.addcmul_(qg.float().sum(-1, keepdim=True), _per_token(k_affine.offset))
+    scores = (soft_cap(raw * scale, cap) + bias) if cap is not None else torch.add(bias, raw, alpha=scale)
     probs = scores.softmax(-1)
     out = torch.bmm((probs * _per_token(v_affine.scale)).to(qg.dtype), v)
     if v_affine.offset is not None:
         out += (probs * _per_token(v_affine.offset)).sum(-1, keepdim=True).to(out.dtype)
     return merge_channels(out) if layer.splits_channels else out
-
-
-def _per_channel_key_scores(qg: torch.Tensor, k: torch.Tensor, k_affine: Affine, block_size: int) -> torch.Tensor:
-    """q . k, float32 [KVH*B, G, L], for key numbers k [KVH*B, L, D] whose scales and minimums are
-    per channel of each block (int4): the queries are scaled per block, and q . min added to every
-    key of its block."""
-    rows, groups, head_dim = qg.shape
-    qb = qg.float()[:, None] * k_affine.scale.flatten(0, 1)[:, :, None]   # [KVH*B, nb, G, D]
-    scores = torch.bmm(qb.to(k.dtype).flatten(0, 1), k.reshape(-1, block_size, head_dim).transpose(1, 2)).float()
-    scores = scores.view(rows, -1, groups, block_size)
-    scores += torch.einsum("rgd,rnd->rng", qg.float(), k_affine.offset.flatten(0, 1))[..., None]
-    return scores.transpose(1, 2).reshape(rows, groups, -1)
 
 
 def _per_token(t: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,11 @@
 """Quantized KV pages (int8, fp8, int4), or weights (--weights), beside full precision: memory, quality, speed.
 
 On the demo model (or --model): for each kv_cache_dtype, the bytes a token costs (scales included),
-how many tokens 1 GiB of KV cache holds (nothing set aside: int4's blocks being filled borrow from
-the same blocks as they fill),
+how many tokens 1 GiB of KV cache holds (nothing set aside),
 held-out perplexity with every token streamed through the cache (chunk 1), the mean next-token KL
 divergence and top-1 agreement against the full-precision cache on the same tokens, passkey
-accuracy, and decode tokens/s of a batch. The block size defaults to 64: int4 keys are scaled per
-channel over a block's tokens, so their scales cost 4 x head_dim / block_size bytes a token.
+accuracy, and decode tokens/s of a batch. The block size defaults to the engine's (16): every codec's
+scales are per token, so what a token costs does not depend on it.
 
 With --weights, the rows are the weights' quantizations instead (full precision, then int8 and int4:
 `quantization`),
@@ -45,7 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", nargs="?", const=",".join(QUANTIZATIONS), default=None,
                    help=f"compare weight quantizations (default {','.join(QUANTIZATIONS)}) over a full-precision "
                         f"cache, instead of kv_cache_dtypes")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--context", type=int, default=None, help="perplexity window (default: max_model_len)")
     p.add_argument("--tokens", type=int, default=None, help="held-out tokens scored (default 8192; quick: 1024)")

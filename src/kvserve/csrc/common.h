@@ -101,9 +101,8 @@ static inline void store_row(void *dst, const float *src, int kind, int d) {
 static inline size_t elem_size(int kind) { return kind == F32 ? 4 : kind <= F16 ? 2 : 1; }
 
 typedef struct {
-    const void *pages, *residual, *k_meta, *v_meta;
-    const int64_t *residual_of;
-    int kind, residual_kind, kvh, nb, bs, d, pieces;
+    const void *pages, *k_meta, *v_meta;
+    int kind, kvh, nb, bs, d;
 } Cache;
 
 /* 2^f = e^(f ln 2) for f in [-1/2, 1/2] by its series to the 6th power (relative error about 1e-7):

@@ -337,7 +337,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
         for (int t = 0; t < n; t++) norm_row(m, x, t, m->layers[0].input_norm, a, gdt, row);
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
-            const Cache cache = {l->kv, NULL, NULL, NULL, NULL, dt, 0, nkv, m->num_blocks, m->block_size, d, 0};
+            const Cache cache = {l->kv, NULL, NULL, dt, nkv, m->num_blocks, m->block_size, d};
             const int64_t *table = block_tables[l->group], *slot = slots[l->group];
             const int width = table_widths[l->group];
             const float *cos = l->local_rope ? local_cos : cos_table, *sin = l->local_rope ? local_sin : sin_table;

@@ -11,11 +11,8 @@
  *   F32, BF16, F16: full-precision numbers;
  *   INT8: int8 numbers, one fp16 scale per (head, block, token)        meta [KVH][NB][BS];
  *   FP8:  e4m3 bytes, one fp16 scale per (head, block, token)          meta [KVH][NB][BS];
- *   INT4: two numbers a byte (even channel low); K: fp16 (scale, min) per channel of a block,
- *         meta [KVH][NB][2][D]; V: fp16 (scale, min) per token, meta [KVH][NB][2][BS].
- * For INT4, a block with residual_of[block][0] >= 0 is still filling: its exact rows, BS x D numbers
- * of `residual_kind` for each (K/V, head), lie end to end over the pages of blocks
- * residual_of[block][0..pieces) (itself first) in `residual`, the same memory as `pages`.
+ *   INT4: two numbers a byte (even channel low), fp16 (scale, min) per (head, block, token)
+ *         meta [KVH][NB][2][BS].
  */
 #include "common.h"
 
@@ -33,25 +30,6 @@ typedef struct {
     int bf16;
 } Rows;
 
-/* Whether block `block` of a quantized cache is still filling (its rows held exact). */
-static inline int filling(const Cache *c, int64_t block) {
-    return c->kind > F16 && c->residual_of && c->residual_of[block * c->pieces] >= 0;
-}
-
-/* Row t of filling block `block` of K (which = 0) or V (1), head h, as floats: its numbers run on
- * from page to page of the block's pieces. */
-static void residual_row(const Cache *c, int which, int h, int64_t block, int t, float *dst) {
-    const size_t es = elem_size(c->residual_kind);
-    const int64_t page = (int64_t)c->bs * (c->kind == INT4 ? c->d / 2 : c->d) / (int64_t)es;   /* numbers a page */
-    for (int64_t at = (int64_t)t * c->d, end = at + c->d; at < end;) {
-        const int64_t piece = c->residual_of[block * c->pieces + at / page], left = page - at % page;
-        const int n = (int)(end - at < left ? end - at : left);
-        load_row(dst, (const char *)c->residual + ((((int64_t)which * c->kvh + h) * c->nb + piece) * page
-                                                    + at % page) * es, c->residual_kind, n);
-        dst += n, at += n;
-    }
-}
-
 /* Rows [0, n) of block `block` of K (which = 0) or V (1), head h: in place where they are float32 (or
  * bfloat16, RAW_BF16), else converted into `tile`. */
 static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, float *tile) {
@@ -64,10 +42,6 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
         if (c->kind == BF16) return (Rows){rows, 1};
 #endif
         for (int t = 0; t < n; t++) load_row(tile + t * d, rows + (size_t)t * d * es, c->kind, d);
-        return (Rows){tile, 0};
-    }
-    if (filling(c, block)) {
-        for (int t = 0; t < n; t++) residual_row(c, which, h, block, t, tile + t * d);
         return (Rows){tile, 0};
     }
     const int64_t hb = (int64_t)h * c->nb + block;
@@ -92,28 +66,16 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
                 tile[t * d + i] = bits_to_float(bits) * 0x1p120f * s;
             }
         }
-    } else {   /* INT4 */
+    } else {   /* INT4: (scale, min) [2][BS] */
         const int half = d / 2;
         const uint8_t *rows = (const uint8_t *)c->pages + ((((int64_t)which * c->kvh + h) * c->nb + block) * bs) * half;
-        if (which == 0) {                /* per channel of the block: (scale, min) [2][D] */
-            const uint16_t *m = (const uint16_t *)meta + hb * 2 * d;
-            float scale[d], minimum[d];
-            for (int i = 0; i < d; i++) { scale[i] = f16_to_float(m[i]); minimum[i] = f16_to_float(m[d + i]); }
-            for (int t = 0; t < n; t++)
-                for (int j = 0; j < half; j++) {
-                    uint8_t b = rows[t * half + j];
-                    tile[t * d + 2 * j] = (float)(b & 15) * scale[2 * j] + minimum[2 * j];
-                    tile[t * d + 2 * j + 1] = (float)(b >> 4) * scale[2 * j + 1] + minimum[2 * j + 1];
-                }
-        } else {                         /* per token: (scale, min) [2][BS] */
-            const uint16_t *m = (const uint16_t *)meta + hb * 2 * bs;
-            for (int t = 0; t < n; t++) {
-                float s = f16_to_float(m[t]), lo = f16_to_float(m[bs + t]);
-                for (int j = 0; j < half; j++) {
-                    uint8_t b = rows[t * half + j];
-                    tile[t * d + 2 * j] = (float)(b & 15) * s + lo;
-                    tile[t * d + 2 * j + 1] = (float)(b >> 4) * s + lo;
-                }
+        const uint16_t *m = (const uint16_t *)meta + hb * 2 * bs;
+        for (int t = 0; t < n; t++) {
+            float s = f16_to_float(m[t]), lo = f16_to_float(m[bs + t]);
+            for (int j = 0; j < half; j++) {
+                uint8_t b = rows[t * half + j];
+                tile[t * d + 2 * j] = (float)(b & 15) * s + lo;
+                tile[t * d + 2 * j + 1] = (float)(b >> 4) * s + lo;
             }
         }
     }
@@ -130,7 +92,6 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
 static inline __attribute__((always_inline)) void prefetch_block(const Cache *c, int h, int64_t block,
                                                                  const int next) {
     const int quantized = c->kind > F16;
-    if (filling(c, block)) return;
     const size_t row = quantized ? (c->kind == INT4 ? (size_t)c->d / 2 : (size_t)c->d)
                                  : (size_t)c->d * elem_size(c->kind);
     const size_t bytes = row * c->bs, ask = bytes < 16384 ? bytes : 16384;
@@ -905,9 +866,8 @@ int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num
                   const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                   const void *pages, int kind, int kvh, int nb, int bs, int d,
                   const void *k_meta, const void *v_meta,
-                  const void *residual, int residual_kind, int pieces, const int64_t *residual_of,
                   int64_t window, float cap) {
-    const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, pieces};
+    const Cache c = {pages, k_meta, v_meta, kind, kvh, nb, bs, d};
     const int groups = num_heads / kvh;
     const size_t es = elem_size(q_kind);
     int failed = 0;
@@ -940,9 +900,8 @@ int paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int nu
                    const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                    const void *pages, int kind, int kvh, int nb, int bs, int d,
                    const void *k_meta, const void *v_meta,
-                   const void *residual, int residual_kind, int pieces, const int64_t *residual_of,
-                   int64_t window, float cap, const int64_t *query_starts) {
-    const Cache c = {pages, residual, k_meta, v_meta, residual_of, kind, residual_kind, kvh, nb, bs, d, pieces};
+                    int64_t window, float cap, const int64_t *query_starts) {
+    const Cache c = {pages, k_meta, v_meta, kind, kvh, nb, bs, d};
     const int groups = num_heads / kvh, per_tile = groups >= 64 ? 1 : 64 / groups;
     const size_t es = elem_size(q_kind);
     int64_t num_tiles = 0;

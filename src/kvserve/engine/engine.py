@@ -128,8 +128,7 @@ class LLMEngine:
                                    config.enable_prefix_caching and config.cache_mode == "paged", self.offload)
         self._final_only: set[str] = set()              # requests reported only when finished
         if self.workers is not None:
-            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks,
-                                    getattr(self.kv, "residuals", None))
+            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks)
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel); none is left running. The engine cannot step
@@ -186,27 +185,25 @@ class LLMEngine:
                 memory = self._gpu_kv_memory(config) if self.device.type == "cuda" else DEFAULT_KV_CACHE_MEMORY
             num_blocks = spec.num_blocks_for(memory)
             if cache.kv_cache_memory is None:   # a default need not exceed what could ever be used
-                per_seq = -(-self.max_model_len // block_size) + 2 * spec.residual_blocks
+                per_seq = -(-self.max_model_len // block_size)
                 per_seq *= max(1, len(self.kv_groups))     # a table in each layer group
                 num_blocks = min(num_blocks, config.max_num_seqs * per_seq)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "
                                  f"({spec.bytes_per_block} bytes)")
         cache.num_kv_blocks = num_blocks
-        # blocks being filled borrow their exact tokens' room from the same pool, only while they fill
         if self.kv_groups:
             if config.num_kv_blocks is not None:    # the null block of the sliding groups' tables, beside those
                 num_blocks += 1                     # asked for (a memory budget holds it)
                 cache.num_kv_blocks = num_blocks
-            kv = HybridKVCacheManager(num_blocks, block_size, self.kv_groups, spec.borrowed_blocks)
-            storage = HybridKVStorage(spec, num_blocks, self.device, kv.residuals, self.kv_groups,
-                                      self.model_config.num_layers)
+            kv = HybridKVCacheManager(num_blocks, block_size, self.kv_groups)
+            storage = HybridKVStorage(spec, num_blocks, self.device, self.kv_groups, self.model_config.num_layers)
             log.info("KV cache: %d layer groups (%s) of %d layers' pages per block", len(self.kv_groups),
                      ", ".join(f"window {g.sliding_window}" if g.sliding_window else "full" for g in self.kv_groups),
                      spec.num_layers)
         else:
-            kv = KVCacheManager(num_blocks, block_size, spec.borrowed_blocks)
-            storage = KVStorage(spec, num_blocks, self.device, kv.residuals)
+            kv = KVCacheManager(num_blocks, block_size)
+            storage = KVStorage(spec, num_blocks, self.device)
         size = config.tensor_parallel_size
         ranks = f" per rank, {size * storage.nbytes / 2**20:.1f} MiB over {size} ranks" if size > 1 else ""
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB%s); maximum concurrency at "
@@ -280,15 +277,14 @@ class LLMEngine:
         return memory
 
     def kv_bytes_in_use(self) -> int:
-        """Bytes of the blocks that running sequences hold, and of those their blocks being filled borrow."""
+        """Bytes of the blocks that running sequences hold."""
         kv = self.kv
         if self.kv_groups:
             held = {b for s in self.scheduler.running if s.seq_id in kv.block_tables
                     for t in kv.group_tables(s.seq_id) for b in t} - {kv.null_block}
         else:
             held = {b for s in self.scheduler.running for b in kv.block_tables.get(s.seq_id, [])}
-        borrowed = sum(len(self.kv.residuals.get(b, ())) for b in held)
-        return (len(held) + borrowed) * self.kv_spec.bytes_per_block
+        return len(held) * self.kv_spec.bytes_per_block
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -400,8 +396,6 @@ class LLMEngine:
         elif total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
                              f"exceeds max_model_len ({self.max_model_len})")
-        # a chunk of a prompt may start and end in blocks being filled: both borrow blocks while it is written
-        blocks += 2 * self.kv_spec.residual_blocks * max(1, len(self.kv_groups))
         pool = self.kv.num_blocks
         if self.kv_groups:      # each group's blocks (a sliding one's window and a chunk); the null block is no one's
             cfg = self.scheduler_config
@@ -439,11 +433,6 @@ class LLMEngine:
             out = self.runner.run(sched)
         except BaseException:
             self.scheduler.forget_uncomputed(sched)   # no later request may share blocks never written
-            if self.kv_spec.quantized_layers:
-                # some layers may have moved residual tokens into quantized blocks: start over
-                for seq in sched.seqs:
-                    if seq in self.scheduler.running:
-                        self.scheduler.preempt(seq)
             raise
         self.scheduler.commit(sched)
         if out.tokens is not None:

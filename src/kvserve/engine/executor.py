@@ -51,9 +51,6 @@ class StepInputs:
     sample_rows: list[int]         # which scheduled sequences sample this step
     prompt_indices: torch.Tensor   # flat indices whose logits score the next prompt token
     prompt_spans: list[tuple[int, int, int]]   # (row, first prompt token scored, count) per sequence
-    # plan_writes' arguments (block tables, cache starts, new tokens): the other ranks of a tensor-parallel
-    # engine plan the same writes into their own quantized pages
-    kv_writes: tuple = ()
 
 
 @dataclass
@@ -92,10 +89,10 @@ class Executor(Protocol):
 
 def decodes_for_logits(inputs: StepInputs) -> bool:
     """A step of decodes only that needs nothing of the forward but its logits: no prompt token computed or
-    scored (prompt_logprobs), no attention mass for an eviction policy, no quantized pages (their writes are
-    planned in Python)."""
+    scored (prompt_logprobs), no attention mass for an eviction policy, no quantized pages (the C step and
+    the captured graphs are built for full-precision pages)."""
     batch = inputs.batch
-    return batch.num_prefills == 0 and batch.kv_write is None and not batch.mass_requests and not inputs.prompt_spans
+    return batch.num_prefills == 0 and not batch.kv_quantized and not batch.mass_requests and not inputs.prompt_spans
 
 
 def _takes(native: NativeDecode, num_seqs: int) -> bool:

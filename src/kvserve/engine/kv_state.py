@@ -10,8 +10,6 @@ A block is in one of these states (one character each in `render`'s "blocks"):
   "c"  cached: no owner, a full block of a prefix the next request may reuse (it counts as free)
   "u"  in use: one owner
   "s"  shared: more than one owner (a common prefix, or the samples of an n > 1 request)
-  "f"  filling: a block held exact while it fills, before it is quantized (codecs of whole blocks: int4)
-  "b"  borrowed: holds part of a filling block's exact tokens, returned when that block is quantized
 In a quantized cache the "u" and "s" blocks are quantized.
 """
 from __future__ import annotations
@@ -27,7 +25,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.kv.eviction import Sink
 from kvserve.kv.hybrid import HybridKVCacheManager
 
-STATES = {"free": ".", "cached": "c", "used": "u", "shared": "s", "filling": "f", "borrowed": "b"}
+STATES = {"free": ".", "cached": "c", "used": "u", "shared": "s"}
 
 
 @dataclass
@@ -56,7 +54,6 @@ class KVSnapshot:
     stats: dict                     # LLMEngine.stats() at the same boundary
     ref_counts: bytes | array       # per block: its owners (bytes while every count fits one)
     hashed: list[int]               # the blocks in the prefix index (cached ones, and owned ones)
-    residuals: dict[int, list[int]]  # filling block -> the blocks it borrows
     sequences: list[SequenceState]
 
 
@@ -73,8 +70,7 @@ def snapshot(engine: LLMEngine) -> KVSnapshot:
     # with those waiting for their blocks from the second tier: they hold the pool's blocks those go to
     waiting = [*scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
     sequences += [_sequence(s, "waiting", kv) for s in waiting]
-    return KVSnapshot(time.time(), engine.stats(), ref_counts, hashed,
-                      {b: list(borrowed) for b, borrowed in kv.residuals.items()}, sequences)
+    return KVSnapshot(time.time(), engine.stats(), ref_counts, hashed, sequences)
 
 
 def _counts(ref_counts: list[int]) -> bytes | array:
@@ -108,9 +104,6 @@ def block_states(snap: KVSnapshot) -> np.ndarray:
     states[refs == 0] = ord(STATES["free"])
     hashed = np.asarray(snap.hashed, dtype=np.int64)
     states[hashed[refs[hashed] == 0]] = ord(STATES["cached"])
-    if snap.residuals:
-        states[[b for borrowed in snap.residuals.values() for b in borrowed]] = ord(STATES["borrowed"])
-        states[list(snap.residuals)] = ord(STATES["filling"])
     return states
 
 
@@ -149,16 +142,15 @@ def render(snap: KVSnapshot) -> dict:
 
 def block_detail(engine: LLMEngine, block_id: int) -> dict:
     """One block of `engine`'s pool (ValueError naming block_id if there is no such block): its state,
-    owners (sequence, layer group, logical index), reference count, prefix hash, what it borrows or is borrowed by,
-    and the token ids it holds (None where they are not known: a borrowed block holds part of another's,
-    and a sequence that compacted its cache (h2o, snapkv) keeps no record of which tokens stayed)."""
+    owners (sequence, layer group, logical index), reference count, prefix hash, and the token ids it holds
+    (None where they are not known: a sequence that compacted its cache (h2o, snapkv) keeps no record of which
+    tokens stayed)."""
     kv = engine.kv
     pool = getattr(kv, "pool", None)
     if pool is None or not 0 <= block_id < pool.num_blocks:
         raise ValueError(f"block_id: there is no block {block_id}; the pool has "
                          f"{pool.num_blocks if pool is not None else 0} blocks")
     key = pool.keys[block_id]
-    borrowed_by = next((b for b, borrowed in kv.residuals.items() if block_id in borrowed), None)
     owners, token_ids = [], list(key.token_ids) if key is not None else None
     scheduler = engine.scheduler
     seqs = [*scheduler.running, *scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
@@ -168,19 +160,14 @@ def block_detail(engine: LLMEngine, block_id: int) -> dict:
             for index in (i for i, b in enumerate(table) if b == block_id):
                 owners.append({"request_id": seq.request_id, "seq_id": seq.seq_id, "group": group, "index": index,
                                "pinned": pinned})
-                if token_ids is None and borrowed_by is None:
+                if token_ids is None:
                     token_ids = _tokens_at(seq, index, pinned, kv.block_size)
     refs = pool.ref_counts[block_id]
     state = "shared" if refs > 1 else "used" if refs else "cached" if key is not None else "free"
-    if block_id in kv.residuals:
-        state = "filling"
-    elif borrowed_by is not None:
-        state = "borrowed"
     return {"object": "kv_block", "block_id": block_id, "state": state, "ref_count": refs,
             "prefix_hash": key.hash.hex() if key is not None else None,
             "parent_hash": key.parent_hash.hex() if key is not None and key.parent_hash else None,
-            "owners": owners, "borrows": list(kv.residuals.get(block_id, ())), "borrowed_by": borrowed_by,
-            "token_ids": token_ids}
+            "owners": owners, "token_ids": token_ids}
 
 
 def _tokens_at(seq: Sequence, index: int, pinned: bool, block_size: int) -> list[int] | None:

@@ -81,7 +81,7 @@ class ModelRunner:
         group_tables = self._group_tables(sched)
         tables = group_tables[0] if group_tables else None
         positions, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, len(input_ids), tables)
-        kv_write = self.storage.plan_writes(tables, cache_starts, q_lens)
+        kv_quantized = isinstance(self.storage, KVStorage) and bool(self.storage.quantized)
         nd = sched.num_decodes
         batch = AttentionBatch(
             num_decodes=nd,
@@ -92,8 +92,8 @@ class ModelRunner:
             context_lens_list=ctx_lens,
             # a quantized cache is read by every prefill, so that a sequence's result never depends on
             # which others share its step (the step's own K/V would be exact, the cache's are not)
-            has_prefix=kv_write is not None or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
-            kv_write=kv_write,
+            has_prefix=kv_quantized or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
+            kv_quantized=kv_quantized,
             mass_requests=mass_requests,
         )
         if group_tables and len(group_tables) > 1:
@@ -101,8 +101,7 @@ class ModelRunner:
                             for t in group_tables[1:]]
             batch.layer_group = self.storage.layer_group
         return StepInputs(index_tensor(input_ids, dev), positions, batch, index_tensor(logits_indices, dev),
-                          sample_rows, index_tensor(prompt_indices, dev), prompt_spans,
-                          (tables, cache_starts, q_lens))
+                          sample_rows, index_tensor(prompt_indices, dev), prompt_spans)
 
     def _group_tables(self, sched: SchedulerOutput) -> list[list[list[int]]] | None:
         """The step's block tables [group][sequence]: one group but in a hybrid cache; None without a cache."""
@@ -114,11 +113,10 @@ class ModelRunner:
 
     def _group_batch(self, batch: AttentionBatch, tables: list[list[int]], starts: list[int],
                      cache_starts: list[int], q_lens: list[int], num_tokens: int) -> AttentionBatch:
-        """The batch of another layer group of a hybrid cache: its slots, block tables and quantized writes,
-        and scratch of its own (what backends derive from the tables)."""
+        """The batch of another layer group of a hybrid cache: its slots and block tables, and scratch of its own
+        (what backends derive from the tables)."""
         _, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, num_tokens, tables)
-        return replace(batch, slot_mapping=slot_mapping, block_tables=block_tables, scratch={},
-                       kv_write=self.storage.plan_writes(tables, cache_starts, q_lens))
+        return replace(batch, slot_mapping=slot_mapping, block_tables=block_tables, scratch={})
 
     def _places(self, starts: list[int], cache_starts: list[int], q_lens: list[int], num_tokens: int,
                 tables: list[list[int]] | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -269,7 +269,7 @@ class Scheduler:
         if self.kv.recomputes:
             return
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            self.kv.release_filled(seq.seq_id, seq.num_tokens_in_cache, n)
+            self.kv.release_past_window(seq.seq_id, seq.num_tokens_in_cache + n)
             seq.num_computed_tokens += n
 
     def reserve_ahead(self, out: SchedulerOutput, steps: int) -> bool:
@@ -285,7 +285,7 @@ class Scheduler:
     def advance(self, seq: Sequence) -> None:
         """A decode of several steps at once computed one more token (the last step's): as commit, and the
         blocks it filled indexed, as schedule indexes a step's."""
-        self.kv.release_filled(seq.seq_id, seq.num_tokens_in_cache, 1)
+        self.kv.release_past_window(seq.seq_id, seq.num_tokens_in_cache + 1)
         seq.num_computed_tokens += 1
         self._cache_full_blocks(seq, seq.num_computed_tokens)
 

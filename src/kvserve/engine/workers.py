@@ -2,8 +2,7 @@
 the model on its shard of the KV pool, steered by rank 0 (the engine's process) through one pipe each.
 
 Rank 0 owns the scheduler, the block manager and sampling. For each step it sends every worker what the
-step's forward needs (its inputs, the copy-on-write block copies, and for a quantized pool the blocks
-being filled); then all ranks run the forward together, their collectives meeting (kvserve.distributed).
+step's forward needs (its inputs and the copy-on-write block copies); then all ranks run the forward together, their collectives meeting (kvserve.distributed).
 A message is torch.save'd, so that a worker on another CUDA device loads the tensors onto its own.
 
 A worker that fails says why over its pipe, then exits; a worker that dies closes its connections, which
@@ -60,13 +59,12 @@ class WorkerArgs:
 
 @dataclass
 class StepMessage:
-    """One step, as a worker runs it: first the changes rank 0's evictor made to the pool since the last step
-    (each with the blocks being filled as they were then), then the step's block copies and forward."""
+    """One step, as a worker runs it: first the changes rank 0's evictor made to the pool since the last step,
+    then the step's block copies and forward."""
 
     block_copies: list[tuple[int, int]]
     inputs: object                                   # executor.StepInputs
-    residuals: dict[int, tuple[int, list[int]]] | None   # quantized pool: block -> (its list's id on rank 0, blocks)
-    storage_ops: list[tuple[str, tuple, dict | None]]    # (KVStorage method, its arguments, residuals then)
+    storage_ops: list[tuple[str, tuple]]             # (KVStorage method, its arguments)
 
 
 class ForwardedStorage:
@@ -126,8 +124,7 @@ class Workers:
             self.close()
             raise
         self._store = store
-        self.residuals: dict[int, list[int]] | None = None
-        self._storage_ops: list[tuple[str, tuple, dict | None]] = []
+        self._storage_ops: list[tuple[str, tuple]] = []
 
     @staticmethod
     def _spawn(size: int, args: WorkerArgs, port: int) -> tuple[list, list[Connection]]:
@@ -143,11 +140,9 @@ class Workers:
             conns.append(ours)
         return procs, conns
 
-    def init_cache(self, spec: KVSpec, num_blocks: int | None, residuals: dict[int, list[int]] | None) -> None:
+    def init_cache(self, spec: KVSpec, num_blocks: int | None) -> None:
         """Have every worker build its KV pool: `spec` is the shard's (its KV heads), num_blocks rank 0's (None:
-        no cache); `residuals`, the cache manager's blocks being filled, go with each step to a quantized pool.
-        Returns once all are ready to run steps."""
-        self.residuals = residuals if spec.quantized_layers else None
+        no cache). Returns once all are ready to run steps."""
         for conn in self.conns:
             conn.send_bytes(_dumps(("cache", spec, num_blocks)))
         self._expect("ready", START_TIMEOUT)
@@ -190,22 +185,15 @@ class Workers:
             if conn.poll(0):
                 self._recv(rank, proc, conn)
 
-    def _residuals_now(self) -> dict[int, tuple[int, list[int]]] | None:
-        """The blocks being filled, with their lists' identities on rank 0 (the pool re-zeroes a block's pages
-        when its list is new); None where the pool has none."""
-        if self.residuals is None:
-            return None
-        return {b: (id(blocks), list(blocks)) for b, blocks in self.residuals.items()}
-
     def queue(self, method: str, args: tuple) -> None:
         """A change to the pool for the workers to make before their next step (ForwardedStorage)."""
-        self._storage_ops.append((method, args, self._residuals_now()))
+        self._storage_ops.append((method, args))
 
     def send_step(self, block_copies: list[tuple[int, int]], inputs) -> None:
         """Send a step to every worker (after check_alive): they run it as soon as it arrives."""
         self.check_alive()
         ops, self._storage_ops = self._storage_ops, []
-        data = _dumps(StepMessage(block_copies, inputs, self._residuals_now(), ops))
+        data = _dumps(StepMessage(block_copies, inputs, ops))
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             try:
                 conn.send_bytes(data)
@@ -295,20 +283,14 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
                        tp=tp)
     backend = get_backend(args.attention_backend, device)
     kind, spec, num_blocks = _loads(conn.recv_bytes(), device)
-    residuals: dict[int, list[int]] = {}
-    storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device, residuals)
+    storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device)
     conn.send_bytes(_dumps(("ready", None)))
-    lists: dict[int, list[int]] = {}               # rank 0's residual lists by their id there -> ours
     while True:
         msg = _loads(conn.recv_bytes(), device)
         if not isinstance(msg, StepMessage):
             return                                 # ("exit",)
-        for method, op_args, then in msg.storage_ops:
-            if then is not None:
-                lists = _sync_residuals(residuals, then, lists)
+        for method, op_args in msg.storage_ops:
             getattr(storage, method)(*op_args)
-        if msg.residuals is not None:
-            lists = _sync_residuals(residuals, msg.residuals, lists)
         _run_step(model, backend, storage, msg)
 
 
@@ -411,19 +393,6 @@ class _TorchrunRank:
     terminate = kill = join          # torchrun stops its ranks
 
 
-def _sync_residuals(residuals: dict[int, list[int]], sent: dict[int, tuple[int, list[int]]],
-                    lists: dict[int, list[int]]) -> dict[int, list[int]]:
-    """Make `residuals` (the pool's view of the blocks being filled) rank 0's: the same blocks, and a list
-    object that is new where rank 0's is new (the pool compares them by identity)."""
-    mine = {}
-    for block, (ident, blocks) in sent.items():
-        old = lists.get(ident)
-        mine[ident] = old if old == blocks else list(blocks)
-    residuals.clear()
-    residuals.update({block: mine[ident] for block, (ident, _) in sent.items()})
-    return mine
-
-
 @torch.inference_mode()
 def _run_step(model, backend, storage: KVStorage | NoKVStorage, msg: StepMessage) -> None:
     """Rank 0's step on this rank's shard: the same block copies and writes, the same forward (its collectives
@@ -431,8 +400,6 @@ def _run_step(model, backend, storage: KVStorage | NoKVStorage, msg: StepMessage
     rank 0."""
     inputs = msg.inputs
     storage.copy_blocks(msg.block_copies)
-    if isinstance(storage, KVStorage) and storage.quantized:
-        inputs.batch.kv_write = storage.plan_writes(*inputs.kv_writes)
     model.ensure_rope(int(inputs.positions.max()) + 1)
     batch = inputs.batch
     hidden = model(inputs.input_ids, inputs.positions, batch, backend, storage)

@@ -128,8 +128,7 @@ class HybridKVCacheManager(BlockCounts):
     `group_tables` gives each group's.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, groups: list[LayerGroup],
-                 borrowed: tuple[int, ...] | None = None):
+    def __init__(self, num_blocks: int, block_size: int, groups: list[LayerGroup]):
         if num_blocks < 2:
             raise ValueError(f"a hybrid KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.block_size = block_size
@@ -137,12 +136,10 @@ class HybridKVCacheManager(BlockCounts):
         self.pool = BlockPool(num_blocks)
         # stands in a sliding group's table for the blocks that left the window; never freed, never written
         (self.null_block,) = self.pool.allocate(1)
-        self.borrowed = borrowed
-        self.residuals: dict[int, list[int]] = {}
-        # blocks each group holds (what its tables and their blocks being filled own), and each block's group
+        # blocks each group holds (what its tables own), and each block's group
         self._held, owner = [0] * len(groups), [0] * num_blocks
         pools = [GroupPool(self.pool, g, self._held, owner, self.null_block) for g in range(len(groups))]
-        self.groups = [KVCacheManager(num_blocks, block_size, borrowed, pool=p, residuals=self.residuals) for p in pools]
+        self.groups = [KVCacheManager(num_blocks, block_size, pool=p) for p in pools]
         self.pinned: dict[int, list[int]] = {}         # a sink's blocks: never (no eviction policy here)
         # per group: how many leading entries of each sequence's table are the null block
         self._released: list[dict[int, int]] = [{} for _ in groups]
@@ -163,9 +160,6 @@ class HybridKVCacheManager(BlockCounts):
                    else window_blocks(g.sliding_window + chunk, self.block_size, num_tokens)
                    for g in self.layer_groups)
 
-    def residual_cost(self, num_tokens: int) -> int:
-        return len(self.groups) * self.groups[0].residual_cost(num_tokens)
-
     def num_new_blocks(self, seq_id: int, num_computed: int, num_new: int) -> int:
         """Blocks `allocate` would take from the pool for this write, in all groups."""
         return sum(m.num_new_blocks(seq_id, num_computed, num_new) for m in self.groups)
@@ -178,15 +172,9 @@ class HybridKVCacheManager(BlockCounts):
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {self.pool.num_free} free")
         return [c for m in self.groups for c in m.allocate(seq_id, num_computed, num_new)]
 
-    def release_filled(self, seq_id: int, num_computed: int, num_new: int) -> None:
-        """After a step wrote tokens [num_computed, +num_new): what filled blocks borrowed returns, and each
-        sliding group lets go of the blocks no later query's window reaches."""
-        for m in self.groups:
-            m.release_filled(seq_id, num_computed, num_new)
-        self._release_past_window(seq_id, num_computed + num_new)
-
-    def _release_past_window(self, seq_id: int, next_position: int) -> None:
-        """Blocks wholly before the window of a query at next_position, (next_position - W, next_position]."""
+    def release_past_window(self, seq_id: int, next_position: int) -> None:
+        """After a step wrote a sequence's tokens up to next_position: each sliding group lets go of the blocks
+        wholly before the window of a query there, (next_position - W, next_position]."""
         for g, (group, m) in enumerate(zip(self.layer_groups, self.groups)):
             if group.sliding_window is None or seq_id not in m.block_tables:
                 continue
@@ -339,7 +327,7 @@ class HybridKVCacheManager(BlockCounts):
 
     def blocks_per_group(self) -> list[int]:
         """Blocks each group holds: those of its sequences' tables (a block shared by several counted once; the
-        null block not at all) and those their blocks being filled borrow."""
+        null block not at all)."""
         return list(self._held)
 
 
@@ -348,10 +336,10 @@ class HybridKVStorage(KVStorage):
     ids, layer i reading and writing those of its place in its group (`slots[i]`). A block serves one group
     at a time, so that copying a block copies every tensor's page."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, residuals: dict[int, list[int]],
-                 groups: list[LayerGroup], num_layers: int):
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, groups: list[LayerGroup],
+                 num_layers: int):
         """`spec`: the pool's spec, whose num_layers is group_size(groups) (one block's page tensors)."""
-        super().__init__(spec, num_blocks, device, residuals)
+        super().__init__(spec, num_blocks, device)
         self.slots, self.layer_group = layer_slots(groups, num_layers)
 
     def layer(self, i: int) -> torch.Tensor | QuantizedLayer:

@@ -34,65 +34,32 @@ class BlockCounts:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def release_past_window(self, seq_id: int, next_position: int) -> None:
+        """After a step wrote a sequence's tokens up to next_position: let go of the blocks that no later
+        query reads (a sliding window's, kv/hybrid.py); every block stays in a full-attention cache."""
+
 
 class KVCacheManager(BlockCounts):
-    """Allocates, grows, forks and frees the block tables of sequences.
+    """Allocates, grows, forks and frees the block tables of sequences."""
 
-    With `borrowed` (a quantized pool whose codecs quantize whole blocks: KVSpec.borrowed_blocks), a
-    block that a write leaves part full is held exact, in its own pages and in borrowed[t] blocks of
-    the pool while it holds t tokens: `residuals` maps each such block to the blocks it borrows. They
-    return once a step fills the block (`release_filled`) or its last owner lets go of it. A write
-    counts the blocks it borrows as blocks it takes, so that admission and preemption see them.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, borrowed: tuple[int, ...] | None = None,
-                 pool: BlockPool | None = None, residuals: dict[int, list[int]] | None = None):
-        """`pool` and `residuals`: a pool and a map of blocks held exact shared with other managers (the
-        layer groups of a hybrid cache, kv/hybrid.py); by default its own."""
+    def __init__(self, num_blocks: int, block_size: int, pool: BlockPool | None = None):
+        """`pool`: a pool shared with other managers (the layer groups of a hybrid cache, kv/hybrid.py); by
+        default its own."""
         self.block_size = block_size
         self.pool = pool if pool is not None else BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
         # blocks a sequence owns outside its table (the unrotated sink blocks of a `sink` policy)
         self.pinned: dict[int, list[int]] = {}
-        self.borrowed = borrowed
-        # block held exact -> the blocks it borrows (a new list whenever it borrows more)
-        self.residuals: dict[int, list[int]] = residuals if residuals is not None else {}
-
-    def residual_cost(self, num_tokens: int) -> int:
-        """Blocks that the last block of a table of num_tokens tokens borrows."""
-        return self.borrowed[num_tokens % self.block_size] if self.borrowed else 0
 
     def num_new_blocks(self, seq_id: int, num_computed: int, num_new: int) -> int:
-        """Blocks `allocate` would take from the pool for this write, copies and borrowed blocks included."""
+        """Blocks `allocate` would take from the pool for this write, copies included."""
         table = self.block_tables.get(seq_id, [])
-        if num_new == 1 and not self.borrowed:   # a decode (in short): its block copied if shared, else new
+        if num_new == 1:   # a decode (in short): its block copied if shared, else new
             i = num_computed // self.block_size
             return int(self.pool.ref_counts[table[i]] > 1) if i < len(table) else i + 1 - len(table)
         grow = max(0, self.blocks_for(num_computed + num_new) - len(table))
         written = range(*self._written(table, num_computed, num_new).indices(len(table)))
-        shared = {i for i in written if self.pool.ref_counts[table[i]] > 1}
-        borrowing = 0
-        for i, tokens in self._held_exact(num_computed, num_new):
-            has = [] if i >= len(table) or i in shared else self.residuals.get(table[i], [])
-            borrowing += max(0, self.borrowed[tokens] - len(has))
-        return grow + len(shared) + borrowing
-
-    def _held_exact(self, num_computed: int, num_new: int) -> list[tuple[int, int]]:
-        """(table entry, tokens held exact) of the blocks held exact while tokens [num_computed, +num_new)
-        are written (none unless the pool holds blocks exact): the block the write starts in, if it
-        holds tokens already (with those it keeps, or all it will hold if it stays part full), and
-        the block it ends in, if the write leaves it part full. A block the write fills is quantized
-        from its exact tokens and the step's, which never go to its exact pages."""
-        if not self.borrowed or not num_new:
-            return []
-        bs, end = self.block_size, num_computed + num_new
-        entries = {}
-        if num_computed % bs:
-            first = num_computed // bs
-            entries[first] = end - first * bs if end < (first + 1) * bs else num_computed % bs
-        if end % bs:
-            entries[end // bs] = end % bs
-        return list(entries.items())
+        return grow + sum(1 for i in written if self.pool.ref_counts[table[i]] > 1)
 
     def _written(self, table: list[int], num_computed: int, num_new: int) -> slice:
         """The existing entries of `table` that a write of tokens [num_computed, +num_new) touches."""
@@ -115,39 +82,11 @@ class KVCacheManager(BlockCounts):
         for i in range(*self._written(table, num_computed, num_new).indices(len(table))):
             if self.pool.ref_counts[table[i]] > 1:
                 (dst,) = self.pool.allocate(1)
-                self._decref(table[i])
+                self.pool.decref(table[i])
                 copies.append((table[i], dst))
                 table[i] = dst
         table.extend(self.pool.allocate(self.blocks_for(num_computed + num_new) - len(table)))
-        for i, tokens in self._held_exact(num_computed, num_new):
-            self._borrow(table[i], tokens)
         return copies
-
-    def _borrow(self, block_id: int, tokens: int) -> None:
-        """Hold a block exact for `tokens` tokens: it borrows what it lacks of borrowed[tokens]."""
-        has = self.residuals.get(block_id, [])
-        more = self.borrowed[tokens] - len(has)
-        if block_id not in self.residuals or more > 0:
-            self.residuals[block_id] = has + self.pool.allocate(max(0, more))
-
-    def release_filled(self, seq_id: int, num_computed: int, num_new: int) -> None:
-        """After a step wrote tokens [num_computed, +num_new) of a sequence: the blocks it filled are
-        quantized now, and the blocks they borrowed return to the pool."""
-        table = self.block_tables.get(seq_id)
-        if not self.borrowed or not table:
-            return
-        for b in table[num_computed // self.block_size:(num_computed + num_new) // self.block_size]:
-            self._return_borrowed(b)
-
-    def _return_borrowed(self, block_id: int) -> None:
-        for b in self.residuals.pop(block_id, ()):
-            self.pool.decref(b)
-
-    def _decref(self, block_id: int) -> None:
-        """Drop one owner of a table's block; the last one also returns what the block borrowed."""
-        self.pool.decref(block_id)
-        if not self.pool.ref_counts[block_id]:
-            self._return_borrowed(block_id)
 
     def cached_prefix(self, keys: list[BlockKey], in_tier: Callable[[BlockKey], bool] | None = None) -> list[int]:
         """The longest run of cached blocks holding the prefix that `keys` describe; with `in_tier`, it goes
@@ -168,10 +107,8 @@ class KVCacheManager(BlockCounts):
 
     def num_admit_blocks(self, hits: list[int], num_tokens: int) -> int:
         """Blocks that admitting a sequence over `hits` with its first num_tokens tokens takes from the pool:
-        its table's new blocks (those to load included), the cached hits that are free now, and what its
-        last block borrows."""
-        return (self.blocks_for(num_tokens) - len(hits) + hits.count(LOAD) + self.num_reclaimed(hits)
-                + self.residual_cost(num_tokens))
+        its table's new blocks (those to load included) and the cached hits that are free now."""
+        return self.blocks_for(num_tokens) - len(hits) + hits.count(LOAD) + self.num_reclaimed(hits)
 
     def num_reclaimed(self, block_ids: list[int]) -> int:
         """How many of these cached blocks are free now, so that sharing them takes from the pool."""
@@ -243,13 +180,13 @@ class KVCacheManager(BlockCounts):
     def free(self, seq_id: int) -> None:
         """Return a sequence's blocks; shared blocks stay with their other owners."""
         for b in reversed(self.block_tables.pop(seq_id, []) + self.pinned.pop(seq_id, [])):
-            self._decref(b)
+            self.pool.decref(b)
 
     def drop(self, seq_id: int, indices: range) -> None:
         """Remove entries `indices` of a sequence's table and let go of their blocks (eviction)."""
         table = self.block_tables[seq_id]
         for b in table[indices.start:indices.stop]:
-            self._decref(b)
+            self.pool.decref(b)
         del table[indices.start:indices.stop]
 
     def replace(self, seq_id: int, indices: range, pin: bool = False) -> list[int]:
@@ -265,18 +202,15 @@ class KVCacheManager(BlockCounts):
         return old
 
     def rebuild(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Give a sequence a table of fresh blocks for `num_tokens` tokens (and what its last block
-        borrows if part full); returns the old table, whose blocks it still owns until `release` (its
-        tokens are copied over first)."""
-        needed = self.blocks_for(num_tokens) + self.residual_cost(num_tokens)
+        """Give a sequence a table of fresh blocks for `num_tokens` tokens; returns the old table, whose
+        blocks it still owns until `release` (its tokens are copied over first)."""
+        needed = self.blocks_for(num_tokens)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {self.pool.num_free} free")
         old = self.block_tables[seq_id]
-        table = self.block_tables[seq_id] = self.pool.allocate(self.blocks_for(num_tokens))
-        if self.borrowed and num_tokens % self.block_size:
-            self._borrow(table[-1], num_tokens % self.block_size)
+        self.block_tables[seq_id] = self.pool.allocate(needed)
         return old
 
     def release(self, block_ids: list[int]) -> None:
         for b in block_ids:
-            self._decref(b)
+            self.pool.decref(b)

@@ -21,14 +21,9 @@ class NoKVCacheManager:
 
     def __init__(self):
         self.block_tables: dict[int, list[int]] = {}     # no sequence has one
-        self.residuals: dict[int, list[int]] = {}        # nor a block held exact
 
     def blocks_for(self, num_tokens: int) -> int:
         """No tokens take a block."""
-        return 0
-
-    def residual_cost(self, num_tokens: int) -> int:
-        """Nothing is borrowed."""
         return 0
 
     def num_new_blocks(self, seq_id: int, num_computed: int, num_new: int) -> int:
@@ -75,6 +70,3 @@ class NoKVStorage:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """No pages to copy (the manager asks for none)."""
-
-    def plan_writes(self, tables, starts: list[int], num_new: list[int]) -> None:
-        """No quantized layer to plan writes into: None, as KVStorage's without one."""

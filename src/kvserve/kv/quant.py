@@ -2,17 +2,14 @@
 
 A codec turns full-precision pages [kv_heads, n, block_size, head_dim] of K or of V into stored
 numbers and their scales ("meta"), both with the block axis second so that a block table indexes
-them alike. Codecs whose scales cover one token (int8, fp8) quantize each token as it is written.
-A codec with scales over a block's tokens (int4's keys, per channel) quantizes a block once, when
-it fills; until then its tokens are kept exact in the model's dtype, in the pages of the block
-itself and of the blocks it borrows from the pool (its residual: KIVI's full-precision window).
+them alike. Every codec's scales cover one token (int4's too, for keys as for values), so a token
+is quantized as it is written and a block still filling needs nothing kept exact beside its pages.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, parse_dtype
 
@@ -50,14 +47,11 @@ def take_blocks(t: torch.Tensor, ids: torch.Tensor, axis: int) -> torch.Tensor:
 
 @dataclass
 class Affine:
-    """decode() = numbers() * scale + offset, in float32: one per token [KVH, *ids, BS], or with
-    `per_channel` one per channel of each block [KVH, *ids, D] (in numbers()' order of channels).
-    Attention applies them to its queries, scores and probabilities instead of to every number.
-    The tensors are the codec's own (writable: blocks still filling get scale 1, offset 0)."""
+    """decode() = numbers() * scale + offset, in float32, one of each per token [KVH, *ids, BS].
+    Attention applies them to its scores and probabilities instead of to every number."""
 
     scale: torch.Tensor
     offset: torch.Tensor | None = None
-    per_channel: bool = False
 
 
 class Codec:
@@ -66,8 +60,7 @@ class Codec:
     storage_dtype: torch.dtype = torch.int8
     meta_dtype: torch.dtype = torch.float16
     pack = 1                 # numbers per stored element along head_dim
-    splits_channels = False  # numbers() and per-channel scales hold the even channels, then the odd
-    per_token = False        # a token's numbers and scales depend on that token alone: quantized as written
+    splits_channels = False  # numbers() holds the even channels, then the odd
 
     def meta_shape(self, block_size: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one (head, block)'s scales."""
@@ -105,8 +98,6 @@ class Codec:
 class Int8PerToken(Codec):
     """Symmetric int8, one scale per token and head."""
 
-    per_token = True
-
     def meta_shape(self, block_size, head_dim):
         return (block_size,)
 
@@ -130,7 +121,6 @@ class Fp8PerToken(Codec):
     """
 
     storage_dtype = torch.uint8
-    per_token = True
 
     def meta_shape(self, block_size, head_dim):
         return (block_size,)
@@ -156,33 +146,34 @@ class Fp8PerToken(Codec):
 
 
 class Int4(Codec):
-    """KIVI's asymmetric 4-bit quantization, two numbers per byte (even channel in the low nibble).
+    """Asymmetric 4-bit quantization, two numbers per byte (even channel in the low nibble), with a
+    float16 (scale, minimum) per token and head over its head_dim channels, for keys as for values.
 
-    `axis` is the one the group runs along: keys are grouped per channel over the block's tokens
-    (axis -2: their outliers sit in fixed channels), values per token over the channels (axis -1).
-    meta is (scale, minimum) stacked on the axis before the per-group one.
+    KIVI groups keys per channel over a block's tokens (their outliers sit in fixed channels), but
+    then a block can only be quantized once it is full, and its (scale, minimum) per channel cost
+    4 x head_dim / block_size bytes a token: at the default block size 16 as much as half the
+    keys' own numbers. Per token, a token costs head_dim + 8 bytes (K and V) whatever the block
+    size, and is quantized as it is written (docs/performance.md: the perplexity barely moves).
+    meta is (scale, minimum) [2, block_size].
     """
 
     storage_dtype = torch.uint8
     pack = 2
     splits_channels = True
 
-    def __init__(self, axis: int):
-        self.axis = axis
-
     def meta_shape(self, block_size, head_dim):
-        return (2, head_dim if self.axis == -2 else block_size)
+        return (2, block_size)
 
     def encode(self, x):
-        lo, hi = x.amin(self.axis), x.amax(self.axis)
+        lo, hi = x.amin(-1), x.amax(-1)
         scale = ((hi - lo) / 15).clamp_min(TINY).to(self.meta_dtype)
         lo = lo.to(self.meta_dtype)
-        q = ((x - self._expand(lo)) / self._expand(scale)).round_().clamp_(0, 15).to(torch.uint8)
+        q = ((x - lo.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
         return q[..., 0::2] | (q[..., 1::2] << 4), torch.stack((scale, lo), -2)
 
     def decode(self, q, meta, dtype=torch.float32):
         numbers = torch.stack((q & 15, q >> 4), -1).flatten(-2).to(dtype)
-        return numbers * self._expand(meta[..., 0, :], dtype) + self._expand(meta[..., 1, :], dtype)
+        return numbers * meta[..., 0, :, None].to(dtype) + meta[..., 1, :, None].to(dtype)
 
     def numbers(self, q, dtype):
         # the low nibbles (even channels), then the high ones (odd): no interleaving pass
@@ -193,13 +184,7 @@ class Int4(Codec):
         return out
 
     def affine(self, meta, block_size):
-        if self.axis == -1:
-            return Affine(*meta.float().unbind(-2))
-        return Affine(*split_channels(meta.float()).unbind(-2), per_channel=True)
-
-    def _expand(self, group: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Per-group values broadcast back over the group's axis."""
-        return group.to(dtype).unsqueeze(self.axis)
+        return Affine(*meta.float().unbind(-2))
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
@@ -227,106 +212,53 @@ def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
     if kv_cache_dtype == "fp8":
         return Fp8PerToken(), Fp8PerToken()
     if kv_cache_dtype == "int4":
-        return Int4(axis=-2), Int4(axis=-1)
+        return Int4(), Int4()
     raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(QUANTIZED_KV_CACHE_DTYPES)}, "
                      f"got {kv_cache_dtype!r}")
 
 
 class QuantizedLayer:
-    """One layer's quantized pages and their scales.
-
-    With codecs that quantize whole blocks (int4), a block still filling holds its exact K/V in the
-    model's dtype: for each K/V and head, its block_size x head_dim numbers lie end to end over the
-    pages of the blocks in `residual_of[block]` (the block itself first, then those it borrows, then
-    the block again where it has borrowed no more: places past its tokens; -1 once it is quantized),
-    read and written through `residual`, the pages seen as numbers of the model's dtype [2, KVH,
-    num_blocks * page_numbers]. residual_of is shared by every layer and kept by KVStorage. Codecs
-    that quantize each token as it is written keep nothing exact (residual None).
-    """
+    """One layer's quantized pages and their scales; each token is quantized as it is written."""
 
     def __init__(self, codecs: tuple[Codec, Codec], num_kv_heads: int, num_blocks: int, block_size: int,
-                 head_dim: int, dtype: torch.dtype, residual_of: torch.Tensor):
-        dev = residual_of.device
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
         self.k_codec, self.v_codec = k_codec, v_codec = codecs
         assert type(k_codec) is type(v_codec)        # K and V numbers share one tensor and decode alike
         # K and V numbers in one tensor, so that a gather indexes both at once; data[0], data[1] view it
         self.pages = torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim // k_codec.pack,
-                                 dtype=k_codec.storage_dtype, device=dev)
+                                 dtype=k_codec.storage_dtype, device=device)
         self.data = list(self.pages)
         self.meta = [torch.zeros(num_kv_heads, num_blocks, *c.meta_shape(block_size, head_dim),
-                                 dtype=c.meta_dtype, device=dev) for c in codecs]
-        self.residual_of = residual_of
+                                 dtype=c.meta_dtype, device=device) for c in codecs]
         self.dtype = dtype
         self.shape = (2, num_kv_heads, num_blocks, block_size, head_dim)   # of the pages it stands for
         self.splits_channels = k_codec.splits_channels
-        self.per_token = k_codec.per_token and v_codec.per_token
-        self.page_numbers = k_codec.page_bytes(block_size, head_dim) // dtype.itemsize
-        self.residual = None if self.per_token else \
-            self.pages.view(torch.uint8).view(2, num_kv_heads, -1).view(dtype)
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype: the exact
-        tokens of blocks still filling, the dequantized ones of the rest; nothing else is decoded."""
+        """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype, dequantized
+        (only these blocks)."""
         numbers = take_blocks(self.pages, ids, 2)
-        k, v = (codec.decode(numbers[i], take_blocks(meta, ids, 1), self.dtype)
-                for i, (codec, meta) in enumerate(zip((self.k_codec, self.v_codec), self.meta)))
-        pages = torch.stack((k, v))
-        self._put_filling(pages, self.filling(ids))
-        return pages
+        return torch.stack([codec.decode(numbers[i], take_blocks(meta, ids, 1), self.dtype)
+                            for i, (codec, meta) in enumerate(zip((self.k_codec, self.v_codec), self.meta))])
 
-    def filling(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the blocks still filling are in ids.flatten(), and the blocks holding their exact K/V
-        ([n, pieces]): the same for every layer of a step (residual_of is shared), so a step can work
-        it out once."""
-        if self.residual is None:
-            return ids.new_empty(0), self.residual_of[:0]
-        pieces = self.residual_of[ids.flatten()]
-        where = (pieces[:, 0] >= 0).nonzero().squeeze(1)
-        return where, pieces[where]
-
-    def gather_affine(self, ids: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor]
-                      ) -> tuple[torch.Tensor, Affine, Affine]:
+    def gather_affine(self, ids: torch.Tensor) -> tuple[torch.Tensor, Affine, Affine]:
         """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype (channels as
-        `splits_channels` says) and the K and V scales that make them gather(ids); blocks still
-        filling (`filling(ids)`, which a step works out once) hold their exact tokens, with scale 1
-        and offset 0."""
+        `splits_channels` says) and the K and V scales that make them gather(ids)."""
         bs = self.shape[3]
         k_affine = self.k_codec.affine(take_blocks(self.meta[0], ids, 1), bs)
         v_affine = self.v_codec.affine(take_blocks(self.meta[1], ids, 1), bs)
-        pages = self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype)
-        self._put_filling(pages, filling, self.splits_channels)
-        if len(filling[0]):
-            for affine in (k_affine, v_affine):
-                affine.scale.flatten(1, -2).index_fill_(1, filling[0], 1.0)
-                if affine.offset is not None:
-                    affine.offset.flatten(1, -2).index_fill_(1, filling[0], 0.0)
-        return pages, k_affine, v_affine
-
-    def _put_filling(self, pages: torch.Tensor, filling: tuple[torch.Tensor, torch.Tensor], split: bool = False):
-        """Overwrite the gathered pages [2, KVH, *ids.shape, BS, D] of blocks still filling with their
-        exact tokens."""
-        where, pieces = filling
-        if len(where):
-            exact = self.read_residual(pieces)
-            if split:
-                exact = split_channels(exact)
-            _words(pages.flatten(2, -3), 2).index_copy_(2, where, _words(exact, 2))
-
-    def read_residual(self, pieces: torch.Tensor) -> torch.Tensor:
-        """The exact K/V [2, KVH, n, BS, D] of n blocks still filling, from their pieces [n, P] (the
-        pieces may not reach a block's last place, which a block held exact never uses: read as 0)."""
-        _, kvh, _, bs, d = self.shape
-        numbers = take_blocks(self.residual.view(2, kvh, -1, self.page_numbers), pieces, 2).flatten(3)
-        return F.pad(numbers, (0, bs * d - numbers.shape[-1])).unflatten(-1, (bs, d))
+        return self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype), k_affine, v_affine
 
     def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Quantize the step's K and V [tokens, 2, KVH, D] into their slots (block * BS + offset), each
-        token on its own: for codecs whose scales cover one token (`per_token`)."""
+        """Quantize K and V [tokens, 2, KVH, D] into their slots (block * BS + offset), each token on its own."""
         _, kvh, nb, bs, _ = self.shape
-        numbers, scales = self.k_codec.encode(kv.permute(1, 2, 0, 3).float())    # [2, KVH, n, D / pack], [2, KVH, n]
+        numbers, scales = self.k_codec.encode(kv.permute(1, 2, 0, 3).float())    # [2, KVH, n, D / pack], [2, KVH, n, ...]
         self.pages.view(2, kvh, nb * bs, -1).index_copy_(2, slots, numbers)
+        rows = self.meta[0][0, 0].numel() // bs      # scales a token has: int4's scale and minimum, else one
+        # where they are in a head's meta [num_blocks, rows, BS] seen flat: row by row, as encode stacks them
+        at = (slots // bs * rows * bs + slots % bs) + bs * torch.arange(rows, device=slots.device)[:, None]
         for meta, scale in zip(self.meta, scales):
-            meta.view(kvh, nb * bs).index_copy_(1, slots, scale)
+            meta.view(kvh, -1).index_copy_(1, at.flatten(), scale.reshape(kvh, -1))
 
     def quantize(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode full pages [2, KVH, n, BS, D] into blocks `blocks`."""
@@ -339,45 +271,3 @@ class QuantizedLayer:
         self.pages[:, :, dst] = self.pages[:, :, src]
         for t in self.meta:
             t[:, dst] = t[:, src]
-
-
-@dataclass
-class WritePlan:
-    """Where one step's new K/V go in the quantized layers, worked out once for all of them.
-
-    Codecs that quantize each token as it is written need only the step's slot_mapping (every field
-    empty). Otherwise token indices are into the step's flat batch, and exact indices into a layer's
-    `residual` numbers (head_dim of them a token).
-    """
-
-    exact: tuple[torch.Tensor, torch.Tensor]      # (tokens, residual numbers) of blocks left part full
-    filled_blocks: torch.Tensor                   # blocks that fill, quantized from their exact tokens ...
-    filled_pieces: torch.Tensor                   # ... held in these pieces [n, P] ...
-    filled_new: tuple[torch.Tensor, torch.Tensor]  # ... and the step's (tokens, places in [n * BS])
-    direct_tokens: torch.Tensor                   # whole blocks written by this step: quantized at once
-    direct_blocks: torch.Tensor
-
-    def write(self, layer: QuantizedLayer, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store the step's K/V [tokens, 2, KVH, D] in a layer: each token at its slot where the codecs
-        quantize tokens; else the tokens of blocks left part full join their exact ones, and the
-        blocks that fill (from their exact tokens and the step's, or straight from the step) are
-        quantized."""
-        if layer.per_token:
-            layer.write_tokens(kv, slot_mapping)
-            return
-        tokens, index = self.exact
-        if len(tokens):
-            layer.residual.index_copy_(2, index, kv[tokens].permute(1, 2, 0, 3).flatten(2))
-        blocks, pages = [], []
-        _, kvh, _, bs, d = layer.shape
-        if len(self.filled_blocks):
-            filled = layer.read_residual(self.filled_pieces).contiguous()     # [2, KVH, n, BS, D]
-            tokens, places = self.filled_new
-            filled.view(2, kvh, -1, d).index_copy_(2, places, kv[tokens].permute(1, 2, 0, 3))
-            blocks.append(self.filled_blocks)
-            pages.append(filled)
-        if len(self.direct_blocks):
-            blocks.append(self.direct_blocks)
-            pages.append(kv[self.direct_tokens].unflatten(0, (-1, bs)).permute(2, 3, 0, 1, 4))
-        if blocks:
-            layer.quantize(torch.cat(blocks), torch.cat(pages, 2))

@@ -11,11 +11,10 @@ import urllib.request
 from kvserve.bench import MissingDependency
 from kvserve.engine.kv_state import STATES
 
-COLORS = {"free": "grey30", "cached": "blue", "used": "green", "shared": "dark_orange", "filling": "magenta",
-          "borrowed": "purple"}
+COLORS = {"free": "grey30", "cached": "blue", "used": "green", "shared": "dark_orange"}
 # a terminal cell stands for several blocks where the pool outgrows the screen: it shows the most
 # telling state among them
-PRIORITY = ["shared", "filling", "borrowed", "used", "cached", "free"]
+PRIORITY = ["shared", "used", "cached", "free"]
 GRID_ROWS = 12
 MAX_ROWS = 20
 

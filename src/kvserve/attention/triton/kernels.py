@@ -18,8 +18,7 @@ lanes are masked to zero, which adds nothing to q·k and yields nothing in the o
 
 Quantized pages (a kvserve.kv.quant.QuantizedLayer: int8, fp8, int4) are read by the same kernels
 compiled with KV_QUANT > 0: each K or V tile is loaded as stored numbers and scales and decoded in
-registers (_load_tile), or (int4) exact from the pages of blocks still filling; nothing is
-dequantized ahead of the kernel. KV_QUANT = 0 compiles the full-precision path alone.
+registers (_load_tile); nothing is dequantized ahead of the kernel. KV_QUANT = 0 compiles the full-precision path alone.
 """
 from __future__ import annotations
 
@@ -100,62 +99,41 @@ def _key_pages(k_pos, key_mask, table_row_ptr, row_start, PAGE_SIZE: tl.constexp
 
 
 @triton.jit
-def _load_tile(data_ptr, meta_ptr, res_ptr, residual_of_ptr, rows, page, slot, res_slot, key_ok, chans, chan_ok,
-               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
-               PER_CHANNEL: tl.constexpr, PIECES: tl.constexpr, PAGE_NUMBERS: tl.constexpr):
-    """K or V values of a tile's keys at channels `chans`, in the cache's (the model's) dtype; 0
-    where masked. The per-key arguments (rows, page, slot, res_slot, key_ok) come as [1, N] and
-    chans, chan_ok as [D, 1] to load Kᵀ [D, N], or as [N, 1] and [1, D] to load V [N, D]: the same
-    code serves both layouts.
+def _load_tile(data_ptr, meta_ptr, rows, page, slot, key_ok, chans, chan_ok,
+               PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr):
+    """K or V values of a tile's keys at channels `chans`, in the cache's dtype (KV_QUANT 0) or in
+    float32 (quantized); 0 where masked. The per-key arguments (rows, page, slot, key_ok) come as
+    [1, N] and chans, chan_ok as [D, 1] to load Kᵀ [D, N], or as [N, 1] and [1, D] to load V [N, D]:
+    the same code serves both layouts.
 
     rows: each key's row offset in data_ptr (page and slot through the data's strides; kv head
     resolved in every pointer). KV_QUANT 0: that is all. Otherwise data_ptr holds the stored
-    numbers, meta_ptr the scales (contiguous [blocks, ...] of this head, hence indexed by page and
-    slot):
-      1 int8: x = q * scale[token]               (meta [blocks, PAGE_SIZE], float16)
-      2 fp8:  x = e4m3(byte) * scale[token]      (meta [blocks, PAGE_SIZE], float16)
+    numbers, meta_ptr the scales of each token (contiguous [blocks, ...] of this head, hence indexed
+    by page and slot):
+      1 int8: x = q * scale                  (meta [blocks, PAGE_SIZE], float16)
+      2 fp8:  x = e4m3(byte) * scale         (meta [blocks, PAGE_SIZE], float16)
       3 int4: x = nibble * scale + min, two channels a byte, channel c in byte c // 2 at bit
-              4 * (c % 2); PER_CHANNEL (K): (scale, min) per channel over the block's tokens
-              (meta [blocks, 2, HEAD_DIM]), else (V) per token (meta [blocks, 2, PAGE_SIZE]).
-    PIECES > 0 (int4): keys whose page is still filling (res_slot, its residual_of[page][0], >= 0)
-    are read exact, in the model's dtype, from res_ptr (the pages as numbers of that dtype, this
-    head's): the page's PAGE_SIZE x HEAD_DIM numbers run on over the PAGE_NUMBERS numbers of each of
-    the pages residual_of_ptr[page * PIECES + i] (contiguous [blocks, PIECES]).
+              4 * (c % 2)                    (meta [blocks, 2, PAGE_SIZE]: scales, then minimums)
     """
+    mask = key_ok & chan_ok
     if KV_QUANT == 0:
-        return tl.load(data_ptr + rows + chans, mask=key_ok & chan_ok, other=0.0)
-    from_res = res_slot >= 0
-    quantized = key_ok & ~from_res            # per key: read the stored numbers
-    mask = quantized & chan_ok
+        return tl.load(data_ptr + rows + chans, mask=mask, other=0.0)
     if KV_QUANT == 1:
         x = tl.load(data_ptr + rows + chans, mask=mask, other=0).to(tl.float32)
-        x = x * tl.load(meta_ptr + page * PAGE_SIZE + slot, mask=quantized, other=0.0).to(tl.float32)
+        x = x * tl.load(meta_ptr + page * PAGE_SIZE + slot, mask=key_ok, other=0.0).to(tl.float32)
     elif KV_QUANT == 2:
         # The interpreter (3.8) bitcasts uint8 to float8e4nv and widens it exactly, as the GPU does
         # (only the NaN bytes 0x7f / 0xff differ, and the codec never writes them).
         byte = tl.load(data_ptr + rows + chans, mask=mask, other=0)
         x = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        x = x * tl.load(meta_ptr + page * PAGE_SIZE + slot, mask=quantized, other=0.0).to(tl.float32)
+        x = x * tl.load(meta_ptr + page * PAGE_SIZE + slot, mask=key_ok, other=0.0).to(tl.float32)
     else:
         byte = tl.load(data_ptr + rows + chans // 2, mask=mask, other=0).to(tl.int32)
         x = ((byte >> (4 * (chans % 2))) & 15).to(tl.float32)
-        if PER_CHANNEL:
-            group = meta_ptr + page * (2 * HEAD_DIM) + chans     # [.., 2, HEAD_DIM]: scales, then mins
-            group_mask = mask
-            next_row = HEAD_DIM
-        else:
-            group = meta_ptr + page * (2 * PAGE_SIZE) + slot     # [.., 2, PAGE_SIZE]
-            group_mask = quantized
-            next_row = PAGE_SIZE
-        scale = tl.load(group, mask=group_mask, other=0.0).to(tl.float32)
-        x = x * scale + tl.load(group + next_row, mask=group_mask, other=0.0).to(tl.float32)
-    if PIECES == 0:
-        return x.to(res_ptr.dtype.element_ty)
-    exact_mask = (key_ok & from_res) & chan_ok
-    number = slot * HEAD_DIM + chans             # in the block's exact numbers of this K/V and head
-    piece = tl.load(residual_of_ptr + page * PIECES + number // PAGE_NUMBERS, mask=exact_mask, other=0)
-    exact = tl.load(res_ptr + piece * PAGE_NUMBERS + number % PAGE_NUMBERS, mask=exact_mask, other=0.0)
-    return tl.where(from_res, exact, x.to(exact.dtype))
+        group = meta_ptr + page * (2 * PAGE_SIZE) + slot
+        scale = tl.load(group, mask=key_ok, other=0.0).to(tl.float32)
+        x = x * scale + tl.load(group + PAGE_SIZE, mask=key_ok, other=0.0).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -184,27 +162,24 @@ def _tanh(x):
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, quant, page, slot, stride_page, stride_slot,
                  key_mask, score_mask, qk_scale, soft_cap, dims, dim_mask,
-                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
-                 MASK_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, PIECES: tl.constexpr,
-                 PAGE_NUMBERS: tl.constexpr, SOFT_CAP: tl.constexpr):
+                 PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+                 MASK_SCORES: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr):
     """One FlashAttention-2 step: scores of the query tile against one key tile, the running max
     m_i and sum l_i updated, the accumulator rescaled once, then P @ V added.
 
     k_ptr / v_ptr: this kv head's K and V; page, slot [BLOCK_N]: where each key is (_key_pages).
-    quant: (K scales, V scales, K residual, V residual, residual_of), heads resolved, read when
-    KV_QUANT > 0 (the residual when PIECES > 0; see _load_tile). key_mask [N] guards the loads;
+    quant: (K scales, V scales), heads resolved, read when KV_QUANT > 0 (see _load_tile); the
+    quantized tiles are rounded to q's dtype (the model's). key_mask [N] guards the loads;
     score_mask ([M, N] or [1, N]: causality, the context's end) is applied to the scores only when
     MASK_SCORES, so the tiles wholly inside the context skip the select. SOFT_CAP: the scores (log2 units)
     are capped at soft_cap (the cap times log2(e)) first. A row that has seen no key yet (a sliding window
     starting later) keeps m_i = -inf and adds nothing."""
-    k_meta, v_meta, k_res, v_res, residual_of_ptr = quant
+    k_meta, v_meta = quant
     rows = page * stride_page + slot * stride_slot
-    res_slot = tl.zeros_like(page) - 1   # no page is held exact
-    if PIECES != 0:                  # the page's first piece (itself) while it fills, -1 once it is quantized
-        res_slot = tl.load(residual_of_ptr + page * PIECES, mask=key_mask, other=-1)
-    k = _load_tile(k_ptr, k_meta, k_res, residual_of_ptr, rows[None, :], page[None, :], slot[None, :],
-                   res_slot[None, :], key_mask[None, :], dims[:, None], dim_mask[:, None], PAGE_SIZE, HEAD_DIM,
-                   KV_QUANT, True, PIECES, PAGE_NUMBERS)  # Kᵀ
+    k = _load_tile(k_ptr, k_meta, rows[None, :], page[None, :], slot[None, :], key_mask[None, :],
+                   dims[:, None], dim_mask[:, None], PAGE_SIZE, KV_QUANT)  # Kᵀ
+    if KV_QUANT != 0:
+        k = k.to(q.dtype)
     s = _dot(q, k, DOT_FP32) * qk_scale                                        # [M, N], log2 units
     if SOFT_CAP:
         s = soft_cap * _tanh(s / soft_cap)
@@ -215,9 +190,10 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, quant, page, slot, stride_page,
     alpha = tl.exp2(m_i - shift)           # how much the old max overstated: rescale once per tile
     p = tl.exp2(s - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_ptr, v_meta, v_res, residual_of_ptr, rows[:, None], page[:, None], slot[:, None],
-                   res_slot[:, None], key_mask[:, None], dims[None, :], dim_mask[None, :], PAGE_SIZE, HEAD_DIM,
-                   KV_QUANT, False, PIECES, PAGE_NUMBERS)
+    v = _load_tile(v_ptr, v_meta, rows[:, None], page[:, None], slot[:, None], key_mask[:, None],
+                   dims[None, :], dim_mask[None, :], PAGE_SIZE, KV_QUANT)
+    if KV_QUANT != 0:
+        v = v.to(q.dtype)
     # P is rounded to V's dtype, as FlashAttention does, so the tensor cores take both operands.
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
     return acc, m_new, l_i
@@ -237,27 +213,20 @@ _KV_QUANT = {(Int8PerToken, Int8PerToken): 1, (Fp8PerToken, Fp8PerToken): 2, (In
 
 
 def _quantized_args(layer: QuantizedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """KV_QUANT, the pointers (K scales, V scales, residual, residual_of), the strides (K and V
-    scales per head, residual per K/V and per head) and the constants (PIECES, PAGE_NUMBERS) that the
-    kernels take for a quantized layer. A layer whose codecs quantize each token keeps nothing exact:
-    PIECES 0, and pointers that are never read."""
+    """KV_QUANT, the pointers (K scales, V scales) and their strides per head that the kernels take for a
+    quantized layer."""
     kv_quant = _KV_QUANT.get((type(layer.k_codec), type(layer.v_codec)))
-    if kv_quant is None or (kv_quant == 3 and (layer.k_codec.axis, layer.v_codec.axis) != (-2, -1)):
+    if kv_quant is None:
         raise ValueError(f"no kernel reads K codec {layer.k_codec!r} with V codec {layer.v_codec!r}")
     if k is not layer.data[0] or v is not layer.data[1]:
         raise ValueError("k and v must be the quantized layer's data[0] and data[1]")
     k_meta, v_meta = layer.meta
-    # _load_tile indexes scales and residual pieces from their shapes, not their strides.
-    if not (k_meta.is_contiguous() and v_meta.is_contiguous() and layer.residual_of.is_contiguous()):
-        raise ValueError("a quantized layer's scales and residual_of must be contiguous")
+    # _load_tile indexes scales from their shapes, not their strides.
+    if not (k_meta.is_contiguous() and v_meta.is_contiguous()):
+        raise ValueError("a quantized layer's scales must be contiguous")
     if layer.dtype != q.dtype:
-        raise ValueError(f"the layer's exact numbers ({layer.dtype}) must be in the queries' dtype ({q.dtype})")
-    res = layer.residual
-    if res is None:
-        return kv_quant, (k_meta, v_meta, q, k_meta), (k_meta.stride(0), v_meta.stride(0), 0, 0), (0, 1)
-    return (kv_quant, (k_meta, v_meta, res, layer.residual_of),
-            (k_meta.stride(0), v_meta.stride(0), res.stride(0), res.stride(1)),
-            (layer.residual_of.shape[1], layer.page_numbers))
+        raise ValueError(f"the layer's model dtype ({layer.dtype}) must be the queries' dtype ({q.dtype})")
+    return kv_quant, (k_meta, v_meta), (k_meta.stride(0), v_meta.stride(0))
 
 
 def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
@@ -273,24 +242,21 @@ def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
 @triton.jit
 def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
                           q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
-                          k_meta_ptr, v_meta_ptr, res_ptr, residual_of_ptr,
+                          k_meta_ptr, v_meta_ptr,
                           stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_k_head, stride_k_page, stride_k_slot, stride_table,
-                          stride_km_head, stride_vm_head, stride_res_kv, stride_res_head,
+                          stride_km_head, stride_vm_head,
                           qk_scale, window, soft_cap,
                           GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                          KV_QUANT: tl.constexpr, PIECES: tl.constexpr, PAGE_NUMBERS: tl.constexpr,
-                          SOFT_CAP: tl.constexpr):
+                          KV_QUANT: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Grid (query tiles, heads, sequences). Query i of a sequence sits at absolute position
     context_len - query_len + i, so a cached prefix (chunked prefill, prefix caching) is attended in
     full and only the new tokens are causal among themselves.
 
     KV_QUANT > 0 (paged only): k_ptr, v_ptr are a QuantizedLayer's stored numbers, k_meta_ptr,
-    v_meta_ptr its scales, and with PIECES > 0 res_ptr its pages as the model's numbers [2, KVH, blocks *
-    PAGE_NUMBERS] and residual_of_ptr the pages holding each block still filling (see _load_tile).
-    KV_QUANT 0 reads none of them."""
+    v_meta_ptr its scales (see _load_tile). KV_QUANT 0 reads neither."""
     tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
     m_start = tile * BLOCK_M
@@ -313,9 +279,7 @@ def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
     kv_head = (head // GROUP).to(tl.int64)
     k_head_ptr = k_ptr + kv_head * stride_k_head
     v_head_ptr = v_ptr + kv_head * stride_k_head
-    quant = (k_meta_ptr + kv_head * stride_km_head, v_meta_ptr + kv_head * stride_vm_head,
-             res_ptr + kv_head * stride_res_head, res_ptr + stride_res_kv + kv_head * stride_res_head,
-             residual_of_ptr)
+    quant = (k_meta_ptr + kv_head * stride_km_head, v_meta_ptr + kv_head * stride_vm_head)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -340,16 +304,14 @@ def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
         page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
                                      stride_k_page, stride_k_slot, key_mask, seen, qk_scale, soft_cap, dims,
-                                     dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32, PIECES, PAGE_NUMBERS,
-                                     SOFT_CAP)
+                                     dim_mask, PAGE_SIZE, KV_QUANT, True, DOT_FP32, SOFT_CAP)
     for n0 in range(unmasked_start, unmasked_end, BLOCK_N):
         k_pos = n0 + offs_n
         key_mask = k_pos < ctx_len   # always true here; keeps the loads uniform
         page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
                                      stride_k_page, stride_k_slot, key_mask, key_mask, qk_scale, soft_cap, dims,
-                                     dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, False, DOT_FP32, PIECES, PAGE_NUMBERS,
-                                     SOFT_CAP)
+                                     dim_mask, PAGE_SIZE, KV_QUANT, False, DOT_FP32, SOFT_CAP)
     for n0 in range(unmasked_end, keys_end, BLOCK_N):
         k_pos = n0 + offs_n
         key_mask = k_pos < ctx_len
@@ -358,8 +320,7 @@ def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
         page, slot = _key_pages(k_pos, key_mask, table_row, q_start, PAGE_SIZE, PAGED)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
                                      stride_k_page, stride_k_slot, key_mask, seen, qk_scale, soft_cap, dims,
-                                     dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32, PIECES, PAGE_NUMBERS,
-                                     SOFT_CAP)
+                                     dim_mask, PAGE_SIZE, KV_QUANT, True, DOT_FP32, SOFT_CAP)
 
     # Every real row saw its own key, so l_i > 0; a padding row past a window may have seen none.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -379,11 +340,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
     """Full-precision K/V: _prefill_quant_kernel with KV_QUANT 0, without the quantized layer's
     arguments (the pointers handed in for them are never read)."""
     _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr,
-                          k_ptr, v_ptr, k_ptr, table_ptr,
+                          k_ptr, v_ptr,
                           stride_qt, stride_qh, stride_ot, stride_oh,
-                          stride_k_head, stride_k_page, stride_k_slot, stride_table, 0, 0, 0, 0,
+                          stride_k_head, stride_k_page, stride_k_slot, stride_table, 0, 0,
                           qk_scale, window, soft_cap, GROUP, PAGE_SIZE, PAGED, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                          DOT_FP32, 0, 0, 1, SOFT_CAP)
+                          DOT_FP32, 0, SOFT_CAP)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -429,10 +390,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
         return
     if not paged:
         raise ValueError("quantized K/V are read through block tables")
-    kv_quant, pointers, quant_strides, (pieces, page_numbers) = _quantized_args(quant, q, k, v)
+    kv_quant, pointers, quant_strides = _quantized_args(quant, q, k, v)
     _prefill_quant_kernel[grid](q, k, v, out, q_starts, q_lens, ctx_lens, table, *pointers,
-                                *strides, *quant_strides, *limits, KV_QUANT=kv_quant, PIECES=pieces,
-                                PAGE_NUMBERS=page_numbers, **consts)
+                                *strides, *quant_strides, *limits, KV_QUANT=kv_quant, **consts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,25 +408,24 @@ def _first_key(ctx_len, window):
 @triton.jit
 def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
                                    ctx_len_ptr, table_ptr,
-                                   k_meta_ptr, v_meta_ptr, res_ptr, residual_of_ptr,
+                                   k_meta_ptr, v_meta_ptr,
                                    stride_qt, stride_qh,
                                    stride_k_head, stride_k_page, stride_k_slot, stride_table,
                                    stride_po_seq, stride_po_head, stride_po_part,
                                    stride_pl_seq, stride_pl_head,
-                                   stride_km_head, stride_vm_head, stride_res_kv, stride_res_head,
+                                   stride_km_head, stride_vm_head,
                                    qk_scale, window, soft_cap,
                                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, PARTITION: tl.constexpr,
                                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                                   KV_QUANT: tl.constexpr, PIECES: tl.constexpr, PAGE_NUMBERS: tl.constexpr,
-                                   SOFT_CAP: tl.constexpr):
+                                   KV_QUANT: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Grid (sequences, kv heads, partitions). The GROUP query heads sharing a kv head form the
     query tile (padded to BLOCK_G rows for tl.dot), so each page is read once per kv head. Writes
     the partition's normalized output and its base-2 log-sum-exp. Partitions cover the sequence's keys
     from its window's first (with a window), else from 0.
 
-    KV_QUANT > 0: k_ptr, v_ptr are a QuantizedLayer's stored numbers, read with its scales and
-    residual as in _prefill_quant_kernel. KV_QUANT 0 reads none of those."""
+    KV_QUANT > 0: k_ptr, v_ptr are a QuantizedLayer's stored numbers, read with its scales as in
+    _prefill_quant_kernel. KV_QUANT 0 reads none of those."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(ctx_len_ptr + seq)
     start = _first_key(ctx_len, window) + part * PARTITION
@@ -485,9 +444,7 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
     kv_head64 = kv_head.to(tl.int64)
     k_head_ptr = k_ptr + kv_head64 * stride_k_head
     v_head_ptr = v_ptr + kv_head64 * stride_k_head
-    quant = (k_meta_ptr + kv_head64 * stride_km_head, v_meta_ptr + kv_head64 * stride_vm_head,
-             res_ptr + kv_head64 * stride_res_head, res_ptr + stride_res_kv + kv_head64 * stride_res_head,
-             residual_of_ptr)
+    quant = (k_meta_ptr + kv_head64 * stride_km_head, v_meta_ptr + kv_head64 * stride_vm_head)
     table_row = table_ptr + seq.to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -503,16 +460,14 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
         page, slot = _key_pages(k_pos, key_mask, table_row, 0, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
                                      stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale, soft_cap,
-                                     dims, dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, False, DOT_FP32, PIECES,
-                                     PAGE_NUMBERS, SOFT_CAP)
+                                     dims, dim_mask, PAGE_SIZE, KV_QUANT, False, DOT_FP32, SOFT_CAP)
     for n0 in range(full_end, end, BLOCK_N):   # at most one partial tile
         k_pos = n0 + offs_n
         key_mask = k_pos < end
         page, slot = _key_pages(k_pos, key_mask, table_row, 0, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_head_ptr, v_head_ptr, quant, page, slot,
                                      stride_k_page, stride_k_slot, key_mask, key_mask[None, :], qk_scale, soft_cap,
-                                     dims, dim_mask, PAGE_SIZE, HEAD_DIM, KV_QUANT, True, DOT_FP32, PIECES,
-                                     PAGE_NUMBERS, SOFT_CAP)
+                                     dims, dim_mask, PAGE_SIZE, KV_QUANT, True, DOT_FP32, SOFT_CAP)
 
     out = acc / l_i[:, None]
     lse = m_i + tl.log2(l_i)
@@ -536,11 +491,11 @@ def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
     """Full-precision pages: _decode_partition_quant_kernel with KV_QUANT 0, without the quantized
     layer's arguments (the pointers handed in for them are never read)."""
     _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, ctx_len_ptr, table_ptr,
-                                   k_ptr, v_ptr, k_ptr, table_ptr,
+                                   k_ptr, v_ptr,
                                    stride_qt, stride_qh, stride_k_head, stride_k_page, stride_k_slot, stride_table,
                                    stride_po_seq, stride_po_head, stride_po_part, stride_pl_seq, stride_pl_head,
-                                   0, 0, 0, 0, qk_scale, window, soft_cap,
-                                   GROUP, PAGE_SIZE, PARTITION, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, DOT_FP32, 0, 0, 1,
+                                   0, 0, qk_scale, window, soft_cap,
+                                   GROUP, PAGE_SIZE, PARTITION, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, DOT_FP32, 0,
                                    SOFT_CAP)
 
 
@@ -635,10 +590,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _decode_partition_kernel[grid](q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
                                        *strides, *limits, **consts)
     else:
-        kv_quant, pointers, quant_strides, (pieces, page_numbers) = _quantized_args(quant, q, k_cache, v_cache)
+        kv_quant, pointers, quant_strides = _quantized_args(quant, q, k_cache, v_cache)
         _decode_partition_quant_kernel[grid](q, k_cache, v_cache, part_out, part_lse, ctx_lens, block_tables,
                                              *pointers, *strides, *quant_strides, *limits,
-                                             KV_QUANT=kv_quant, PIECES=pieces, PAGE_NUMBERS=page_numbers, **consts)
+                                             KV_QUANT=kv_quant, **consts)
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, ctx_lens,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
