@@ -54,8 +54,10 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=1)
     one, two = _run(path, 1, params), _run(path, 2, params)
     _assert_same(one, two)
-    assert two[2]["steps"]["eager_tp"] > 0 and two[2]["tensor_parallel_size"] == 2
-    assert two[2]["gemm"]["source"].startswith("tensor parallel, 2 ranks")     # the GEMMs say why they were not timed
+    # the decodes by the C step on every rank, with the all-reduces between its layers; the prompts op by op
+    assert two[2]["steps"]["native_tp"] > 0 and two[2]["steps"]["eager_tp"] > 0
+    assert two[2]["tensor_parallel_size"] == 2
+    assert two[2]["gemm"]["weight_format"] == "gemm"      # csrc/gemm.c's panels, which the C step reads
     # each rank's pool holds its KV heads: half the bytes of one rank's, unless its one KV head is replicated
     replicated = overrides.get("num_key_value_heads") == 1
     assert two[2]["kv_cache_bytes"] * (1 if replicated else 2) == one[2]["kv_cache_bytes"]
@@ -205,8 +207,10 @@ def test_bench_tp_counts_each_steps_collectives(tmp_path):
                  "--steps", "1", "--dtype", "float32", "--channel-repeats", "2", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     runs = res["runs"]
-    assert {r["all_reduces_per_step"] for r in runs["tp2"].values()} == {2 * 2 + 1}
-    assert all(r["comm_ms"] > 0 for r in runs["tp2"].values())
+    for run, executor in (("tp2", "native_tp"), ("tp2_eager", "eager_tp")):
+        assert all(r["executors"] == [executor] for r in runs[run].values())
+        assert {r["all_reduces_per_step"] for r in runs[run].values()} == {2 * 2 + 1}
+        assert all(r["comm_ms"] > 0 for r in runs[run].values())
     assert all(r["all_reduces_per_step"] == 0 and r["comm_ms"] == 0 for r in runs["tp1"].values())
     # the step message of each batch through every channel, the same bytes each way
     channels = res["channels"]

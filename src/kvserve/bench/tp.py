@@ -1,8 +1,9 @@
 """Tensor parallelism: a decode step's time at TP=1 and TP=2, split into compute and communication.
 
 Each row is a batch of greedy decodes on a random-weight model shaped like a real one (by default
-TinyLlama's: hidden 2048, 22 layers, 32 heads, 4 KV heads). TP=1 runs twice: by its default executor
-(on the CPU, the native C step) and op by op (eager, as every TP rank runs); TP=2 by eager_tp. Rank 0
+TinyLlama's: hidden 2048, 22 layers, 32 heads, 4 KV heads). TP=1 and TP=2 each run twice: by their
+default executor (on the CPU the native C step; at TP=2 on every rank, native_tp, with the all-reduces
+between its layers' halves) and op by op (enforce_eager: eager, and at TP=2 eager_tp). Rank 0
 times its collectives (kvserve.distributed.TensorParallel.comm_seconds): that time includes waiting
 for the slower rank, so it is an upper bound of the pure communication. Two ranks sharing a few CPU
 cores are not faster than one; docs/performance.md projects what the all-reduce count costs on GPUs.
@@ -39,7 +40,7 @@ NAME = "tp"
 # TinyLlama-1.1B's shape
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22, "num_heads": 32, "num_kv_heads": 4,
          "vocab_size": 32000}
-RUNS = (("tp1", 1, False), ("tp1_eager", 1, True), ("tp2", 2, True))
+RUNS = (("tp1", 1, False), ("tp1_eager", 1, True), ("tp2", 2, False), ("tp2_eager", 2, True))
 CHANNELS = ("shm", "pipe", "store", "broadcast")
 STEP_GAP = 1e-3          # seconds between two messages: rank 0 sampling and scheduling the next step
 
@@ -56,8 +57,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def measure(llm: LLM, prompts: list[list[int]], steps: int, sent: list[bytes] | None = None) -> dict:
-    """Median decode step of the batch (after its prefill and one warm-up step), and rank 0's collectives per
-    step (none at TP=1)."""
+    """Median decode step of the batch (after its prefill and one warm-up step), the executors that ran the steps
+    timed, and rank 0's collectives per step (none at TP=1); with `sent` (a TP run's messages), the last one."""
     engine = llm.engine
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -65,6 +66,7 @@ def measure(llm: LLM, prompts: list[list[int]], steps: int, sent: list[bytes] | 
     engine.step()                                  # the prompts
     engine.step()                                  # warm-up
     tp = engine.model.tp
+    before = dict(engine.runner.steps)
     times, comm, reduces = [], [], []
     for _ in range(steps):
         c0, n0 = (tp.comm_seconds, tp.num_all_reduces) if tp else (0.0, 0)
@@ -74,11 +76,12 @@ def measure(llm: LLM, prompts: list[list[int]], steps: int, sent: list[bytes] | 
         if tp:
             comm.append(tp.comm_seconds - c0)
             reduces.append(tp.num_all_reduces - n0)
+    ran = sorted(name for name, n in engine.runner.steps.items() if n > before.get(name, 0))
     while engine.has_unfinished_requests():
         engine.step()
     step = statistics.median(times)
     comm_s = statistics.median(comm) if comm else 0.0
-    out = {"step_ms": step * 1e3, "comm_ms": comm_s * 1e3, "compute_ms": (step - comm_s) * 1e3,
+    out = {"executors": ran, "step_ms": step * 1e3, "comm_ms": comm_s * 1e3, "compute_ms": (step - comm_s) * 1e3,
            "all_reduces_per_step": reduces[0] if reduces else 0, "comm_share": comm_s / step}
     if sent:
         out["message"] = sent[-1]      # the last step's (taken out before the JSON is written)
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
                       num_scheduler_steps=1, num_kv_blocks=max(batches) * -(-(args.prompt_len + steps + 8) // 16),
                       skip_tokenizer_init=True)
             sent: list[bytes] = []
-            if llm.engine.workers is not None:
+            if name == "tp2":                   # its step messages, for the channels to carry
                 _recording(llm.engine.workers.channel, sent)
             try:
                 res["runs"][name] = {str(b): measure(llm, random_prompts(b, args.prompt_len, shape["vocab_size"], b),
@@ -213,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
                 llm.shutdown()
     messages = {b: res["runs"]["tp2"][str(b)].pop("message") for b in batches}
     res["channels"] = measure_channels(messages, args.channel_repeats or (20 if args.quick else 100))
-    rows = [[name, str(b), f"{r['step_ms']:.1f}", f"{r['compute_ms']:.1f}", f"{r['comm_ms']:.1f}",
+    rows = [[name, ",".join(r["executors"]), str(b), f"{r['step_ms']:.1f}", f"{r['compute_ms']:.1f}", f"{r['comm_ms']:.1f}",
              f"{r['comm_share']:.0%}", str(r["all_reduces_per_step"])]
             for name, by_batch in res["runs"].items() for b, r in ((int(k), v) for k, v in by_batch.items())]
-    print_table(["run", "batch", "step ms", "compute ms", "collectives ms", "share", "all-reduces/step"], rows)
+    print_table(["run", "executor", "batch", "step ms", "compute ms", "collectives ms", "share", "all-reduces/step"], rows)
     print("\nrank 0's step message to a worker (medians):")
     rows = [[c, b, f"{r['bytes'] / 1024:.1f}", f"{r['send_ms']:.3f}", f"{r['delivered_ms']:.3f}",
              f"{r['load_ms']:.3f}"] for c, by_batch in res["channels"].items() for b, r in by_batch.items()]

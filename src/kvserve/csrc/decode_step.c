@@ -16,6 +16,10 @@
  * to the order of the sums. The rows that go into and come out of the GEMMs stay bfloat16 (see
  * widen): converting them in passes of their own would read and write every row twice more, each
  * pass behind a barrier.
+ *
+ * Under tensor parallelism each rank runs the step on its shard (Model), the team stopping where the layers'
+ * partial sums are summed over the ranks (the model's all_reduce, the caller's collective), as the eager model
+ * does between its ops.
  */
 #include <omp.h>
 #include <stddef.h>
@@ -38,6 +42,13 @@ typedef struct {
     int64_t window;                                           /* its sliding window, or 0: full attention */
 } Layer;
 
+/* Under tensor parallelism: `count` numbers of dtype at rows summed over the ranks, in place; 0, or nonzero where
+ * the collective failed. */
+typedef int (*AllReduce)(void *rows, int64_t count, int dtype);
+
+/* A model, or under tensor parallelism one rank's shard of it (kvserve.distributed): its heads, its share of the
+ * intermediate size and its vocab rows from vocab_start, all_reduce summing the ranks' partial sums (the
+ * embedding's lookups, o's and down's products), and the logits those of its vocab rows; NULL without. */
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, dtype;
     int num_blocks, block_size;
@@ -45,6 +56,8 @@ typedef struct {
     const void *embed, *norm;      /* embed NULL: the rows of lm_head's packed weight (tied embeddings) */
     Proj lm_head;
     const Layer *layers;
+    int64_t vocab_start;
+    AllReduce all_reduce;
 } Model;
 
 /* The structs' layout, which the Python side's ctypes copies must repeat (kvserve.kernels.check_layout):
@@ -63,7 +76,8 @@ static const struct {
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
     FIELD(Model, num_kv_heads), FIELD(Model, head_dim), FIELD(Model, intermediate), FIELD(Model, vocab),
     FIELD(Model, dtype), FIELD(Model, num_blocks), FIELD(Model, block_size), FIELD(Model, eps), FIELD(Model, scale),
-    FIELD(Model, embed), FIELD(Model, norm), FIELD(Model, lm_head), FIELD(Model, layers),
+    FIELD(Model, embed), FIELD(Model, norm), FIELD(Model, lm_head), FIELD(Model, layers), FIELD(Model, vocab_start),
+    FIELD(Model, all_reduce),
 };
 #undef SIZE_OF
 #undef FIELD
@@ -258,6 +272,20 @@ static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t
     return 0;
 }
 
+/* Under tensor parallelism, rows (`count` numbers of gdt) summed over the ranks: by the thread that called the
+ * step (the one that holds the caller's interpreter), while the team waits at the barrier. Float rows of a bfloat16
+ * model are rounded as the eager model's all-reduce of its bfloat16 rows rounds them. Once one fails (the step is
+ * then discarded, and its caller raises why), the rest are skipped. Called from every thread. */
+static void all_reduce(const Model *m, void *rows, int64_t count, int gdt, int *broken) {
+    #pragma omp master
+    {
+        if (!*broken && m->all_reduce(rows, count, gdt)) *broken = 1;
+        if (gdt == F32 && m->dtype != F32)
+            for (int64_t i = 0; i < count; i++) ((float *)rows)[i] = as_dtype(((float *)rows)[i], m->dtype);
+    }
+    #pragma omp barrier
+}
+
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
  * token each at `positions`, writing their K/V at `slots` and attending over their pages. 0, or -1
  * where memory ran out (the logits and the step's K/V are then not all written). */
@@ -280,18 +308,24 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
     float *gate_up = gemm ? NULL : malloc(sizeof(float) * n * 2 * inter);
     float *y = gemm ? NULL : malloc(sizeof(float) * n * m->vocab);
     float *rows = malloc(sizeof(float) * widest * threads);                  /* a float row per thread */
-    int failed = !x || !a || !b || !qkv || (!gemm && (!gate_up || !y)) || !rows;
+    int failed = !x || !a || !b || !qkv || (!gemm && (!gate_up || !y)) || !rows, broken = 0;
     if (failed) goto done;
     for (int t = 0; t < n; t++) {
+        const int64_t id = input_ids[t] - m->vocab_start;
+        if (id < 0 || id >= m->vocab) {         /* another rank's row: its lookup, summed with ours */
+            memset(x + (size_t)t * hdim, 0, sizeof(float) * hdim);
+            continue;
+        }
 #if AVX512_BW_VL
         if (!m->embed) {            /* the table's only copy is the tied lm_head's packed weight */
             const Proj *head = &m->lm_head;
-            gemm_row(head->packed, head->scales, head->kind, dt, hdim, input_ids[t], x + (size_t)t * hdim);
+            gemm_row(head->packed, head->scales, head->kind, dt, hdim, id, x + (size_t)t * hdim);
             continue;
         }
 #endif
-        for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
+        for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, id * hdim + i);
     }
+    if (m->all_reduce && m->all_reduce(x, (int64_t)n * hdim, F32)) broken = 1;
     #pragma omp parallel num_threads(threads)
     {
         float *row = rows + (size_t)omp_get_thread_num() * widest;
@@ -311,6 +345,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
                         failed = 1;
                     }
             project(&l->o, 0, dt, a, n, q_size, hdim, b);
+            if (m->all_reduce) all_reduce(m, b, (int64_t)n * hdim, gdt, &broken);
             #pragma omp for schedule(static)
             for (int t = 0; t < n; t++) add_and_norm(m, x, t, b, l->post_norm, a, gdt, row);
             if (gemm) {
@@ -325,6 +360,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
                     }
             }
             project(&l->down, 0, dt, b, n, inter, hdim, a);
+            if (m->all_reduce) all_reduce(m, a, (int64_t)n * hdim, gdt, &broken);
             /* the residual, and the next layer's input norm (or the final norm) */
             const void *norm = li + 1 < m->num_layers ? m->layers[li + 1].input_norm : m->norm;
             #pragma omp for schedule(static)
@@ -344,7 +380,8 @@ done:
 /* `steps` greedy decode steps of n sequences in one call: each step's argmax is the next step's input, and
  * its K/V go at the next slot of the sequence's table, which holds blocks for all the steps. input_ids,
  * positions and context_lens are the first step's, and advance in place; tokens [steps][n]; logits: room
- * for one step's. 0, or -1 where memory ran out (the steps stop there). */
+ * for one step's. 0, or -1 where memory ran out (the steps stop there). Not for a tensor-parallel shard: the
+ * argmax is over its own vocab rows. */
 int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions,
                   const int64_t *block_tables, int table_width, int64_t *context_lens, const float *cos_table,
                   const float *sin_table, void *logits, int64_t *tokens, int threads) {

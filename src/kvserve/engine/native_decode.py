@@ -42,13 +42,18 @@ class _Layer(ctypes.Structure):
                 ("window", ctypes.c_int64)]
 
 
+KIND_DTYPES = {kind: dtype for dtype, kind in DTYPE_KINDS.items()}
+# rows, count, dtype kind -> 0, or nonzero where the collective failed
+_ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+
+
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
                                                     "head_dim", "intermediate", "vocab", "dtype",
                                                     "num_blocks", "block_size")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("vocab_start", ctypes.c_int64), ("all_reduce", _ALL_REDUCE)]
 
 
 def lacks(cfg: ModelConfig) -> list[str]:
@@ -99,9 +104,32 @@ def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
+class _RankReduce:
+    """The C step's all_reduce on a tensor-parallel rank: the rows summed by the rank's collective (TensorParallel),
+    and the error of one that failed kept for the step's caller to raise (a callback's exception would not cross
+    the C code)."""
+
+    def __init__(self, tp):
+        self.tp = tp
+        self.error: BaseException | None = None
+        self.callback = _ALL_REDUCE(self)
+
+    def __call__(self, rows: int, count: int, kind: int) -> int:
+        try:
+            dtype = KIND_DTYPES[kind]
+            buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(rows)
+            self.tp.all_reduce(torch.frombuffer(buffer, dtype=dtype))
+            return 0
+        except BaseException as e:  # noqa: BLE001  (raised by NativeDecode.run once the C step returns)
+            self.error = e
+            return 1
+
+
 class NativeDecode:
     """The model's weights and cache pages as the C step reads them, `run` for one step and `run_steps`
-    for several; `steps` counts the decode steps run."""
+    for several; `steps` counts the decode steps run. A tensor-parallel rank's shard runs its step with the
+    all-reduces between its layers' halves, and its logits are gathered to rank 0 (not run_steps: each step's
+    argmax would be over one rank's vocab rows)."""
 
     @staticmethod
     def reads(model: CausalLM) -> bool:
@@ -122,6 +150,8 @@ class NativeDecode:
                              f"got {sorted({m.weight_format for m in linears})}")
         if lacks(cfg):
             raise ValueError(f"the C decode step does not compute {', '.join(lacks(cfg))} ({cfg.architecture})")
+        tp, cfg = model.tp, model.shard_config         # (the whole model's config without tensor parallelism)
+        self.reduce = None if tp is None else _RankReduce(tp)
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
         layers = []
         for index, layer in enumerate(model.model.layers):
@@ -136,13 +166,15 @@ class NativeDecode:
                            cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[model.lm_head.weight.dtype],
                            storage.num_blocks, storage.block_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5,
                            _table(model), _address(model.model.norm.weight),
-                           _proj(model.lm_head), self._layers)
+                           _proj(model.lm_head), self._layers, 0 if tp is None else tp.rank * cfg.vocab_size,
+                           _ALL_REDUCE() if tp is None else self.reduce.callback)
         # the packed GEMMs take any batch; the matrix-vector products only small ones
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
+        """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache. A tensor-parallel rank:
+        rank 0 the whole vocab's, gathered; the others None. A failed collective is raised."""
         n = len(input_ids)
         rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
@@ -150,13 +182,20 @@ class NativeDecode:
                 batch.block_tables.data_ptr(), batch.block_tables.shape[1], batch.context_lens.data_ptr(),
                 rope.cos.data_ptr(), rope.sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         self.steps += 1
-        return logits
+        if self.reduce is None:
+            return logits
+        if self.reduce.error is not None:
+            error, self.reduce.error = self.reduce.error, None
+            raise error
+        return self.model.tp.gather_logits(logits, self.model.config.vocab_size)
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                   steps: int) -> torch.Tensor:
         """Tokens [steps, n] of `steps` greedy decode steps of n sequences, each step's argmax the next one's
         input (their block tables hold blocks for all the steps); input_ids, positions and the batch's
         context_lens advance in place."""
+        if self.reduce is not None:
+            raise ValueError("run_steps: a tensor-parallel rank's argmax would be over its own vocab rows")
         n = len(input_ids)
         rope = self.model.rope
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)

@@ -28,7 +28,7 @@ import struct
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -65,6 +65,9 @@ class WorkerArgs:
     attention_backend: str
     cpu_allocator_tuning: bool
     weight_format: str                  # rank 0's GEMM choice (model/gemm_choice.py)
+    # rank 0's layers' rows from which csrc/gemm.c runs AMX (GemmChoice.amx_from)
+    amx_from: dict[str, int] = field(default_factory=dict)
+    native: bool = False                # the C decode step runs the steps rank 0 marks native (native_tp)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class StepMessage:
     inputs: object                                   # executor.StepInputs
     residuals: dict[int, tuple[int, list[int]]] | None   # quantized pool: block -> (its list's id on rank 0, blocks)
     storage_ops: list[tuple[str, tuple, dict | None]]    # (KVStorage method, its arguments, residuals then)
+    native: bool = False                             # run by the C decode step (executor native_tp), else eager
 
 
 class ForwardedStorage:
@@ -287,11 +291,12 @@ class Workers:
         """A change to the pool for the workers to make before their next step (ForwardedStorage)."""
         self._storage_ops.append((method, args, self._residuals_now()))
 
-    def send_step(self, block_copies: list[tuple[int, int]], inputs) -> None:
-        """Send a step to every worker (after check_alive): they run it as soon as it arrives."""
+    def send_step(self, block_copies: list[tuple[int, int]], inputs, native: bool = False) -> None:
+        """Send a step to every worker (after check_alive): they run it as soon as it arrives, by the C decode step
+        where `native`, else op by op."""
         self.check_alive()
         ops, self._storage_ops = self._storage_ops, []
-        data = _dumps(StepMessage(block_copies, inputs, self._residuals_now(), ops))
+        data = _dumps(StepMessage(block_copies, inputs, self._residuals_now(), ops, native))
         try:
             if self.channel is not None:
                 self.channel.send(data, self.conns, self.check_alive)
@@ -367,7 +372,9 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
            channel: str | None) -> None:
     from kvserve.attention import get_backend
     from kvserve.engine.cpu_memory import reuse_freed_memory
+    from kvserve.engine.native_decode import NativeDecode
     from kvserve.kernels import library
+    from kvserve.model.gemm_choice import GemmChoice
     from kvserve.model.loader import load_model
 
     device = torch.device(args.device)
@@ -386,10 +393,12 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         tp = init_group(rank, size, *address, device)
     model = load_model(args.model_path, args.model_config, args.dtype, device, args.max_model_len, args.weight_format,
                        tp=tp)
+    GemmChoice(args.weight_format, "rank 0's", args.amx_from).apply(model)
     backend = get_backend(args.attention_backend, device)
     kind, spec, num_blocks = _loads(conn.recv_bytes(), device)
     residuals: dict[int, list[int]] = {}
     storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device, residuals)
+    native = NativeDecode(model, storage) if args.native else None
     steps = ShmChannel(size - 1, channel) if channel is not None else None
     conn.send_bytes(_dumps(("ready", None)))
     lists: dict[int, list[int]] = {}               # rank 0's residual lists by their id there -> ours
@@ -403,7 +412,7 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
             getattr(storage, method)(*op_args)
         if msg.residuals is not None:
             lists = _sync_residuals(residuals, msg.residuals, lists)
-        _run_step(model, backend, storage, msg)
+        _run_step(model, backend, storage, native, msg)
 
 
 # ---- torchrun --------------------------------------------------------------------------------------
@@ -519,15 +528,18 @@ def _sync_residuals(residuals: dict[int, list[int]], sent: dict[int, tuple[int, 
 
 
 @torch.inference_mode()
-def _run_step(model, backend, storage: KVStorage | NoKVStorage, msg: StepMessage) -> None:
-    """Rank 0's step on this rank's shard: the same block copies and writes, the same forward (its collectives
-    meet rank 0's), and this rank's vocabulary shard of the logits and its heads' attention mass gathered to
-    rank 0."""
+def _run_step(model, backend, storage: KVStorage | NoKVStorage, native, msg: StepMessage) -> None:
+    """Rank 0's step on this rank's shard: the same block copies and writes, the same forward (by `native`, the
+    C step, where rank 0 runs it so; its collectives meet rank 0's), and this rank's vocabulary shard of the
+    logits and its heads' attention mass gathered to rank 0."""
     inputs = msg.inputs
     storage.copy_blocks(msg.block_copies)
     if isinstance(storage, KVStorage) and storage.quantized:
         inputs.batch.kv_write = storage.plan_writes(*inputs.kv_writes)
     model.ensure_rope(int(inputs.positions.max()) + 1)
+    if msg.native:
+        native.run(inputs.input_ids, inputs.positions, inputs.batch)
+        return
     batch = inputs.batch
     hidden = model(inputs.input_ids, inputs.positions, batch, backend, storage)
     model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
