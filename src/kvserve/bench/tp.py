@@ -3,7 +3,8 @@
 Each row is a batch of greedy decodes on a random-weight model shaped like a real one (by default
 TinyLlama's: hidden 2048, 22 layers, 32 heads, 4 KV heads). TP=1 and TP=2 each run twice: by their
 default executor (on the CPU the native C step; at TP=2 on every rank, native_tp, with the all-reduces
-between its layers' halves) and op by op (enforce_eager: eager, and at TP=2 eager_tp). Rank 0
+between its layers' halves) and op by op (enforce_eager: eager, and at TP=2 eager_tp); TP=2's two engines
+live together and take turns, a step each, so that the load of a shared machine moves both alike. Rank 0
 times its collectives (kvserve.distributed.TensorParallel.comm_seconds): that time includes waiting
 for the slower rank, so it is an upper bound of the pure communication. Two ranks sharing a few CPU
 cores are not faster than one; docs/performance.md projects what the all-reduce count costs on GPUs.
@@ -40,14 +41,15 @@ NAME = "tp"
 # TinyLlama-1.1B's shape
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22, "num_heads": 32, "num_kv_heads": 4,
          "vocab_size": 32000}
-RUNS = (("tp1", 1, False), ("tp1_eager", 1, True), ("tp2", 2, False), ("tp2_eager", 2, True))
+# (name, ranks, enforce_eager) of the engines measured together
+RUNS = ((("tp1", 1, False),), (("tp1_eager", 1, True),), (("tp2", 2, False), ("tp2_eager", 2, True)))
 CHANNELS = ("shm", "pipe", "store", "broadcast")
 STEP_GAP = 1e-3          # seconds between two messages: rank 0 sampling and scheduling the next step
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,64", help="comma-separated decode batch sizes")
-    p.add_argument("--steps", type=int, default=None, help="decode steps timed per batch (default 8; quick: 3)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps timed per batch (default 8; quick: 5)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--channel-repeats", type=int, default=None,
                    help="step messages timed per channel and batch size (default 100; quick: 20)")
@@ -56,35 +58,39 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p, SHAPE)
 
 
-def measure(llm: LLM, prompts: list[list[int]], steps: int, sent: list[bytes] | None = None) -> dict:
-    """Median decode step of the batch (after its prefill and one warm-up step), the executors that ran the steps
-    timed, and rank 0's collectives per step (none at TP=1); with `sent` (a TP run's messages), the last one."""
-    engine = llm.engine
+def measure(llms: dict[str, LLM], prompts: list[list[int]], steps: int, sent: list[bytes] | None = None) -> dict:
+    """Per engine (by name), the median decode step of the batch (after its prefill and one warm-up step), the
+    executors that ran the steps timed, and rank 0's collectives per step (none at TP=1). The engines take turns,
+    a step each, so that the machine's load moves them alike. With `sent` (a TP run's messages), the last one."""
     params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"tp{i}", {"prompt_token_ids": prompt}, params)
-    engine.step()                                  # the prompts
-    engine.step()                                  # warm-up
-    tp = engine.model.tp
-    before = dict(engine.runner.steps)
-    times, comm, reduces = [], [], []
+    for llm in llms.values():
+        for i, prompt in enumerate(prompts):
+            llm.engine.add_request(f"tp{i}", {"prompt_token_ids": prompt}, params)
+        llm.engine.step()                          # the prompts
+        llm.engine.step()                          # warm-up
+    before = {name: dict(llm.engine.runner.steps) for name, llm in llms.items()}
+    times, comm, reduces = ({name: [] for name in llms} for _ in range(3))
     for _ in range(steps):
-        c0, n0 = (tp.comm_seconds, tp.num_all_reduces) if tp else (0.0, 0)
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        if tp:
-            comm.append(tp.comm_seconds - c0)
-            reduces.append(tp.num_all_reduces - n0)
-    ran = sorted(name for name, n in engine.runner.steps.items() if n > before.get(name, 0))
-    while engine.has_unfinished_requests():
-        engine.step()
-    step = statistics.median(times)
-    comm_s = statistics.median(comm) if comm else 0.0
-    out = {"executors": ran, "step_ms": step * 1e3, "comm_ms": comm_s * 1e3, "compute_ms": (step - comm_s) * 1e3,
-           "all_reduces_per_step": reduces[0] if reduces else 0, "comm_share": comm_s / step}
+        for name, llm in llms.items():
+            tp = llm.engine.model.tp
+            c0, n0 = (tp.comm_seconds, tp.num_all_reduces) if tp else (0.0, 0)
+            start = time.perf_counter()
+            llm.engine.step()
+            times[name].append(time.perf_counter() - start)
+            comm[name].append(tp.comm_seconds - c0 if tp else 0.0)
+            reduces[name].append(tp.num_all_reduces - n0 if tp else 0)
+    out = {}
+    for name, llm in llms.items():
+        engine = llm.engine
+        ran = sorted(e for e, n in engine.runner.steps.items() if n > before[name].get(e, 0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        step, comm_s = statistics.median(times[name]), statistics.median(comm[name])
+        out[name] = {"executors": ran, "step_ms": step * 1e3, "comm_ms": comm_s * 1e3,
+                     "compute_ms": (step - comm_s) * 1e3, "all_reduces_per_step": reduces[name][0],
+                     "comm_share": comm_s / step}
     if sent:
-        out["message"] = sent[-1]      # the last step's (taken out before the JSON is written)
+        out[next(iter(llms))]["message"] = sent[-1]      # (taken out before the JSON is written)
     return out
 
 
@@ -191,7 +197,7 @@ def measure_channels(messages: dict[int, bytes], repeats: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    steps = args.steps or (3 if args.quick else 8)
+    steps = args.steps or (5 if args.quick else 8)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     shape = model_shape(args)
     if args.quick:
@@ -200,26 +206,34 @@ def run(args: argparse.Namespace) -> int:
     res: dict = {"model": shape, "dtype": args.dtype, "steps": steps, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
         path = make_checkpoint(Path(tmp), shape, args.prompt_len + steps + 8)
-        for name, size, eager in RUNS:
-            # one decode step a call (num_scheduler_steps=1): a step's time is one token's
-            llm = LLM(str(path), dtype=args.dtype, device=args.device, tensor_parallel_size=size,
-                      enforce_eager=eager, max_num_seqs=max(batches), enable_prefix_caching=False,
-                      num_scheduler_steps=1, num_kv_blocks=max(batches) * -(-(args.prompt_len + steps + 8) // 16),
-                      skip_tokenizer_init=True)
+        # TP=1's runs one after the other (an engine of two ranks takes this process's torch threads down to its
+        # share while it lives); TP=2's two engines together, taking turns
+        for group in RUNS:
+            llms: dict[str, LLM] = {}
             sent: list[bytes] = []
-            if name == "tp2":                   # its step messages, for the channels to carry
-                _recording(llm.engine.workers.channel, sent)
             try:
-                res["runs"][name] = {str(b): measure(llm, random_prompts(b, args.prompt_len, shape["vocab_size"], b),
-                                                     steps, sent) for b in batches}
+                for name, size, eager in group:
+                    # one decode step a call (num_scheduler_steps=1): a step's time is one token's
+                    llms[name] = LLM(str(path), dtype=args.dtype, device=args.device, tensor_parallel_size=size,
+                                     enforce_eager=eager, max_num_seqs=max(batches), enable_prefix_caching=False,
+                                     num_scheduler_steps=1, skip_tokenizer_init=True,
+                                     num_kv_blocks=max(batches) * -(-(args.prompt_len + steps + 8) // 16))
+                if "tp2" in llms:                   # its step messages, for the channels to carry
+                    _recording(llms["tp2"].engine.workers.channel, sent)
+                for b in batches:
+                    prompts = random_prompts(b, args.prompt_len, shape["vocab_size"], b)
+                    for name, r in measure(llms, prompts, steps, sent).items():
+                        res["runs"].setdefault(name, {})[str(b)] = r
             finally:
-                llm.shutdown()
+                for llm in llms.values():
+                    llm.shutdown()
     messages = {b: res["runs"]["tp2"][str(b)].pop("message") for b in batches}
     res["channels"] = measure_channels(messages, args.channel_repeats or (20 if args.quick else 100))
-    rows = [[name, ",".join(r["executors"]), str(b), f"{r['step_ms']:.1f}", f"{r['compute_ms']:.1f}", f"{r['comm_ms']:.1f}",
-             f"{r['comm_share']:.0%}", str(r["all_reduces_per_step"])]
+    rows = [[name, ",".join(r["executors"]), str(b), f"{r['step_ms']:.1f}", f"{r['compute_ms']:.1f}",
+             f"{r['comm_ms']:.1f}", f"{r['comm_share']:.0%}", str(r["all_reduces_per_step"])]
             for name, by_batch in res["runs"].items() for b, r in ((int(k), v) for k, v in by_batch.items())]
-    print_table(["run", "executor", "batch", "step ms", "compute ms", "collectives ms", "share", "all-reduces/step"], rows)
+    print_table(["run", "executor", "batch", "step ms", "compute ms", "collectives ms", "share", "all-reduces/step"],
+                rows)
     print("\nrank 0's step message to a worker (medians):")
     rows = [[c, b, f"{r['bytes'] / 1024:.1f}", f"{r['send_ms']:.3f}", f"{r['delivered_ms']:.3f}",
              f"{r['load_ms']:.3f}"] for c, by_batch in res["channels"].items() for b, r in by_batch.items()]

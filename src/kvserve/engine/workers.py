@@ -375,6 +375,7 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
     from kvserve.engine.native_decode import NativeDecode
     from kvserve.kernels import library
     from kvserve.model.gemm_choice import GemmChoice
+    from kvserve.model.layers import gemm_kernels
     from kvserve.model.loader import load_model
 
     device = torch.device(args.device)
@@ -393,6 +394,8 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         tp = init_group(rank, size, *address, device)
     model = load_model(args.model_path, args.model_config, args.dtype, device, args.max_model_len, args.weight_format,
                        tp=tp)
+    if args.weight_format == "gemm":
+        gemm_kernels(args.dtype)        # the OS grants AMX's tile state to each process that asks (as rank 0 did)
     GemmChoice(args.weight_format, "rank 0's", args.amx_from).apply(model)
     backend = get_backend(args.attention_backend, device)
     kind, spec, num_blocks = _loads(conn.recv_bytes(), device)
