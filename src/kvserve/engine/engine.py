@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
 
 
+def _rank_threads(size: int) -> int:
+    """The torch threads of one of `size` CPU ranks (rank 0's share of this process's cores)."""
+    return min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // size))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -95,7 +100,7 @@ class LLMEngine:
                              f"num_kv_blocks: the KV pool is not sized by profiling one rank's step")
         if self.device.type == "cpu":     # this process is rank 0: its share of the cores, until shutdown
             self._threads = torch.get_num_threads()
-            torch.set_num_threads(min(self._threads, max(1, (os.cpu_count() or 1) // size)))
+            torch.set_num_threads(_rank_threads(size))
         log.info("tensor parallel: %d ranks (%s); decoding %s", size, "NCCL" if self.device.type == "cuda" else "gloo",
                  "by the C step on every rank (native_tp)" if native else "op by op (eager_tp)")
         args = WorkerArgs(self.model_path, mcfg, self.dtype, self.device.type, self.max_model_len,
@@ -110,7 +115,7 @@ class LLMEngine:
         size = config.tensor_parallel_size
         if size > 1 and native:
             threads = torch.get_num_threads()
-            torch.set_num_threads(min(threads, max(1, (os.cpu_count() or 1) // size)))    # as each rank's
+            torch.set_num_threads(_rank_threads(size))        # as each rank will multiply
             try:
                 return choose_gemm(shard_config(mcfg, size), self.dtype, self.device, native, config.quantization)
             finally:

@@ -42,7 +42,7 @@ class _Layer(ctypes.Structure):
                 ("window", ctypes.c_int64)]
 
 
-KIND_DTYPES = {kind: dtype for dtype, kind in DTYPE_KINDS.items()}
+_KIND_DTYPES = {kind: dtype for dtype, kind in DTYPE_KINDS.items()}
 # rows, count, dtype kind -> 0, or nonzero where the collective failed
 _ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
 
@@ -116,7 +116,7 @@ class _RankReduce:
 
     def __call__(self, rows: int, count: int, kind: int) -> int:
         try:
-            dtype = KIND_DTYPES[kind]
+            dtype = _KIND_DTYPES[kind]
             buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(rows)
             self.tp.all_reduce(torch.frombuffer(buffer, dtype=dtype))
             return 0
