@@ -54,8 +54,10 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=1)
     one, two = _run(path, 1, params), _run(path, 2, params)
     _assert_same(one, two)
-    assert two[2]["steps"]["eager_tp"] > 0 and two[2]["tensor_parallel_size"] == 2
-    assert two[2]["gemm"]["source"].startswith("tensor parallel, 2 ranks")     # the GEMMs say why they were not timed
+    # the decodes by the C step on every rank, with the all-reduces between its layers; the prompts op by op
+    assert two[2]["steps"]["native_tp"] > 0 and two[2]["steps"]["eager_tp"] > 0
+    assert two[2]["tensor_parallel_size"] == 2
+    assert two[2]["gemm"]["weight_format"] == "gemm"      # csrc/gemm.c's panels, which the C step reads
     # each rank's pool holds its KV heads: half the bytes of one rank's, unless its one KV head is replicated
     replicated = overrides.get("num_key_value_heads") == 1
     assert two[2]["kv_cache_bytes"] * (1 if replicated else 2) == one[2]["kv_cache_bytes"]
@@ -201,11 +203,42 @@ def test_bench_tp_counts_each_steps_collectives(tmp_path):
     out = tmp_path / "tp.json"
     assert main(["bench", "tp", "--quick", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2",
                  "--num-heads", "4", "--num-kv-heads", "2", "--vocab-size", "384", "--batch-sizes", "1,2",
-                 "--steps", "1", "--dtype", "float32", "--json", str(out)]) == 0
-    runs = json.loads(out.read_text())["runs"]
-    assert {r["all_reduces_per_step"] for r in runs["tp2"].values()} == {2 * 2 + 1}
-    assert all(r["comm_ms"] > 0 for r in runs["tp2"].values())
+                 "--steps", "1", "--dtype", "float32", "--channel-repeats", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    for run, executor in (("tp2", "native_tp"), ("tp2_eager", "eager_tp")):
+        assert all(r["executors"] == [executor] for r in runs[run].values())
+        assert {r["all_reduces_per_step"] for r in runs[run].values()} == {2 * 2 + 1}
+        assert all(r["comm_ms"] > 0 for r in runs[run].values())
     assert all(r["all_reduces_per_step"] == 0 and r["comm_ms"] == 0 for r in runs["tp1"].values())
+    # the step message of each batch through every channel, the same bytes each way
+    channels = res["channels"]
+    assert set(channels) == {"shm", "pipe", "store", "broadcast"}
+    for batch in ("1", "2"):
+        assert len({c[batch]["bytes"] for c in channels.values()}) == 1
+        assert all(c[batch]["delivered_ms"] > c[batch]["load_ms"] > 0 for c in channels.values())
+
+
+def test_shm_channel_carries_steps_and_sends_larger_ones_and_exit_through_the_pipe():
+    """ShmChannel: each message once, in order, from the buffer; one larger than the buffer from the pipe (the
+    header says so); a message in the pipe wakes a reader that waits."""
+    import multiprocessing
+
+    from kvserve.engine.workers import ShmChannel
+
+    ours, theirs = multiprocessing.Pipe()
+    writer = ShmChannel(1, capacity=64)
+    reader = ShmChannel(1, writer.name)
+    try:
+        for data in (b"step one", b"x" * 65, b"step three"):
+            writer.send(data, [ours], lambda: None)
+            assert reader.recv(0, theirs) == data
+            assert not theirs.poll(0)                  # nothing left over in the pipe
+        ours.send_bytes(b"exit")
+        assert reader.recv(0, theirs) == b"exit"
+    finally:
+        reader.close()
+        writer.close(unlink=True)
 
 
 def test_torchrun_launches_the_ranks(tiny_llama, capsys):

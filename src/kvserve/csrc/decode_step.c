@@ -18,6 +18,10 @@
  * to the order of the sums. The rows that go into and come out of the GEMMs stay bfloat16 (see
  * widen): converting them in passes of their own would read and write every row twice more, each
  * pass behind a barrier.
+ *
+ * Under tensor parallelism each rank runs the step on its shard (Model), the team stopping where the layers'
+ * partial sums are summed over the ranks (the model's all_reduce, the caller's collective), as the eager model
+ * does between its ops.
  */
 #include <omp.h>
 #include <stddef.h>
@@ -44,6 +48,13 @@ typedef struct {
     const void *pre_ff_norm, *post_ff_norm;
 } Layer;
 
+/* Under tensor parallelism: `count` numbers of dtype at rows summed over the ranks, in place; 0, or nonzero where
+ * the collective failed. */
+typedef int (*AllReduce)(void *rows, int64_t count, int dtype);
+
+/* A model, or under tensor parallelism one rank's shard of it (kvserve.distributed): its heads, its share of the
+ * intermediate size and its vocab rows from vocab_start, all_reduce summing the ranks' partial sums (the
+ * embedding's lookups, o's and down's products), and the logits those of its vocab rows; NULL without. */
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, vocab, dtype;
     int num_blocks, block_size;
@@ -54,6 +65,8 @@ typedef struct {
     const void *embed, *norm;      /* embed NULL: the rows of lm_head's packed weight (tied embeddings) */
     Proj lm_head;
     const Layer *layers;
+    int64_t vocab_start;
+    AllReduce all_reduce;
 } Model;
 
 /* The structs' layout, which the Python side's ctypes copies must repeat (kvserve.kernels.check_layout):
@@ -76,7 +89,8 @@ static const struct {
     FIELD(Model, dtype), FIELD(Model, num_blocks), FIELD(Model, block_size), FIELD(Model, eps), FIELD(Model, scale),
     FIELD(Model, gelu), FIELD(Model, gemma_norms), FIELD(Model, embed_scale), FIELD(Model, attn_cap),
     FIELD(Model, logit_cap),
-    FIELD(Model, embed), FIELD(Model, norm), FIELD(Model, lm_head), FIELD(Model, layers),
+    FIELD(Model, embed), FIELD(Model, norm), FIELD(Model, lm_head), FIELD(Model, layers), FIELD(Model, vocab_start),
+    FIELD(Model, all_reduce),
 };
 #undef SIZE_OF
 #undef FIELD
@@ -289,6 +303,20 @@ static inline float soft_cap(float x, float cap, int dtype) {
     return as_dtype(as_dtype(tanhf(as_dtype(x / cap, dtype)), dtype) * cap, dtype);
 }
 
+/* Under tensor parallelism, rows (`count` numbers of gdt) summed over the ranks: by the thread that called the
+ * step (the one that holds the caller's interpreter), while the team waits at the barrier. Float rows of a bfloat16
+ * model are rounded as the eager model's all-reduce of its bfloat16 rows rounds them. Once one fails (the step is
+ * then discarded, and its caller raises why), the rest are skipped. Called from every thread. */
+static void all_reduce(const Model *m, void *rows, int64_t count, int gdt, int *broken) {
+    #pragma omp master
+    {
+        if (!*broken && m->all_reduce(rows, count, gdt)) *broken = 1;
+        if (gdt == F32 && m->dtype != F32)
+            for (int64_t i = 0; i < count; i++) ((float *)rows)[i] = as_dtype(((float *)rows)[i], m->dtype);
+    }
+    #pragma omp barrier
+}
+
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
  * token each at `positions`, attending over their pages. A hybrid cache (kv/hybrid.py) has a block table
  * per layer group: layer l writes its K/V at slots[g][t] and reads block_tables[g] ([n][table_widths[g]])
@@ -317,19 +345,25 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
     void *gate_up = fused ? NULL : malloc(es * n * 2 * inter);
     float *y = gemm ? NULL : malloc(sizeof(float) * n * m->vocab);
     float *rows = malloc(sizeof(float) * 2 * widest * threads);              /* two float rows per thread */
-    int failed = !x || !a || !b || !qkv || (!fused && !gate_up) || (!gemm && !y) || !rows;
+    int failed = !x || !a || !b || !qkv || (!fused && !gate_up) || (!gemm && !y) || !rows, broken = 0;
     if (failed) goto done;
     for (int t = 0; t < n; t++) {
+        const int64_t id = input_ids[t] - m->vocab_start;
+        if (id < 0 || id >= m->vocab) {         /* another rank's row: its lookup, summed with ours */
+            memset(x + (size_t)t * hdim, 0, sizeof(float) * hdim);
+            continue;
+        }
 #if AVX512_BW_VL
         if (!m->embed) {            /* the table's only copy is the tied lm_head's packed weight */
             const Proj *head = &m->lm_head;
-            gemm_row(head->packed, head->scales, head->kind, dt, hdim, input_ids[t], x + (size_t)t * hdim);
+            gemm_row(head->packed, head->scales, head->kind, dt, hdim, id, x + (size_t)t * hdim);
         } else
 #endif
-        for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, input_ids[t] * hdim + i);
+        for (int i = 0; i < hdim; i++) x[t * hdim + i] = param(m->embed, dt, id * hdim + i);
         if (m->embed_scale != 1.0f)
             for (int i = 0; i < hdim; i++) x[t * hdim + i] = as_dtype(x[t * hdim + i] * m->embed_scale, dt);
     }
+    if (m->all_reduce && m->all_reduce(x, (int64_t)n * hdim, F32)) broken = 1;
     #pragma omp parallel num_threads(threads)
     {
         float *row = rows + (size_t)omp_get_thread_num() * 2 * widest;
@@ -352,6 +386,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
                         failed = 1;
                     }
             project(&l->o, 0, dt, a, n, q_size, hdim, b);
+            if (m->all_reduce) all_reduce(m, b, (int64_t)n * hdim, gdt, &broken);
             /* Gemma: the attention's output normed (post_norm) before it joins the stream, the MLP's input
              * by pre_ff_norm */
             const void *before = l->pre_ff_norm ? l->post_norm : NULL;
@@ -371,6 +406,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
                     }
             }
             project(&l->down, 0, dt, b, n, inter, hdim, a);
+            if (m->all_reduce) all_reduce(m, a, (int64_t)n * hdim, gdt, &broken);
             /* the residual (Gemma: the MLP's output normed first), and the next layer's input norm (or the
              * final norm) */
             const void *next = li + 1 < m->num_layers ? m->layers[li + 1].input_norm : m->norm;
@@ -399,7 +435,7 @@ done:
  * its K/V go at the next slot of the sequence's table in each of the `groups` layer groups (decode_step),
  * whose tables hold blocks for all the steps. input_ids, positions and context_lens are the first step's,
  * and advance in place; tokens [steps][n]; logits: room for one step's. 0, or -1 where memory ran out (the
- * steps stop there). */
+ * steps stop there). Not for a tensor-parallel shard: the argmax is over its own vocab rows. */
 int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions, int groups,
                   const int64_t *const *block_tables, const int *table_widths, int64_t *context_lens,
                   const float *cos_table, const float *sin_table, const float *local_cos, const float *local_sin,

@@ -14,7 +14,7 @@ import torch
 
 from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvserve.distributed import check_tensor_parallel
+from kvserve.distributed import check_tensor_parallel, shard_config
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
 
 
+def _rank_threads(size: int) -> int:
+    """The torch threads of one of `size` CPU ranks (rank 0's share of this process's cores)."""
+    return min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // size))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -62,7 +67,7 @@ class LLMEngine:
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
         self.gemm = self._choose_gemm(config, mcfg, native)
         self._threads: int | None = None                # torch's threads before rank 0 took its share
-        self.workers = self._start_workers(config, mcfg)
+        self.workers = self._start_workers(config, mcfg, native)
         try:
             self._load(config, mcfg, native)
         except BaseException:
@@ -83,9 +88,9 @@ class LLMEngine:
         self.prompt_logits_hook: Callable[[list[Sequence], torch.Tensor, list], None] | None = None
         self._seq_ids = count()
 
-    def _start_workers(self, config: EngineConfig, mcfg: ModelConfig) -> Workers | None:
+    def _start_workers(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> Workers | None:
         """Under tensor parallelism, the other ranks, started (they load their shards while this process loads
-        its own); else None."""
+        its own, and build the C decode step where `native`); else None."""
         size = config.tensor_parallel_size
         if size == 1:
             return None
@@ -95,20 +100,29 @@ class LLMEngine:
                              f"num_kv_blocks: the KV pool is not sized by profiling one rank's step")
         if self.device.type == "cpu":     # this process is rank 0: its share of the cores, until shutdown
             self._threads = torch.get_num_threads()
-            torch.set_num_threads(min(self._threads, max(1, (os.cpu_count() or 1) // size)))
-        log.info("tensor parallel: %d ranks (%s); decoding op by op (eager_tp): the native C step and CUDA graphs "
-                 "do not run under tensor parallelism", size, "NCCL" if self.device.type == "cuda" else "gloo")
+            torch.set_num_threads(_rank_threads(size))
+        log.info("tensor parallel: %d ranks (%s); decoding %s", size, "NCCL" if self.device.type == "cuda" else "gloo",
+                 "by the C step on every rank (native_tp)" if native else "op by op (eager_tp)")
         args = WorkerArgs(self.model_path, mcfg, self.dtype, self.device.type, self.max_model_len,
-                          config.attention_backend, config.cpu_allocator_tuning, self.gemm.weight_format)
+                          config.attention_backend, config.cpu_allocator_tuning, self.gemm.weight_format,
+                          self.gemm.amx_from, native)
         return Workers(size, args, self.device)
 
     def _choose_gemm(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> GemmChoice:
-        """How the linear layers multiply (model/gemm_choice.py). Under tensor parallelism every rank holds
-        oneDNN's packing (on the CPU), unmeasured: the ranks share the cores, and no native step reads csrc/gemm.c's
-        panels there."""
-        if config.tensor_parallel_size > 1:
+        """How the linear layers multiply (model/gemm_choice.py). Under tensor parallelism with the native step,
+        chosen as for one rank, on a rank's shapes and share of the cores; without it, unmeasured: oneDNN's packing
+        on the CPU (torch's GEMMs on CUDA) on every rank."""
+        size = config.tensor_parallel_size
+        if size > 1 and native:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(_rank_threads(size))        # as each rank will multiply
+            try:
+                return choose_gemm(shard_config(mcfg, size), self.dtype, self.device, native, config.quantization)
+            finally:
+                torch.set_num_threads(threads)
+        if size > 1:
             cpu = self.device.type == "cpu"
-            return GemmChoice("onednn" if cpu else "plain", f"tensor parallel, {config.tensor_parallel_size} ranks: "
+            return GemmChoice("onednn" if cpu else "plain", f"tensor parallel, {size} ranks: "
                               f"{'oneDNN' if cpu else 'torch'}'s GEMMs on every rank, not measured")
         return choose_gemm(mcfg, self.dtype, self.device, native, config.quantization)   # measured, or cached
 

@@ -8,12 +8,15 @@ and its runner runs each step on the first of them that supports it, in this ord
   native              one decode step in one C call (csrc/decode_step.c); CPU
   cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
   eager               the model op by op, by its attention backend: any step
-  eager_tp            eager on every rank of a tensor-parallel engine (tensor_parallel_size > 1): rank 0
-                      sends the step to the other ranks (engine/workers.py), then all run their shards
+  native_tp           native on every rank of a tensor-parallel engine (tensor_parallel_size > 1) on the
+                      CPU: rank 0 sends the step to the other ranks (engine/workers.py), then each runs its
+                      shard's C step, which stops for the all-reduces between the layers' halves
+  eager_tp            eager on every rank of a tensor-parallel engine: any step
 
-Under tensor parallelism eager_tp is the only executor: the native C step runs whole layers with no
-all-reduce between, and CUDA graphs are not captured over collectives, so both fall back to op by op
-(the engine logs it at start-up; stats()["steps"] counts eager_tp).
+Under tensor parallelism the C step runs per layer with the all-reduces between (native_tp), chosen over
+op by op by measurement (`kvserve bench tp`, docs/performance.md's tp section); not several steps in one
+call (each step's argmax needs every rank's logits), and CUDA graphs are not captured over collectives:
+on CUDA every step runs eager_tp.
 
 Each executor's `supports` holds all its conditions on a step; the functions before build_executors,
 those on the engine for it to be built at all. The runner counts the steps each executor ran
@@ -214,10 +217,38 @@ class Eager:
         return _logits(self.model, hidden, inputs)
 
 
+def _on_every_rank(workers, step: Step, native: bool, run: Callable[[], StepOutput]) -> StepOutput:
+    """The step sent to the workers (to run by the C step where `native`, else op by op), then rank 0's shard of it
+    by `run`. A failed step whose cause is a worker (dead, or failed) raises its WorkerFailure instead of the
+    collective's error."""
+    try:
+        workers.send_step(step.sched.block_copies, step.inputs, native)
+        return run()
+    except (RuntimeError, OSError) as e:
+        cause = workers.failure(e)
+        if cause is not None and cause is not e:
+            raise cause from e
+        raise
+
+
+class TensorParallelNative(NativeStep):
+    """NativeStep on every rank: the step goes to the workers first, then each rank runs its shard's C step, whose
+    team stops at each all-reduce between the layers' halves to meet the other ranks'; the logits are gathered
+    to rank 0."""
+
+    name = "native_tp"
+
+    def __init__(self, native: NativeDecode, workers):
+        super().__init__(native)
+        self.workers = workers                     # engine.workers.Workers
+
+    def run(self, step: Step) -> StepOutput:
+        return _on_every_rank(self.workers, step, True, lambda: NativeStep.run(self, step))
+
+
 class TensorParallelEager(Eager):
     """Eager on every rank: the step goes to the workers first, then rank 0 runs its shard; the collectives of
-    the forward meet the workers', and the logits are gathered to rank 0. A failed step whose cause is a
-    worker (dead, or failed) raises its WorkerFailure instead of the collective's error."""
+    the forward meet the workers', and the logits are gathered to rank 0."""
 
     name = "eager_tp"
 
@@ -226,35 +257,31 @@ class TensorParallelEager(Eager):
         self.workers = workers                     # engine.workers.Workers
 
     def run(self, step: Step) -> StepOutput:
+        return _on_every_rank(self.workers, step, False, lambda: self._run(step))
+
+    def _run(self, step: Step) -> StepOutput:
         inputs = step.inputs
-        try:
-            self.workers.send_step(step.sched.block_copies, inputs)
-            out = super().run(step)
-            if inputs.batch.mass_requests:      # every KV head's mass, for eviction to choose as one rank would
-                reduces = {row: reduce for row, _, _, reduce in inputs.batch.mass_requests}
-                out.attention_mass = self.model.tp.gather_mass(out.attention_mass, reduces, self.model.config)
-            return out
-        except (RuntimeError, OSError) as e:
-            cause = self.workers.failure(e)
-            if cause is not None and cause is not e:
-                raise cause from e
-            raise
+        out = Eager.run(self, step)
+        if inputs.batch.mass_requests:      # every KV head's mass, for eviction to choose as one rank would
+            reduces = {row: reduce for row, _, _, reduce in inputs.batch.mass_requests}
+            out.attention_mass = self.model.tp.gather_mass(out.attention_mass, reduces, self.model.config)
+        return out
 
 
 def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, backend) -> bool:
-    """The native executors: on the CPU unless enforce_eager, for a float32 or bfloat16 model (any family
+    """The native executors: on the CPU unless enforce_eager (under tensor parallelism on every rank, with the
+    all-reduces between the layers' halves: native_tp), for a float32 or bfloat16 model (any family
     ModelConfig reads, Gemma 2/3 and partial RoPE included, over a hybrid cache's layer groups too: the C step
     reads each layer's group's block table) whose attention the native backend runs over a full-precision paged
-    or contiguous cache, and the kernels built. What falls back to op by op, and why: tensor parallelism (the C
-    step runs whole layers, with no all-reduce between); float16 (the kernels compute in float32 or bfloat16);
-    another attention backend; a cache whose dtype is not the model's (kv_cache_dtype other than "auto": the
+    or contiguous cache, and the kernels built. What falls back to op by op, and why: float16 (the kernels
+    compute in float32 or bfloat16); another attention backend; a cache whose dtype is not the model's (kv_cache_dtype other than "auto": the
     C step writes its K/V as the model computes them, and quantized pages' writes are planned in Python);
     cache_mode "none" (no pages to write). Of the steps of an engine that has them, NativeStep.supports and
     NativeMultiStep.supports say which run natively (decodes only, for their logits). (Asked before the model
     loads, whose weights are then held as the C step reads them where the GEMM choice allows:
     model/gemm_choice.py.)"""
-    return (device.type == "cpu" and not config.enforce_eager and config.tensor_parallel_size == 1
-            and dtype in DTYPES and isinstance(backend, NativeBackend) and config.cache_mode != "none"
+    return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
+            and isinstance(backend, NativeBackend) and config.cache_mode != "none"
             and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
 
 
@@ -273,13 +300,17 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
                     max_model_len: int, num_kv_groups: int = 0, workers=None) -> list[Executor]:
     """The engine's executors, in the order a step tries them; eager, last, takes what the others do not.
     num_kv_groups: the layer groups of a hybrid cache (0: not hybrid). With `workers` (tensor parallel),
-    eager_tp alone."""
-    if workers is not None:
-        return [TensorParallelEager(model, backend, storage, workers)]
+    native_tp where the C step runs, and eager_tp."""
     executors: list[Executor] = []
+    native = None
     if native_decode_wanted(config, device, model.lm_head.weight.dtype, backend) \
             and NativeDecode.reads(model):
         native = NativeDecode(model, storage)
+    if workers is not None:
+        if native is not None:
+            executors.append(TensorParallelNative(native, workers))
+        return [*executors, TensorParallelEager(model, backend, storage, workers)]
+    if native is not None:
         if config.num_scheduler_steps > 1:
             executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,
                                              max_model_len))

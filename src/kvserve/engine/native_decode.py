@@ -48,6 +48,11 @@ class _Layer(ctypes.Structure):
                 ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p)]
 
 
+_KIND_DTYPES = {kind: dtype for dtype, kind in DTYPE_KINDS.items()}
+# rows, count, dtype kind -> 0, or nonzero where the collective failed
+_ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+
+
 class _Model(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
                                                     "head_dim", "rotary_dim", "intermediate", "vocab", "dtype",
@@ -56,7 +61,7 @@ class _Model(ctypes.Structure):
                 *((name, ctypes.c_int) for name in ("gelu", "gemma_norms")),
                 *((name, ctypes.c_float) for name in ("embed_scale", "attn_cap", "logit_cap")),
                 ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("layers", ctypes.POINTER(_Layer)), ("vocab_start", ctypes.c_int64), ("all_reduce", _ALL_REDUCE)]
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -95,9 +100,32 @@ def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
+class _RankReduce:
+    """The C step's all_reduce on a tensor-parallel rank: the rows summed by the rank's collective (TensorParallel),
+    and the error of one that failed kept for the step's caller to raise (a callback's exception would not cross
+    the C code)."""
+
+    def __init__(self, tp):
+        self.tp = tp
+        self.error: BaseException | None = None
+        self.callback = _ALL_REDUCE(self)
+
+    def __call__(self, rows: int, count: int, kind: int) -> int:
+        try:
+            dtype = _KIND_DTYPES[kind]
+            buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(rows)
+            self.tp.all_reduce(torch.frombuffer(buffer, dtype=dtype))
+            return 0
+        except BaseException as e:  # noqa: BLE001  (raised by NativeDecode.run once the C step returns)
+            self.error = e
+            return 1
+
+
 class NativeDecode:
     """The model's weights and cache pages as the C step reads them, `run` for one step and `run_steps`
-    for several; `steps` counts the decode steps run."""
+    for several; `steps` counts the decode steps run. A tensor-parallel rank's shard runs its step with the
+    all-reduces between its layers' halves, and its logits are gathered to rank 0 (not run_steps: each step's
+    argmax would be over one rank's vocab rows)."""
 
     @staticmethod
     def reads(model: CausalLM) -> bool:
@@ -116,6 +144,8 @@ class NativeDecode:
         if not self.packed and any(m.weight_format != "plain" for m in linears):
             raise ValueError("the C decode step reads every linear layer packed for csrc/gemm.c, or every one plain: "
                              f"got {sorted({m.weight_format for m in linears})}")
+        tp, cfg = model.tp, model.shard_config         # (the whole model's config without tensor parallelism)
+        self.reduce = None if tp is None else _RankReduce(tp)
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
         # a hybrid cache's layer groups (kv/hybrid.py), each with its own block tables; else one
         owner = getattr(storage, "layer_group", None) or [0] * cfg.num_layers
@@ -140,7 +170,8 @@ class NativeDecode:
                            model.model.layers[0].self_attn.scale, cfg.hidden_act != "silu", cfg.gemma_norms,
                            embed_scale, cfg.attn_logit_softcapping or 0.0, cfg.final_logit_softcapping or 0.0,
                            _table(model), _address(model.model.norm.weight),
-                           _proj(model.lm_head), self._layers)
+                           _proj(model.lm_head), self._layers, 0 if tp is None else tp.rank * cfg.vocab_size,
+                           _ALL_REDUCE() if tp is None else self.reduce.callback)
         # the packed GEMMs take any batch; the matrix-vector products only small ones
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0
@@ -162,22 +193,30 @@ class NativeDecode:
         return (rope.cos.data_ptr(), rope.sin.data_ptr(), *((None, None) if local is None else
                                                             (local.cos.data_ptr(), local.sin.data_ptr())))
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache (each layer at its group's
-        slots, a hybrid cache's)."""
+        slots, a hybrid cache's). A tensor-parallel rank: rank 0 the whole vocab's, gathered; the others None. A
+        failed collective is raised."""
         n = len(input_ids)
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         slots, tables, widths = self._tables(batch)
         self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), slots, tables, widths,
                 batch.context_lens.data_ptr(), *self._rope_tables(), logits.data_ptr(), torch.get_num_threads())
         self.steps += 1
-        return logits
+        if self.reduce is None:
+            return logits
+        if self.reduce.error is not None:
+            error, self.reduce.error = self.reduce.error, None
+            raise error
+        return self.model.tp.gather_logits(logits, self.model.config.vocab_size)
 
     def run_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                   steps: int) -> torch.Tensor:
         """Tokens [steps, n] of `steps` greedy decode steps of n sequences, each step's argmax the next one's
         input (their block tables, in every layer group, hold blocks for all the steps); input_ids, positions and
         the batch's context_lens advance in place."""
+        if self.reduce is not None:
+            raise ValueError("run_steps: a tensor-parallel rank's argmax would be over its own vocab rows")
         n = len(input_ids)
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         tokens = torch.empty(steps, n, dtype=torch.int64)

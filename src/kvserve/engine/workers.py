@@ -2,8 +2,11 @@
 the model on its shard of the KV pool, steered by rank 0 (the engine's process) through one pipe each.
 
 Rank 0 owns the scheduler, the block manager and sampling. For each step it sends every worker what the
-step's forward needs (its inputs and the copy-on-write block copies); then all ranks run the forward together, their collectives meeting (kvserve.distributed).
-A message is torch.save'd, so that a worker on another CUDA device loads the tensors onto its own.
+step's forward needs (its inputs and the copy-on-write block copies); then all ranks run the forward
+together, their collectives meeting (kvserve.distributed). A message is torch.save'd, so that a worker on another CUDA device loads the tensors onto its own. The
+steps go through one shared-memory buffer that every worker reads (ShmChannel: `kvserve bench tp` measures
+it against the pipes and a torch.distributed broadcast); everything else, and a step too large for the
+buffer, through the pipes.
 
 A worker that fails says why over its pipe, then exits; a worker that dies closes its connections, which
 fails rank 0's next collective at once: either way rank 0 raises a WorkerFailure naming the rank (never a
@@ -20,11 +23,14 @@ import io
 import logging
 import multiprocessing
 import os
+import platform
+import struct
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
 import torch
@@ -37,6 +43,10 @@ from kvserve.kv import KVSpec, KVStorage, NoKVStorage
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0        # seconds a worker may take to load its shard
 _POLL = 0.05
+STEP_BUFFER_BYTES = 4 << 20  # ShmChannel's buffer: a step's inputs at hundreds of sequences fit
+# a reader spins this long for the next step (the gap between two steps, rank 0 sampling and scheduling),
+# then sleeps in waits that double up to _POLL (an idle engine), watching its pipe
+SPIN_SECONDS = 0.005
 
 
 class WorkerFailure(RuntimeError):
@@ -55,6 +65,9 @@ class WorkerArgs:
     attention_backend: str
     cpu_allocator_tuning: bool
     weight_format: str                  # rank 0's GEMM choice (model/gemm_choice.py)
+    # rank 0's layers' rows from which csrc/gemm.c runs AMX (GemmChoice.amx_from)
+    amx_from: dict[str, int] = field(default_factory=dict)
+    native: bool = False                # the C decode step runs the steps rank 0 marks native (native_tp)
 
 
 @dataclass
@@ -65,6 +78,7 @@ class StepMessage:
     block_copies: list[tuple[int, int]]
     inputs: object                                   # executor.StepInputs
     storage_ops: list[tuple[str, tuple]]             # (KVStorage method, its arguments)
+    native: bool = False                             # run by the C decode step (executor native_tp), else eager
 
 
 class ForwardedStorage:
@@ -98,6 +112,85 @@ def _dumps(obj) -> bytes:
 def _loads(data: bytes, device: torch.device):
     return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
+class ShmChannel:
+    """Rank 0's step messages to the workers on its machine, through one shared-memory buffer they all read (one
+    slot, as vLLM's shm_broadcast and nano-vllm's SharedMemory): rank 0 writes a message and then bumps the
+    sequence number; each worker spins on the number (then sleeps, backing off), copies the message out and
+    acknowledges it. Rank 0 writes the next message once every worker has acknowledged the last (by then they
+    have, as its step waited for their collectives). A message larger than the buffer goes through the pipes, the
+    header saying so. The number is written after the message and read before it: the CPU keeps a core's stores
+    (and loads) in order, as x86-64 does."""
+
+    # header: [sequence number, length (-1: in the pipes)], then each reader's acknowledged number, a cache
+    # line each (the readers write theirs while rank 0 reads the others')
+    _LINE = 64
+
+    def __init__(self, num_readers: int, name: str | None = None, capacity: int = STEP_BUFFER_BYTES):
+        """Rank 0's (name None: a new buffer of `capacity` bytes) or a reader's (the buffer `name`)."""
+        self.num_readers = num_readers
+        self.data_at = self._LINE * (1 + num_readers)
+        self.shm = SharedMemory(name, create=name is None, size=self.data_at + capacity if name is None else 0)
+        self.capacity = self.shm.size - self.data_at
+        self.seq = self._get(0) if name is not None else 0
+
+    @staticmethod
+    def ordered() -> bool:
+        """Whether this CPU keeps a core's stores, and its loads, in order (x86-64), as the channel needs: elsewhere
+        (ARM's weaker ordering) the steps go through the pipes."""
+        return platform.machine().lower() in ("x86_64", "amd64")
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def _get(self, at: int) -> int:
+        return struct.unpack_from("q", self.shm.buf, at)[0]
+
+    def _set(self, at: int, value: int) -> None:
+        struct.pack_into("q", self.shm.buf, at, value)
+
+    def _acked(self) -> bool:
+        return all(self._get(self._LINE * (1 + r)) == self.seq for r in range(self.num_readers))
+
+    def send(self, data: bytes, conns: list, check_alive) -> None:
+        """`data` to every reader: through the buffer, or through `conns` (their pipes) where it does not fit.
+        Waits until the readers have taken the last message, calling check_alive (which raises for a dead one)."""
+        while not self._acked():
+            check_alive()
+            time.sleep(1e-5)
+        if len(data) <= self.capacity:
+            self.shm.buf[self.data_at:self.data_at + len(data)] = data
+            self._set(8, len(data))
+        else:
+            self._set(8, -1)
+        self.seq += 1
+        self._set(0, self.seq)
+        if len(data) > self.capacity:
+            for conn in conns:
+                conn.send_bytes(data)
+
+    def recv(self, reader: int, conn) -> bytes:
+        """The next message for reader `reader` (0-based): from the buffer, or from `conn`, its pipe, where rank 0
+        sent it there (too large for the buffer, or not a step: exit). EOFError once rank 0 is gone."""
+        start, wait = time.perf_counter(), 1e-5
+        while self._get(0) == self.seq:
+            if time.perf_counter() - start < SPIN_SECONDS:
+                continue
+            if conn.poll(wait):             # a sleep that wakes for the pipe
+                return conn.recv_bytes()
+            wait = min(2 * wait, _POLL)
+        self.seq += 1
+        length = self._get(8)
+        data = bytes(self.shm.buf[self.data_at:self.data_at + length]) if length >= 0 else None
+        self._set(self._LINE * (1 + reader), self.seq)
+        return conn.recv_bytes() if data is None else data
+
+    def close(self, unlink: bool = False) -> None:
+        """Detach (and, rank 0, free the buffer)."""
+        self.shm.close()
+        if unlink:
+            self.shm.unlink()
+
 
 class Workers:
     """Rank 0's handle on the worker processes: start them, send them steps, see that they live, stop them."""
@@ -107,6 +200,10 @@ class Workers:
         0's). The workers then load their shards while rank 0 loads its own: init_cache before the first step."""
         self.size, self.device = size, device
         launched = torchrun_env()
+        # the steps: through shared memory to the workers this process spawns where the CPU keeps stores in order
+        # (ShmChannel), else the pipes; torchrun's ranks may be on other machines, which it cannot reach: their
+        # steps go through the store as the rest does
+        self.channel: ShmChannel | None = None
         if launched is not None:
             store = _torchrun_store(*launched[1:], size)
             store.set("args", _dumps(args))
@@ -115,8 +212,10 @@ class Workers:
         else:
             store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                                   wait_for_workers=False)
-            self.procs, self.conns = self._spawn(size, args, store.port)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+            if ShmChannel.ordered():
+                self.channel = ShmChannel(size - 1)
+            self.procs, self.conns = self._spawn(size, args, store.port, self.channel and self.channel.name)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.channel)
         try:
             self._expect("started", START_TIMEOUT)    # before rank 0 waits in the group for them
             self.tp: TensorParallel = init_group(0, size, "", 0, device, store)
@@ -127,12 +226,12 @@ class Workers:
         self._storage_ops: list[tuple[str, tuple]] = []
 
     @staticmethod
-    def _spawn(size: int, args: WorkerArgs, port: int) -> tuple[list, list[Connection]]:
+    def _spawn(size: int, args: WorkerArgs, port: int, channel: str | None) -> tuple[list, list[Connection]]:
         ctx = multiprocessing.get_context("spawn")
         procs, conns = [], []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, size, ("127.0.0.1", port), args, theirs),
+            proc = ctx.Process(target=worker_main, args=(rank, size, ("127.0.0.1", port), args, theirs, channel),
                                name=f"kvserve-tp-rank{rank}", daemon=True)
             proc.start()
             theirs.close()
@@ -189,17 +288,21 @@ class Workers:
         """A change to the pool for the workers to make before their next step (ForwardedStorage)."""
         self._storage_ops.append((method, args))
 
-    def send_step(self, block_copies: list[tuple[int, int]], inputs) -> None:
-        """Send a step to every worker (after check_alive): they run it as soon as it arrives."""
+    def send_step(self, block_copies: list[tuple[int, int]], inputs, native: bool = False) -> None:
+        """Send a step to every worker (after check_alive): they run it as soon as it arrives, by the C decode step
+        where `native`, else op by op."""
         self.check_alive()
         ops, self._storage_ops = self._storage_ops, []
-        data = _dumps(StepMessage(block_copies, inputs, ops))
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
-            try:
+        data = _dumps(StepMessage(block_copies, inputs, ops, native))
+        try:
+            if self.channel is not None:
+                self.channel.send(data, self.conns, self.check_alive)
+                return
+            for conn in self.conns:
                 conn.send_bytes(data)
-            except OSError:
-                self._check(rank, proc)
-                raise
+        except OSError:
+            self.check_alive()
+            raise
 
     def failure(self, error: BaseException) -> WorkerFailure | None:
         """Why a step failed on rank 0 if a worker is to blame (a collective fails when a rank dies), after
@@ -222,7 +325,7 @@ class Workers:
         self._finalizer()
 
 
-def _stop(procs: list, conns: list[Connection]) -> None:
+def _stop(procs: list, conns: list[Connection], channel: ShmChannel | None) -> None:
     for conn in conns:
         try:
             conn.send_bytes(_dumps(("exit",)))
@@ -238,17 +341,20 @@ def _stop(procs: list, conns: list[Connection]) -> None:
             proc.join()
     for conn in conns:
         conn.close()
+    if channel is not None:
+        channel.close(unlink=True)
 
 
 # ---- the worker process ---------------------------------------------------------------------------
 
 
-def worker_main(rank: int, size: int, address: tuple[str, int] | dist.Store, args: WorkerArgs, conn) -> None:
+def worker_main(rank: int, size: int, address: tuple[str, int] | dist.Store, args: WorkerArgs, conn,
+                channel: str | None = None) -> None:
     """A worker's process: join the group (its store at `address`, or the store itself), load the shard, build
-    the pool when told, then run steps until told to stop or rank 0 goes away. A failure is reported to rank 0
-    before the process exits."""
+    the pool when told, then run steps (from ShmChannel `channel`, else from `conn`) until told to stop or rank 0
+    goes away. A failure is reported to rank 0 before the process exits."""
     try:
-        _serve(rank, size, address, args, conn)
+        _serve(rank, size, address, args, conn, channel)
     except (EOFError, KeyboardInterrupt):
         pass                                       # rank 0 is gone
     except BaseException:  # noqa: BLE001  (told to rank 0, which raises it)
@@ -259,10 +365,14 @@ def worker_main(rank: int, size: int, address: tuple[str, int] | dist.Store, arg
         os._exit(1)
 
 
-def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: WorkerArgs, conn) -> None:
+def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: WorkerArgs, conn,
+           channel: str | None) -> None:
     from kvserve.attention import get_backend
     from kvserve.engine.cpu_memory import reuse_freed_memory
+    from kvserve.engine.native_decode import NativeDecode
     from kvserve.kernels import library
+    from kvserve.model.gemm_choice import GemmChoice
+    from kvserve.model.layers import gemm_kernels
     from kvserve.model.loader import load_model
 
     device = torch.device(args.device)
@@ -281,17 +391,22 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         tp = init_group(rank, size, *address, device)
     model = load_model(args.model_path, args.model_config, args.dtype, device, args.max_model_len, args.weight_format,
                        tp=tp)
+    if args.weight_format == "gemm":
+        gemm_kernels(args.dtype)        # the OS grants AMX's tile state to each process that asks (as rank 0 did)
+    GemmChoice(args.weight_format, "rank 0's", args.amx_from).apply(model)
     backend = get_backend(args.attention_backend, device)
     kind, spec, num_blocks = _loads(conn.recv_bytes(), device)
     storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device)
+    native = NativeDecode(model, storage) if args.native else None
+    steps = ShmChannel(size - 1, channel) if channel is not None else None
     conn.send_bytes(_dumps(("ready", None)))
     while True:
-        msg = _loads(conn.recv_bytes(), device)
+        msg = _loads(conn.recv_bytes() if steps is None else steps.recv(rank - 1, conn), device)
         if not isinstance(msg, StepMessage):
             return                                 # ("exit",)
         for method, op_args in msg.storage_ops:
             getattr(storage, method)(*op_args)
-        _run_step(model, backend, storage, msg)
+        _run_step(model, backend, storage, native, msg)
 
 
 # ---- torchrun --------------------------------------------------------------------------------------
@@ -394,13 +509,16 @@ class _TorchrunRank:
 
 
 @torch.inference_mode()
-def _run_step(model, backend, storage: KVStorage | NoKVStorage, msg: StepMessage) -> None:
-    """Rank 0's step on this rank's shard: the same block copies and writes, the same forward (its collectives
-    meet rank 0's), and this rank's vocabulary shard of the logits and its heads' attention mass gathered to
-    rank 0."""
+def _run_step(model, backend, storage: KVStorage | NoKVStorage, native, msg: StepMessage) -> None:
+    """Rank 0's step on this rank's shard: the same block copies and writes, the same forward (by `native`, the
+    C step, where rank 0 runs it so; its collectives meet rank 0's), and this rank's vocabulary shard of the
+    logits and its heads' attention mass gathered to rank 0."""
     inputs = msg.inputs
     storage.copy_blocks(msg.block_copies)
     model.ensure_rope(int(inputs.positions.max()) + 1)
+    if msg.native:
+        native.run(inputs.input_ids, inputs.positions, inputs.batch)
+        return
     batch = inputs.batch
     hidden = model(inputs.input_ids, inputs.positions, batch, backend, storage)
     model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
