@@ -175,7 +175,8 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """w [out, in] as int4 numbers q (0..15, one a byte: uint8) with a float16 scale and minimum per output column
     and group of INT4_GROUP inputs (the last group may be shorter), asymmetric: min = the group's smallest number,
     scale = (largest - min) / 15 (1 where they are equal), both rounded to float16, q = round((w - min) / scale).
-    dequantize_int4 gives the weight (float32) whose products an int4 layer computes, rounded to its dtype."""
+    dequantize_int4 gives the weight (float32) whose products an int4 layer computes (rounded to its dtype where
+    csrc/gemm.c widens it: float32 products, and AMX's tiles)."""
     n, k = w.shape
     groups = -(-k // INT4_GROUP)
     q = cpu_tensor((n, k), torch.uint8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.uint8)
