@@ -31,15 +31,17 @@ SHAPES = [(1, 1, 1), (2, 70, 129), (3, 33, 7), (15, 65, 257), (29, 100, 513), (2
 QUANTIZATIONS = ["int8", "int4"]
 
 
-def _quantized(w: torch.Tensor, quantization: str, dtype: torch.dtype, gated: bool = False):
+def _quantized(w: torch.Tensor, quantization: str, dtype: torch.dtype, gated: bool = False, kernel: str = "avx512"):
     """w packed as `quantization` for products in dtype: (packed, scales) as gemm() takes them, and the dequantized
-    weight whose products they are (int8: q * scale, in float32; int4: q * scale + min, rounded to dtype)."""
+    weight whose products they are (int8: q * scale, in float32; int4: q * scale + min, in float32, but rounded to
+    bfloat16 for AMX's kernel, whose tiles take the weight widened to it)."""
     if quantization == "int8":
         q, scales = quantize_int8(w)
         return gemm_pack(q, gated, dtype=dtype), scales, dequantize(q, scales)
     q, scales, mins = quantize_int4(w)
+    dequantized = dequantize_int4(q, scales, mins)
     return (gemm_pack(q, gated, dtype=dtype), gemm_pack_groups(scales, mins, gated, dtype),
-            dequantize_int4(q, scales, mins).to(dtype).float())
+            dequantized.to(dtype).float() if kernel == "amx" else dequantized)
 
 
 def _amx_from(kernel: str, dtype: torch.dtype) -> int:
@@ -93,7 +95,7 @@ def test_quantized_gemm_is_the_product_of_the_dequantized_weight(quantization, d
     amx_from = _amx_from(kernel, dtype)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (m, k), (n,)))
-    packed, scales, dequantized = _quantized(w, quantization, dtype)
+    packed, scales, dequantized = _quantized(w, quantization, dtype, kernel=kernel)
     assert packed.dtype == (torch.int8 if quantization == "int8" else torch.uint8)
     for bias in (None, b):
         got = gemm(x, packed, bias, n, amx_from=amx_from, scales=scales)
@@ -111,7 +113,7 @@ def test_quantized_gate_up_is_swiglu_of_the_dequantized_weight(quantization, dty
     assert lin.load(w.clone(), "gemm", quantization) == "gemm" and lin.quantization == quantization
     lin.amx_from = amx_from
     rnd = (lambda t: t.to(dtype).double()) if dtype == torch.bfloat16 else (lambda t: t)
-    gate, up = rnd(_reference(x, _quantized(w, quantization, dtype, gated=True)[2], None)).chunk(2, dim=-1)
+    gate, up = rnd(_reference(x, _quantized(w, quantization, dtype, gated=True, kernel=kernel)[2], None)).chunk(2, dim=-1)
     ref = rnd(rnd(F.silu(gate)) * up)
     tol = 1e-5 * k ** 0.5 if dtype == torch.float32 else 2 ** -6
     assert ((lin(x).double() - ref).abs() <= tol * (ref.abs() + 1)).all()

@@ -20,8 +20,11 @@
  * the products are those of the dequantized weight q * scale, up to the order of the sums.
  *
  * Weight-only int4 (`kind` INT4), group-wise: two numbers a byte (0..15), and for each group of G4 k rows
- * of a panel its columns' scales and minimums (float16). A thread widens each chunk into the dequantized
- * weight q * scale + min, rounded to the dtype: the products are those of that weight.
+ * of a panel its columns' scales and minimums (float16). Bfloat16 products by AVX-512 (tile_int4): q itself
+ * is looked up as bfloat16 (exact) in registers, VDPBF16PS sums x . q over a group, and each group's sums
+ * become sum(x q) scale + min sum(x): the products are those of the dequantized weight q * scale + min in
+ * float32, up to the order of the sums. Float32 products, and AMX's tiles, take each chunk widened to the
+ * dequantized weight rounded to the dtype: the products of that weight.
  *
  * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
  * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
@@ -87,14 +90,21 @@ int64_t gemm_groups_size(int dtype, int n, int k, int gated) {
     return (int64_t)num_panels(n, gated) * int4_groups(dtype, k) * 2 * NR;
 }
 
-/* An int4 panel is widened a unit at a time: a pair of k rows (bfloat16 products: 64 numbers, 32 bytes) or a
- * k row (float32: 32 numbers, 16 bytes); byte j of a unit holds its number j in its low half and number
- * j + half in its high half, so that the two halves widen to the unit's numbers in order. The byte and half
- * of number i of a panel (packed_at's order). */
+/* Where number i of a packed int4 weight lies (packed_at's order): its byte, and whether in the high half.
+ * bfloat16 products: blocks of four k rows (two pairs, 128 numbers) of 64 bytes, read as 32 16-bit words;
+ * nibble t of word w is number w of the block's vector t (t = 2 x its pair + h, h: the pair's numbers 32h ..
+ * 32h + 31, columns 16h .. 16h + 15), so that one shift of the words by 4t puts a vector's numbers in the low
+ * bits of its lanes, where a word lookup (VPERMW, which reads 5 bits) finds them without a mask. float32: a
+ * unit of a k row (32 numbers, 16 bytes), byte j its number j in the low half and j + 16 in the high half. */
 static inline int64_t int4_byte(int dtype, int64_t i, int *high) {
-    const int numbers = dtype == BF16 ? 2 * NR : NR, half = numbers / 2, v = (int)(i % numbers);
-    *high = v >= half;
-    return i / numbers * half + v % half;
+    if (dtype == BF16) {
+        const int v = (int)(i % 128), t = v / 32;
+        *high = t % 2;
+        return i / 128 * 64 + 2 * (v % 32) + t / 2;
+    }
+    const int v = (int)(i % NR);
+    *high = v >= NR / 2;
+    return i / NR * (NR / 2) + v % (NR / 2);
 }
 
 /* The weight's row (output column) that column j of panel p holds, or -1 for none (padding). */
@@ -221,32 +231,40 @@ static inline void int4_group(const uint16_t *group, int dtype, __m512 s[4], __m
     m[2] = _mm512_permutexvar_ps(low, m1), m[3] = _mm512_permutexvar_ps(high, m1);
 }
 
-/* k rows k0 .. k0 + rows (bfloat16: k0 and rows even) of an int4 panel (its bytes, and its groups' scales and
- * minimums) dequantized, q * scale + min rounded to dtype, into `to` in the panel's order. (q * scale is exact
- * in float32, 4 bits by 11: the one rounding is the sum's, fused or not.) */
+/* k rows k0 .. k0 + rows (bfloat16: k0 and rows multiples of 4) of an int4 panel (its bytes, and its groups'
+ * scales and minimums) dequantized, q * scale + min rounded to dtype, into `to` in the panel's order. (q * scale
+ * is exact in float32, 4 bits by 11: the one rounding is the sum's, fused or not.) */
 static void widen_int4(const uint8_t *panel, const uint16_t *groups, int k0, int rows, int dtype, void *to) {
-    const int unit = dtype == BF16 ? 2 : 1, half = unit * NR / 2;
-    const __m512i nibble = _mm512_set1_epi32(15);
     __m512 s[4], m[4];
-    for (int kk = k0; kk < k0 + rows; kk += unit) {
-        if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, dtype, s, m);
-        const uint8_t *b = panel + (int64_t)(kk / unit) * half;
-        __m512 f[4];
-        for (int v = 0; v < 2 * unit; v++) {        /* low halves, then high halves: the unit's numbers */
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * (v % unit))));
-            const __m512i q = v < unit ? _mm512_and_si512(bytes, nibble) : _mm512_srli_epi32(bytes, 4);
-            f[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s[v], m[v]);
-        }
-        if (dtype == BF16) {
+    if (dtype == BF16) {
 #if defined(__AVX512BF16__)
+        const __m512i nibble = _mm512_set1_epi16(15);
+        for (int kk = k0; kk < k0 + rows; kk += 4) {
+            if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, dtype, s, m);
+            const __m512i words = _mm512_loadu_si512(panel + (int64_t)(kk / 4) * 64);
             uint16_t *out = (uint16_t *)to + (int64_t)(kk - k0) * NR;
-            _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
-            _mm512_storeu_si512(out + 32, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
-#endif
-        } else {
-            _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR, f[0]);
-            _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR + 16, f[1]);
+            for (int t = 0; t < 4; t++) {
+                const int h = t % 2;
+                const __m512i q = _mm512_and_si512(_mm512_srl_epi16(words, _mm_cvtsi32_si128(4 * t)), nibble);
+                const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q))),
+                                                  s[2 * h], m[2 * h]);
+                const __m512 hi = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1))), s[2 * h + 1],
+                    m[2 * h + 1]);
+                _mm512_storeu_si512(out + t / 2 * 2 * NR + h * NR, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
         }
+#endif
+        return;
+    }
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int kk = k0; kk < k0 + rows; kk++) {
+        if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, dtype, s, m);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(panel + (int64_t)kk * NR / 2)));
+        _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR,
+                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), s[0], m[0]));
+        _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR + 16,
+                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s[1], m[1]));
     }
 }
 
@@ -307,6 +325,26 @@ static void widen_int8(const int8_t *from, const int8_t *next, int64_t count, in
         }
     }
 }
+
+/* Memory of a thread's own, kept from call to call (grown as needed). */
+typedef struct {
+    void *data;
+    size_t bytes;
+} Scratch;
+
+static __thread Scratch group_sums;     /* an int4 weight's: the rows' sums over each group (row_group_sums) */
+
+/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. */
+static void *scratch(Scratch *s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->data);
+        s->bytes = (bytes + 63) / 64 * 64;
+        s->data = aligned_alloc(64, s->bytes);
+        if (!s->data) s->bytes = 0;
+    }
+    return s->data;
+}
+
 
 /* What a panel's last k-chunk writes: y; or (a gated weight's) its gate sums, or silu(gate) * up. */
 enum { PLAIN, GATE, SWIGLU };
@@ -431,6 +469,103 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
     if (kk < kc) step_bf16(acc, panel, next, x, ldx, kk, mr, 1);
     finish(acc, partial, mr, c, BF16, y, ldy);
 }
+
+#define MR4 8                /* rows of an int4 tile: 16 group sums in registers */
+
+/* 0 .. 15 as bfloat16, twice: VPERMW's table, indexed by a word's low 5 bits (the fifth another number's) */
+static const uint16_t INT4_BF16[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
+    0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130,
+    0x4140, 0x4150, 0x4160, 0x4170};
+
+/* The sums of x's rows over each int4 group of k (G4 numbers; the last one k's rest), as floats: sums[r * groups
+ * + g] of rows 0 .. m (ldx apart). */
+static void row_group_sums(const uint16_t *x, int64_t ldx, int m, int k, float *sums) {
+    const int groups = (k + G4 - 1) / G4;
+    for (int r = 0; r < m; r++)
+        for (int g = 0; g < groups; g++) {
+            const int have = k - g * G4 < G4 ? k - g * G4 : G4;
+            const __m512i v = _mm512_maskz_loadu_epi16(have == G4 ? ~0u : (1u << have) - 1, x + r * ldx + g * G4);
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+            sums[(int64_t)r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+}
+
+/* x's pair of numbers kk, kk + 1 of a row, as one 32-bit lane to broadcast; a number at or past kc is zero. */
+static inline uint32_t x_pair(const uint16_t *x, int kk, int kc) {
+    uint32_t pair = 0;
+    if (kk + 1 < kc) memcpy(&pair, x + kk, 4);
+    else if (kk < kc) pair = x[kk];
+    return pair;
+}
+
+/* One block of four k rows kk .. kk + 3 of an int4 panel (64 bytes: int4_byte) into the group sums of mr rows:
+ * each of its four vectors is a shift of the words and a lookup of q's bfloat16 (exact). The rows' numbers at
+ * or past kc are zeros (`whole`: none is). Few rows: a sum for each vector (the two pairs' are added at the
+ * group's end), so that more of the multiply-adds are independent. */
+static inline __attribute__((always_inline)) void block_int4(__m512 sums[MR4][4], const uint8_t *bytes,
+                                                            __m512i table, const uint16_t *x, int64_t ldx, int kk,
+                                                            int kc, int mr, int whole) {
+    const __m512i words = _mm512_loadu_si512(bytes);
+    const __m512bh q[4] = {(__m512bh)_mm512_permutexvar_epi16(words, table),
+                           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table),
+                           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table),
+                           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table)};
+    const int split = mr <= MR4 / 2;
+    for (int r = 0; r < mr; r++) {
+        const uint16_t *row = x + r * ldx;
+        __m512bh a[2];
+        for (int i = 0; i < 2; i++)     /* (broadcast from memory: no shuffle) */
+            a[i] = whole ? (__m512bh)_mm512_broadcastss_ps(_mm_load_ss((const float *)(row + kk + 2 * i)))
+                         : (__m512bh)_mm512_set1_epi32((int)x_pair(row, kk + 2 * i, kc));
+        for (int t = 0; t < 4; t++) {
+            __m512 *s = &sums[r][split ? t : t % 2];
+            *s = _mm512_dpbf16_ps(*s, a[t / 2], q[t]);
+        }
+    }
+}
+
+/* mr (<= MR4) rows of x by kc k of an int4 panel (bfloat16 products), its k-chunk starting at a group: VDPBF16PS
+ * sums x . q over each group (block_int4), and the group's scale and minimum are applied once to them, for each
+ * column, as sum(x q) scale + min sum(x) (`xsums`: the rows' sums over the chunk's groups, `ldg` apart). The
+ * products are those of the dequantized weight q * scale + min in float32, up to the order of the sums. */
+static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel, const uint16_t *groups,
+                                                           const float *xsums, int ldg, const uint16_t *x,
+                                                           int64_t ldx, int kc, int mr, float *partial,
+                                                           const Chunk *c, void *y, int ldy) {
+    const __m512i table = _mm512_loadu_si512(INT4_BF16);
+    __m512 acc[MR][NV];
+    begin(acc);
+    for (int g0 = 0; g0 < kc; g0 += G4) {
+        __m512 sums[MR4][4];
+        for (int r = 0; r < mr; r++)
+            for (int t = 0; t < 4; t++) sums[r][t] = _mm512_setzero_ps();
+        const int end = kc - g0 < G4 ? kc : g0 + G4;
+        int kk = g0;
+        for (; kk + 4 <= end; kk += 4) block_int4(sums, panel + (int64_t)kk / 4 * 64, table, x, ldx, kk, kc, mr, 1);
+        if (kk < end) block_int4(sums, panel + (int64_t)kk / 4 * 64, table, x, ldx, kk, kc, mr, 0);
+        const uint16_t *group = groups + (int64_t)g0 / G4 * 2 * NR;
+        for (int j = 0; j < NV; j++) {
+            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16 * j)));
+            const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16 * j)));
+            for (int r = 0; r < mr; r++) {
+                const __m512 sum = mr <= MR4 / 2 ? _mm512_add_ps(sums[r][j], sums[r][j + 2]) : sums[r][j];
+                acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsums[r * ldg + g0 / G4]), min,
+                                            _mm512_fmadd_ps(sum, scale, acc[r][j]));
+            }
+        }
+    }
+    finish(acc, partial, mr, c, BF16, y, ldy);
+}
+
+/* tile_int4 with its row count a constant in each case. */
+static void tile4(const uint8_t *panel, const uint16_t *groups, const float *xsums, int ldg, const uint16_t *x,
+                  int64_t ldx, int kc, int mr, float *partial, const Chunk *c, void *y, int ldy) {
+#define ROWS(R) case R: tile_int4(panel, groups, xsums, ldg, x, ldx, kc, R, partial, c, y, ldy); break;
+    switch (mr) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) }
+#undef ROWS
+}
 #endif
 
 #define MR_INT8 2            /* rows up to which an int8 panel is multiplied in registers (tile_int8) */
@@ -517,6 +652,8 @@ static void tile(int dtype, const void *panel, const void *next, const void *x, 
 }
 
 #if AMX
+static __thread Scratch rows_copy, panel_copy;     /* AMX: the rows, and an int8 panel widened */
+
 /* AMX's tile configuration (palette 1): tiles 0-3 the sums (16 rows of 16 floats), 4-5 the rows (16 rows of
  * KT numbers), 6-7 the panel (16 pairs of k rows of 16 columns). */
 typedef struct {
@@ -524,25 +661,6 @@ typedef struct {
     uint16_t bytes[16];
     uint8_t rows[16];
 } TileConfig;
-
-/* Memory of a thread's own, kept from call to call (grown as needed). */
-typedef struct {
-    void *data;
-    size_t bytes;
-} Scratch;
-
-static __thread Scratch rows_copy, panel_copy;     /* AMX: the rows, and an int8 panel widened */
-
-/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. */
-static void *scratch(Scratch *s, size_t bytes) {
-    if (bytes > s->bytes) {
-        free(s->data);
-        s->bytes = (bytes + 63) / 64 * 64;
-        s->data = aligned_alloc(64, s->bytes);
-        if (!s->data) s->bytes = 0;
-    }
-    return s->data;
-}
 
 /* Rows x[0 .. rows) (ldx apart, k numbers each) as AMX's tiles read them: groups of 16 rows (the last one
  * filled with zero rows), each k-step of a group a block of 16 x KT numbers of its own (tile loads of whole
@@ -682,8 +800,17 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
     const int64_t row_bytes = kind == INT4 ? NR / 2 : (int64_t)NR * wsize, groups4 = int4_groups(dtype, k);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
     float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
+    /* an int4 weight's bfloat16 products: the rows' sums over each group (tile_int4), for a block of rows */
+    /* (where they find no memory, the chunks are widened as float32's are) */
+    const int ldg = (k + G4 - 1) / G4;
+    float *xsums = kind == INT4 && dtype == BF16 ? scratch(&group_sums, sizeof(float) * (size_t)(m < MC ? m : MC) * ldg)
+                                                 : NULL;
+    const int sum_groups = xsums != NULL;
     for (int m0 = 0; m0 < m; m0 += MC) {
         const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
+#if defined(__AVX512BF16__)
+        if (sum_groups) row_group_sums((const uint16_t *)x + m0 * ldx, ldx, mb, k, xsums);
+#endif
         /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
         for (int u = 0; u < panels / per_unit; u++)
@@ -700,9 +827,24 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                     const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * row_bytes : NULL)
                                               : panel + (int64_t)(k0 + kc) * row_bytes;
                     const void *chunk = panel + (int64_t)k0 * row_bytes;
+#if defined(__AVX512BF16__)
+                    if (sum_groups) {
+                        const uint16_t *groups = (const uint16_t *)scales + (p * groups4 + k0 / G4) * 2 * NR;
+                        for (int g = 0, r0 = 0, tiles = (mb + MR4 - 1) / MR4; g < tiles; g++) {
+                            const int mr = mb / tiles + (g < mb % tiles);
+                            Chunk rows = c;
+                            rows.gate = gate + r0 * NR;
+                            tile4((const uint8_t *)chunk, groups, xsums + (int64_t)r0 * ldg + k0 / G4, ldg,
+                                  (const uint16_t *)x + (m0 + r0) * ldx + k0, ldx, kc, mr, partial + r0 * NR, &rows,
+                                  (uint16_t *)y + ((int64_t)(m0 + r0) * n + u * NR), n);
+                            r0 += mr;
+                        }
+                        continue;
+                    }
+#endif
                     if (kind == INT4) {
                         widen_int4((const uint8_t *)panel, (const uint16_t *)scales + p * groups4 * 2 * NR, k0,
-                                   dtype == BF16 ? (kc + 1) / 2 * 2 : kc, dtype, widened);
+                                   dtype == BF16 ? (kc + 3) / 4 * 4 : kc, dtype, widened);
                         chunk = widened, next = NULL;
                     }
                     if (kind == INT8 && mb <= MR_INT8) {

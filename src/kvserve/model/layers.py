@@ -157,13 +157,24 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = cpu_tensor(tuple(w.shape), torch.int8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.int8)
     scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     block = max(1, 2**22 // max(1, w.shape[1]))
+    work = _work_block(w, block, w.shape[1])
     for start in range(0, w.shape[0], block):
-        part = w[start:start + block].to(torch.float32, copy=True)
-        scale = part.abs().amax(dim=1) / 127
+        rows = w[start:start + block]
+        part = work[:len(rows)].copy_(rows)
+        scale = torch.maximum(part.amax(dim=1), part.amin(dim=1).neg_()) / 127     # max |w|, with no |w| block
         scale[scale == 0] = 1.0
         q[start:start + block] = part.div_(scale[:, None]).round_().clamp_(-127, 127)
         scales[start:start + block] = scale
     return q, scales
+
+
+def _work_block(w: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """A float32 block [min(rows, w's), width] in which a quantizer works on w's rows. On the CPU a mapping of
+    its own (cpu_tensor), unmapped once the weight is quantized: taken from glibc's heap, each layer's blocks
+    left pages there that it did not hand back, about one more copy of the quantized weights by the end of
+    loading."""
+    shape = (min(rows, w.shape[0]), width)
+    return cpu_tensor(shape, torch.float32) if w.device.type == "cpu" else torch.empty(shape, device=w.device)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -175,17 +186,21 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """w [out, in] as int4 numbers q (0..15, one a byte: uint8) with a float16 scale and minimum per output column
     and group of INT4_GROUP inputs (the last group may be shorter), asymmetric: min = the group's smallest number,
     scale = (largest - min) / 15 (1 where they are equal), both rounded to float16, q = round((w - min) / scale).
-    dequantize_int4 gives the weight (float32) whose products an int4 layer computes, rounded to its dtype."""
+    dequantize_int4 gives the weight (float32) whose products an int4 layer computes (rounded to its dtype where
+    csrc/gemm.c widens it: float32 products, and AMX's tiles)."""
     n, k = w.shape
     groups = -(-k // INT4_GROUP)
     q = cpu_tensor((n, k), torch.uint8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.uint8)
     scales = torch.empty(n, groups, dtype=torch.float16, device=w.device)
     mins = torch.empty_like(scales)
     block = max(1, 2**22 // max(1, k))
+    work = _work_block(w, block, groups * INT4_GROUP)
     for start in range(0, n, block):
-        part = w[start:start + block].to(torch.float32, copy=True)
+        rows = w[start:start + block]
+        part = work[:len(rows)]
+        part[:, :k] = rows
         if groups * INT4_GROUP > k:     # the short group filled with its own last number: no new min or max
-            part = torch.cat((part, part[:, -1:].expand(-1, groups * INT4_GROUP - k)), dim=1)
+            part[:, k:] = part[:, k - 1:k]
         g = part.view(len(part), groups, INT4_GROUP)
         low, high = g.amin(dim=-1), g.amax(dim=-1)
         scale = ((high - low) / 15).to(torch.float16)
