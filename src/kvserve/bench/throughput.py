@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.bench import llamacpp
 from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_bytes, linear_params,
                                   make_checkpoint, matmul_rate, model_shape, pick_device, print_table, process_memory,
                                   random_prompts, read_bandwidth, step_times, sync, write_json)
@@ -29,6 +30,7 @@ DTYPES = ("float32", "bfloat16")
 TARGET_RATIO_VS_HF = 1.5
 TARGET_FRACTION_OF_LIMIT = 0.70
 TARGET_BATCH1_FRACTION = 0.85
+TARGET_VS_LLAMA_CPP = 1.0          # batch-1 decode against llama.cpp's file of the same bits
 _WARMUP_TOKENS = 4
 NATIVE_SWEEP = (1, 2, 4, 6, 8)      # batch sizes at which the native step is timed against op by op
 
@@ -65,6 +67,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--quantization", default="none",
                    help=f"weights: comma-separated of none, {', '.join(QUANTIZATIONS)} (each a column beside the dtype)")
+    p.add_argument("--llama-cpp", default=True, action=argparse.BooleanOptionalAction,
+                   help="run llama.cpp on the same checkpoint (bfloat16, Llama shapes; needs the peers extra): "
+                        "BF16 beside full precision, Q8_0 beside int8, Q4_0 beside int4")
     p.add_argument("--sweep", default=True, action=argparse.BooleanOptionalAction,
                    help="time the native step against op by op at 1-8 sequences (long at real shapes)")
     add_model_args(p)
@@ -176,6 +181,27 @@ def native_by_batch(llm: LLM, eager: LLM, vocab_size: int, w: Workload) -> dict[
         native.max_batch = limit
 
 
+def peer_rates(path: Path, prompts: list[list[int]], prompt1: list[int], w: Workload, hf) -> dict:
+    """llama.cpp on the GGUF at `path`: generated tok/s of the batch and batch-1 decode tok/s (medians of
+    `w.repeats`, after a warm-up run of each), and the cosine of its logits after prompt1 to transformers'
+    (near 1 when the conversion is right)."""
+    peer = llamacpp.LlamaCpp(path, len(prompts), w.max_len, torch.get_num_threads())
+    try:
+        peer.generate(prompts, min(_WARMUP_TOKENS, w.tokens))
+        batch = [sum(peer.generate(prompts, w.tokens)[1]) for _ in range(w.repeats)]
+        peer.generate([prompt1], min(_WARMUP_TOKENS, w.batch1_tokens))
+        steps = [peer.generate([prompt1], w.batch1_tokens)[1][1:] for _ in range(w.repeats)]
+        theirs = torch.from_numpy(peer.prompt_logits(prompt1).copy())
+    finally:
+        peer.close()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt1], device=hf.device)).logits[0, -1].float().cpu()
+    return {"file": path.name, "file_bytes": path.stat().st_size,
+            "tok_s": len(prompts) * w.tokens / statistics.median(batch),
+            "batch1_tok_s": statistics.median(len(s) / sum(s) for s in steps),
+            "logits_cosine_vs_hf": float(torch.nn.functional.cosine_similarity(theirs, reference, dim=0))}
+
+
 def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None) -> dict:
     """One batch-1 decode of each side (and of the engine op by op, if given), and the read bandwidth of
     the moment (this machine's moves by a third from minute to minute): the higher of a measurement just
@@ -208,9 +234,10 @@ def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, ban
 
 
 def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: argparse.Namespace,
-                device: torch.device, bandwidth: float, quantization: str | None = None) -> dict:
+                device: torch.device, bandwidth: float, quantization: str | None = None,
+                peer: Path | None = None) -> dict:
     """Ours (its weights quantized as asked) and transformers (full precision) on the same prompts, alternating
-    runs; medians of `w.repeats`."""
+    runs, and llama.cpp on the GGUF at `peer` (if given); medians of `w.repeats`."""
     torch_dtype = parse_dtype(dtype)
     prompts = random_prompts(w.requests, w.prompt_len, cfg.vocab_size)
     prompt1 = random_prompts(1, w.batch1_prompt_len, cfg.vocab_size, seed=1)[0]
@@ -231,6 +258,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
             ours_batch1(engine, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
     batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager) for _ in range(w.repeats)]
+    peer_result = peer_rates(peer, prompts, prompt1, w, hf) if peer is not None else None
     sweep = args.sweep and llm.engine.runner.native is not None
     by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if sweep else None
     # each side's resident memory, in a process of its own: the batch's prompts and a few tokens (its peak);
@@ -265,6 +293,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "batch1_fraction_of_bandwidth_limit": statistics.median(r["ours"] * weight_bytes / r["bandwidth"]
                                                                 for r in batch1),
         "native_by_batch": by_batch,
+        "llama_cpp": peer_result,
         # bytes: {"kvserve" | "transformers": {"before_load", "after_load", "peak"}} (CPU, not --quick)
         "process_memory": memory,
         "cuda_graphs": llm.engine.runner.graphs is not None,
@@ -308,6 +337,24 @@ def _vs_target(value: float, target: float, text: str) -> str:
     return f"{text} ({'met' if value >= target else 'NOT met'})"
 
 
+def _peer(cell):
+    """A row's cell from the llama.cpp result ("-" where it did not run)."""
+    return lambda r: "-" if r["llama_cpp"] is None else cell(r, r["llama_cpp"])
+
+
+def _peer_rows() -> list:
+    def vs(r: dict, p: dict) -> str:
+        ratio = r["batch1_tok_s"] / p["batch1_tok_s"]
+        return _vs_target(ratio, TARGET_VS_LLAMA_CPP, f"{ratio:.2f}x")
+    return [
+        ["llama.cpp's GGUF (MB)", _peer(lambda r, p: f"{p['file']} ({p['file_bytes'] / 1e6:.0f})"), ""],
+        ["generated tok/s, llama.cpp", _peer(lambda r, p: f"{p['tok_s']:.1f}"), ""],
+        ["batch-1 decode tok/s, llama.cpp", _peer(lambda r, p: f"{p['batch1_tok_s']:.1f}"), ""],
+        ["batch-1 kvserve / llama.cpp", _peer(vs), f">= {TARGET_VS_LLAMA_CPP}x"],
+        ["llama.cpp logits: cosine to transformers", _peer(lambda r, p: f"{p['logits_cosine_vs_hf']:.4f}"), ""],
+    ]
+
+
 def report(results: dict[str, dict]) -> None:
     rows = [
         ["generated tok/s, kvserve", lambda r: f"{r['ours_tok_s']:.1f}", ""],
@@ -333,6 +380,8 @@ def report(results: dict[str, dict]) -> None:
                                                             f"{r['batch1_fraction_of_bandwidth_limit']:.0%}"),
          f">= {TARGET_BATCH1_FRACTION:.0%}"],
     ]
+    if any(r["llama_cpp"] for r in results.values()):
+        rows += _peer_rows()
     print_table(["", *results, "target"], [[name, *(f(r) for r in results.values()), target]
                                            for name, f, target in rows])
     sweeps = {dtype: r["native_by_batch"] for dtype, r in results.items() if r["native_by_batch"]}
@@ -342,6 +391,28 @@ def report(results: dict[str, dict]) -> None:
         print_table(["batch", *sweeps], [[str(b), *(f"{s[b]['native']:.0f} / {s[b]['eager']:.0f} = "
                                                    f"{s[b]['native'] / s[b]['eager']:.2f}x" for s in sweeps.values())]
                                          for b in NATIVE_SWEEP])
+
+
+def peer_files(args: argparse.Namespace, shape: dict, device: torch.device, dtypes: list[str],
+               weights: list[str | None], checkpoint: Path, tmp: Path) -> dict[str | None, Path]:
+    """The GGUF llama.cpp runs beside each weight format (None: full precision), converted from `checkpoint`
+    into `tmp`; none (and a line saying why) where it cannot run."""
+    if not args.llama_cpp:
+        return {}
+    why = ("not installed: pip install 'kvserve[peers]'" if not llamacpp.available()
+           else "it converts Llama shapes only" if shape.get("architecture", "llama") != "llama"
+           else "the bench runs it on the CPU only" if device.type != "cpu"
+           else "it runs beside bfloat16 only" if "bfloat16" not in dtypes else None)
+    if why is not None:
+        print(f"llama.cpp not run: {why}")
+        return {}
+    source = llamacpp.write_gguf(checkpoint, tmp / "bf16.gguf")
+    files = {}
+    for q in weights:
+        name, ftype = llamacpp.PEER_TYPES[q]
+        files[q] = source if name == "bf16" else llamacpp.quantize(source, tmp / f"{name}.gguf", ftype,
+                                                                   torch.get_num_threads())
+    return files
 
 
 def run(args: argparse.Namespace) -> int:
@@ -360,7 +431,9 @@ def run(args: argparse.Namespace) -> int:
         saved = parse_dtype(dtypes[0] if len(dtypes) == 1 else "float32")
         path = make_checkpoint(Path(tmp), shape, w.max_len, dtype=saved)
         cfg = ModelConfig.from_path(path)
-        results = {dtype + (f"+{q}" if q else ""): bench_dtype(path, cfg, dtype, w, args, device, bandwidth, q)
+        peers = peer_files(args, shape, device, dtypes, weights, path, Path(tmp))
+        results = {dtype + (f"+{q}" if q else ""): bench_dtype(path, cfg, dtype, w, args, device, bandwidth, q,
+                                                               peers.get(q) if dtype == "bfloat16" else None)
                    for dtype in dtypes for q in weights}
     report(results)
     write_json(args.json_path, {"workload": asdict(w), "model": shape, "device": str(device),
