@@ -116,9 +116,11 @@ def _load_tile(data_ptr, meta_ptr, rows, page, slot, key_ok, chans, chan_ok,
               4 * (c % 2)                    (meta [blocks, 2, PAGE_SIZE]: scales, then minimums)
     """
     mask = key_ok & chan_ok
+    # one return, after every branch: compiled (unlike interpreted) Triton types each return statement
+    # of a function alike, even one in a constexpr branch not taken
     if KV_QUANT == 0:
-        return tl.load(data_ptr + rows + chans, mask=mask, other=0.0)
-    if KV_QUANT == 1:
+        x = tl.load(data_ptr + rows + chans, mask=mask, other=0.0)
+    elif KV_QUANT == 1:
         x = tl.load(data_ptr + rows + chans, mask=mask, other=0).to(tl.float32)
         x = x * tl.load(meta_ptr + page * PAGE_SIZE + slot, mask=key_ok, other=0.0).to(tl.float32)
     elif KV_QUANT == 2:
