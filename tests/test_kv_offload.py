@@ -124,9 +124,7 @@ def test_a_restarted_engine_finds_what_the_last_one_kept(ckpt, tmp_path):
 def test_a_block_evicted_while_it_is_read_is_not_counted_again(ckpt, tmp_path, monkeypatch):
     """The writer may evict a block (its file removed) between a read of that file and the read's
     bookkeeping: the tier's bytes must stay those of the files it has."""
-    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
-    first.generate(prompts(A), GREEDY, use_tqdm=False)
-    first.engine.close()
+    written(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
     second = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
     tier = second.engine.offload.tier
     check = type(tier)._check_header
@@ -169,11 +167,17 @@ class HeldReads:
         offload.read = held
 
 
+def written(make, ckpt, tier, texts: list, **kw) -> LLM:
+    """An engine made by `make` over `tier` once it served `texts` and closed: the tier holds their blocks."""
+    first = make(ckpt, tier, **kw)
+    first.generate(prompts(*texts), GREEDY, use_tqdm=False)
+    first.engine.close()
+    return first
+
+
 def tier_holding_a(ckpt, tmp_path) -> LLM:
     """An engine whose tier holds A's blocks and whose pool holds none."""
-    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
-    first.generate(prompts(A), GREEDY, use_tqdm=False)
-    first.engine.close()
+    written(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
     return tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
 
 
@@ -263,9 +267,7 @@ def test_a_request_aborted_while_it_loads_leaks_nothing(ckpt, tmp_path):
 def test_closing_the_engine_with_loads_in_flight(ckpt, tmp_path):
     """close() lets the read under way finish and cancels the queued ones: the request of the first is
     served its blocks, the other computes its prefix; both as without the tier, nothing leaked."""
-    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
-    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
-    first.engine.close()
+    written(tiered, ckpt, tmp_path / "tier", [A, B], num_kv_blocks=32)
     llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
     engine, held = llm.engine, HeldReads(llm.engine.offload)
     try:
@@ -420,9 +422,7 @@ def test_no_swap_past_the_tier_or_once_it_is_closed(ckpt, tmp_path):
 
 
 def test_a_corrupt_file_is_removed_and_never_served(ckpt, tmp_path):
-    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
-    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
-    first.engine.close()
+    first = written(tiered, ckpt, tmp_path / "tier", [A, B], num_kv_blocks=32)
     hashes_a = [k.hash for k in _keys(A)]
     hashes_b = [k.hash for k in _keys(B)]
     tier_dir = files(tmp_path / "tier")[0].parent
@@ -452,9 +452,7 @@ def _keys(tokens: list[int], salt=None) -> list[BlockKey]:
 
 
 def test_blocks_of_another_block_size_or_model_are_never_served(ckpt, tmp_path):
-    first = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
-    first.generate(prompts(A), GREEDY, use_tqdm=False)
-    first.engine.close()
+    written(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
     other_bs = tiered(ckpt, tmp_path / "tier", block_size=2, num_kv_blocks=32)
     out = other_bs.generate(prompts(A), GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and other_bs.stats()["kv_offload_blocks"] == 0
@@ -766,9 +764,7 @@ def test_a_hybrid_prefix_needs_the_sliding_groups_window_only(gemma3, tmp_path):
     """After a restart: with a sliding group's blocks before the window gone, the whole prefix still hits; with
     a block of the full-attention group gone, the hit ends before it. The engine of the other layout (one
     table) shares none of these blocks."""
-    first = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
-    first.generate(prompts(A, B), GREEDY, use_tqdm=False)
-    first.engine.close()
+    first = written(hybrid_tiered, gemma3, tmp_path / "tier", [A, B], num_kv_blocks=64)
     for path in group_files(first, A, 1)[:3] + group_files(first, A, 2)[:3] + group_files(first, B, 0)[2:3]:
         path.unlink()
     second = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
@@ -784,9 +780,7 @@ def test_a_hybrid_load_that_fails_in_a_window_computes_the_prefix(gemma3, tmp_pa
     """A sliding group's block in the window gone while the reads wait: no shorter prefix has its window in
     the pool (the blocks before were never loaded), so the request computes it all, as without the tier, and
     every fresh block returns."""
-    first = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
-    first.generate(prompts(A), GREEDY, use_tqdm=False)
-    first.engine.close()
+    written(hybrid_tiered, gemma3, tmp_path / "tier", [A], num_kv_blocks=64)
     llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
     engine, held = llm.engine, HeldReads(llm.engine.offload)
     try:
