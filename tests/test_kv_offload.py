@@ -353,15 +353,19 @@ FORKS = SamplingParams(n=2, max_tokens=20, temperature=0, ignore_eos=True, logpr
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
 def test_preemption_by_swap_changes_no_output(ckpt, tmp_path, kv_cache_dtype):
     """Forks that grow past a small pool: preempted ones go to the tier and resume over the blocks read
-    back from it (the pool has given theirs to others), as the same engine without a tier recomputes
-    them. A resumption waits for its reads while the others step, so the steps differ from the other
-    engine's: outputs are compared where they do not depend on which steps a sequence was preempted in
-    (full precision; a quantized cache's do: two greedy forks of one prompt part where one was preempted)."""
+    back from it (the pool has given theirs to others). The outputs are those of a pool that never
+    preempts, and (full precision, where recomputing changes nothing) of the same engine without a tier,
+    which recomputes them."""
     kw = {"block_size": BS, "num_kv_blocks": 24, "kv_cache_dtype": kv_cache_dtype}
     llm = tiered(ckpt, tmp_path / "tier", preemption_mode="swap", **kw)
     outs = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
     if kv_cache_dtype == "auto":
         assert_same(outs, LLM(str(ckpt), **kw).generate(prompts(*LONG), FORKS, use_tqdm=False))
+    # each token is quantized as it is written, and swapped blocks come back byte for byte: the outputs of a
+    # pool that never preempts
+    never = LLM(str(ckpt), **{**kw, "num_kv_blocks": 128})
+    assert_same(outs, never.generate(prompts(*LONG), FORKS, use_tqdm=False))
+    assert never.stats()["num_preemptions"] == 0
     check_pool(llm)
     stats = llm.stats()
     assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
