@@ -175,10 +175,25 @@ def written(make, ckpt, tier, texts: list, **kw) -> LLM:
     return first
 
 
+def reopened(make, ckpt, tier, texts: list, **kw) -> LLM:
+    """A fresh engine made by `make` over `tier` once another served `texts` there: the tier holds their
+    blocks, its pool none."""
+    written(make, ckpt, tier, texts, **kw)
+    return make(ckpt, tier, **kw)
+
+
 def tier_holding_a(ckpt, tmp_path) -> LLM:
     """An engine whose tier holds A's blocks and whose pool holds none."""
-    written(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
-    return tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
+    return reopened(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
+
+
+def decoding_x(llm: LLM):
+    """`llm`'s engine with its tier reads held (HeldReads) and X's prompt computed (X reads nothing from
+    the tier): the engine, the held reads, and X's request."""
+    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    x = engine.add_request("x", {"prompt_token_ids": X}, DECODES)
+    engine.step()
+    return engine, held, x
 
 
 def step_to_end(engine) -> dict:
@@ -197,10 +212,8 @@ def test_a_load_from_the_tier_overlaps_the_other_sequences_steps(ckpt, tmp_path)
     """A request whose prefix is in the tier waits for its reads while another sequence decodes, and
     joins a later step over the blocks read: the same tokens as without the tier, counted as tier hits."""
     llm = tier_holding_a(ckpt, tmp_path)
-    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    engine, held, _ = decoding_x(llm)
     try:
-        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
-        engine.step()                                     # x's prompt
         engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
         gained = [[o.request_id for o in engine.step()] for _ in range(4)]
         assert held.started.is_set() and gained == [["x"]] * 4       # a waits for its blocks, x goes on
@@ -240,10 +253,8 @@ def test_a_request_aborted_while_it_loads_leaks_nothing(ckpt, tmp_path):
     """The fresh blocks of a request aborted while its reads are under way return to the pool at once; what
     is read after is dropped; the prefix is served again from the tier after."""
     llm = tier_holding_a(ckpt, tmp_path)
-    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    engine, held, x = decoding_x(llm)
     try:
-        x = engine.add_request("x", {"prompt_token_ids": X}, DECODES)
-        engine.step()
         engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
         engine.step()
         kv = engine.kv
@@ -267,12 +278,9 @@ def test_a_request_aborted_while_it_loads_leaks_nothing(ckpt, tmp_path):
 def test_closing_the_engine_with_loads_in_flight(ckpt, tmp_path):
     """close() lets the read under way finish and cancels the queued ones: the request of the first is
     served its blocks, the other computes its prefix; both as without the tier, nothing leaked."""
-    written(tiered, ckpt, tmp_path / "tier", [A, B], num_kv_blocks=32)
-    llm = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
-    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    llm = reopened(tiered, ckpt, tmp_path / "tier", [A, B], num_kv_blocks=32)
+    engine, held, _ = decoding_x(llm)
     try:
-        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
-        engine.step()
         engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
         engine.add_request("b", {"prompt_token_ids": B}, GREEDY)
         engine.step()
@@ -293,10 +301,8 @@ def test_a_block_gone_while_its_read_waits_is_computed(ckpt, tmp_path):
     """A file removed while its read waits (another engine's eviction, say) ends the blocks read there; the
     request computes the rest, as without the tier."""
     llm = tier_holding_a(ckpt, tmp_path)
-    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    engine, held, _ = decoding_x(llm)
     try:
-        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
-        engine.step()
         engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
         engine.step()
         assert held.started.is_set()
@@ -784,12 +790,9 @@ def test_a_hybrid_load_that_fails_in_a_window_computes_the_prefix(gemma3, tmp_pa
     """A sliding group's block in the window gone while the reads wait: no shorter prefix has its window in
     the pool (the blocks before were never loaded), so the request computes it all, as without the tier, and
     every fresh block returns."""
-    written(hybrid_tiered, gemma3, tmp_path / "tier", [A], num_kv_blocks=64)
-    llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=64)
-    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    llm = reopened(hybrid_tiered, gemma3, tmp_path / "tier", [A], num_kv_blocks=64)
+    engine, held, _ = decoding_x(llm)
     try:
-        engine.add_request("x", {"prompt_token_ids": X}, DECODES)
-        engine.step()
         engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
         engine.step()
         assert held.started.is_set() and engine.stats()["kv_offload_loads_in_flight"] == 5 + 2 * 2
