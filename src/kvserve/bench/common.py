@@ -209,25 +209,34 @@ def matmul_rate(dtype: torch.dtype, m: int, k: int, n: int, device: torch.device
     return best
 
 
-@torch.inference_mode()
-def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Best bytes/s read from a buffer much larger than the caches: by a sum, and by matrix-vector
-    products (the GEMMs of _linears, and on the CPU the native decode step's). On the CPU the buffer is
-    on huge pages, as the native decode step's weights are."""
-    if device.type == "cpu":
-        x = huge_page_buffer(nbytes).view(torch.float32).fill_(1.0)
-    else:
-        x = torch.ones(nbytes // 4, device=device)
-    w = x.view(-1, 1024)
-    v = torch.ones(1, 1024, device=device)
-    readers = [x.sum, *(lambda gemv=gemv: gemv(v) for gemv in _linears(w))]
-    if device.type == "cpu" and library() is not None:
-        readers.append(lambda: linear_rows(w, v))
-    best = 0.0
-    for fn in readers:
-        fn()
-        best = max(best, nbytes / min(timed(fn, device) for _ in range(repeats)))
-    return best
+class ReadBandwidth:
+    """Best bytes/s read from a buffer much larger than the caches: by a sum, and by matrix-vector products
+    (the GEMMs of _linears, and on the CPU the native decode step's). On the CPU the buffer is on huge pages,
+    as the native decode step's weights are. The buffer and its packed copies are made once: a bench that
+    measures again around each of its runs (this machine's bandwidth moves from minute to minute) pays for the
+    reads alone."""
+
+    @torch.inference_mode()
+    def __init__(self, device: torch.device, nbytes: int = 512 * 2**20, repeats: int = 5):
+        if device.type == "cpu":
+            x = huge_page_buffer(nbytes).view(torch.float32).fill_(1.0)
+        else:
+            x = torch.ones(nbytes // 4, device=device)
+        w = x.view(-1, 1024)
+        v = torch.ones(1, 1024, device=device)
+        self.readers = [x.sum, *(lambda gemv=gemv: gemv(v) for gemv in _linears(w))]
+        if device.type == "cpu" and library() is not None:
+            self.readers.append(lambda: linear_rows(w, v))
+        self.device, self.nbytes, self.repeats = device, nbytes, repeats
+
+    @torch.inference_mode()
+    def measure(self) -> float:
+        """The best rate of the moment over every reader (each run once to warm, then timed `repeats` times)."""
+        best = 0.0
+        for fn in self.readers:
+            fn()
+            best = max(best, self.nbytes / min(timed(fn, self.device) for _ in range(self.repeats)))
+        return best
 
 
 _MEMORY_CHILD = """

@@ -20,7 +20,7 @@ import torch
 from kvserve.bench import llamacpp
 from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_bytes, linear_params,
                                   make_checkpoint, matmul_rate, model_shape, pick_device, print_table, process_memory,
-                                  random_prompts, read_bandwidth, step_times, sync, write_json)
+                                  random_prompts, ReadBandwidth, step_times, sync, write_json)
 from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, ModelConfig, parse_dtype
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
@@ -202,13 +202,14 @@ def peer_rates(path: Path, prompts: list[list[int]], prompt1: list[int], w: Work
             "logits_cosine_vs_hf": float(torch.nn.functional.cosine_similarity(theirs, reference, dim=0))}
 
 
-def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None) -> dict:
+def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None,
+               probe: ReadBandwidth) -> dict:
     """One batch-1 decode of each side (and of the engine op by op, if given), and the read bandwidth of
     the moment (this machine's moves by a third from minute to minute): the higher of a measurement just
     before ours and one just after."""
-    before = read_bandwidth(device)
+    before = probe.measure()
     ours = ours_batch1(llm, prompt, tokens)
-    bandwidth = max(before, read_bandwidth(device))
+    bandwidth = max(before, probe.measure())
     return {"ours": ours, "hf": hf_batch1(hf, prompt, tokens, device), "bandwidth": bandwidth,
             "eager": ours_batch1(eager, prompt, tokens) if eager is not None else None}
 
@@ -234,7 +235,7 @@ def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, ban
 
 
 def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: argparse.Namespace,
-                device: torch.device, bandwidth: float, quantization: str | None = None,
+                device: torch.device, probe: ReadBandwidth, bandwidth: float, quantization: str | None = None,
                 peer: Path | None = None) -> dict:
     """Ours (its weights quantized as asked) and transformers (full precision) on the same prompts, alternating
     runs, and llama.cpp on the GGUF at `peer` (if given); medians of `w.repeats`."""
@@ -257,7 +258,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         if engine is not None:
             ours_batch1(engine, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens))
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
-    batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager) for _ in range(w.repeats)]
+    batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager, probe) for _ in range(w.repeats)]
     peer_result = peer_rates(peer, prompts, prompt1, w, hf) if peer is not None else None
     sweep = args.sweep and llm.engine.runner.native is not None
     by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if sweep else None
@@ -423,7 +424,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"throughput: {w.requests} requests x ({w.prompt_len} prompt + {w.tokens} generated) tokens; "
           f"batch-1: {w.batch1_prompt_len} prompt + {w.batch1_tokens} generated; median of {w.repeats}; "
           f"{describe_shape(shape)}; {device}, {torch.get_num_threads()} threads")
-    bandwidth = read_bandwidth(device)
+    probe = ReadBandwidth(device)
+    bandwidth = probe.measure()
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     weights = quantizations(args)
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
@@ -432,8 +434,9 @@ def run(args: argparse.Namespace) -> int:
         path = make_checkpoint(Path(tmp), shape, w.max_len, dtype=saved)
         cfg = ModelConfig.from_path(path)
         peers = peer_files(args, shape, device, dtypes, weights, path, Path(tmp))
-        results = {dtype + (f"+{q}" if q else ""): bench_dtype(path, cfg, dtype, w, args, device, bandwidth, q,
-                                                               peers.get(q) if dtype == "bfloat16" else None)
+        results = {dtype + (f"+{q}" if q else ""):
+                   bench_dtype(path, cfg, dtype, w, args, device, probe, bandwidth, q,
+                               peers.get(q) if dtype == "bfloat16" else None)
                    for dtype in dtypes for q in weights}
     report(results)
     write_json(args.json_path, {"workload": asdict(w), "model": shape, "device": str(device),

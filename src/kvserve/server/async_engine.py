@@ -24,6 +24,10 @@ from kvserve.server.output_deltas import apply_delta
 
 log = logging.getLogger(__name__)
 
+# How long a stopping engine process (and its tensor-parallel workers) may take to exit before it is killed: long
+# enough for a loaded machine to tear down torch, short enough that a hung engine never outlives the server.
+SHUTDOWN_GRACE_S = 60.0
+
 
 class QueueFullError(RuntimeError):
     """More requests are in flight than the server accepts (--max-queue)."""
@@ -132,7 +136,8 @@ class AsyncEngine:
             thread.start()
 
     def shutdown(self) -> None:
-        """Abort every request in flight and stop the engine (blocks: call it off the event loop)."""
+        """Abort every request in flight and stop the engine: an engine process gets SHUTDOWN_GRACE_S to exit and
+        is then killed, so none is left (blocks: call it off the event loop)."""
         self._closing = True
         error = EngineUnavailableError("the server is shutting down")
         for request_id, stream in list(self._streams.items()):
@@ -141,7 +146,12 @@ class AsyncEngine:
         self._fail_queries(error)
         self._outbox.put((None, ("shutdown",)))
         self._outbox.put(None)
-        self._core.join(timeout=10)
+        self._core.join(timeout=SHUTDOWN_GRACE_S)
+        if isinstance(self._core, BaseProcess) and self._core.is_alive():
+            log.error("the engine process did not exit within %.0f s of being told to stop: killed it",
+                      SHUTDOWN_GRACE_S)
+            self._core.kill()
+            self._core.join()
         for thread in self._threads:
             thread.join(timeout=10)
 
