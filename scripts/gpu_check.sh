@@ -40,7 +40,7 @@ cat "$OUT/machine.txt"
 if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1
     DEVICE=cpu
-    ATTN_ARGS=(--dtype float32 --prefill-lengths 64,160 --decode-lengths 64,160 --repeats 1)
+    ATTN_ARGS=(--dtype float32 --prefill-lengths 80 --decode-lengths 80 --repeats 1)
     SHAPE=(--hidden-size 128 --intermediate-size 256 --num-layers 2 --num-heads 4 --num-kv-heads 2 --vocab-size 512)
     LOAD=(--requests 4 --prompt-len 32 --tokens 8 --batch1-prompt-len 32 --batch1-tokens 32 --repeats 1 --dtype float32
           --quick --no-sweep)

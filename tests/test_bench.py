@@ -69,10 +69,10 @@ def test_bench_throughput_json(tmp_path):
 def test_bench_throughput_one_dtype(tmp_path):
     path = tmp_path / "throughput.json"
     args = ["--dtype", "float32", "--requests", "2", "--prompt-len", "4", "--tokens", "2", "--batch1-prompt-len", "4",
-            "--batch1-tokens", "24", "--repeats", "1"]
+            "--batch1-tokens", "24", "--repeats", "1", "--no-sweep"]
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
     res = json.loads(path.read_text())
-    assert "float32" in res and "bfloat16" not in res
+    assert "float32" in res and "bfloat16" not in res and res["float32"]["native_by_batch"] is None
 
 
 def test_bench_prefix_json(tmp_path):
@@ -215,7 +215,7 @@ def test_the_gpu_check_script_runs_dry_on_the_cpu(tmp_path):
     # a run on a GPU spends device time on it
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
     run = subprocess.run(["bash", str(script)], env={**os.environ, "OUT": str(tmp_path), "GPU_CHECK_DRY": "1"},
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
     summary = (tmp_path / "summary.txt").read_text()
     assert [line.split(":")[0] for line in summary.splitlines()] == ["kernels", "attention", "throughput"]
@@ -240,12 +240,12 @@ def test_recomputed_window_losses_cover_the_text_and_equal_the_full_cache_when_i
 
 def test_bench_capacity_hybrid_model_shape(tmp_path):
     """Gemma 3 1B's KV layout under one budget of one full context: kept whole, one 2048-token request runs at a
-    time past its prompt; with the hybrid cache (a sliding group holding its window of 512 and a chunk of 128) two
+    time past its prompt; with the hybrid cache (a sliding group holding its window of 512 and a chunk of 128) both
     at once."""
     path = tmp_path / "capacity.json"
     args = ["--model-shape", "gemma3-1b", "--requests", "3", "--contexts", "1", "--max-model-len", "96",
             "--prompt-median", "20", "--output-median", "4", "--long-context", "2048", "--long-output", "2",
-            "--long-requests", "3", "--long-prefill-token-threshold", "128", "--hidden-size", "32",
+            "--long-requests", "2", "--long-prefill-token-threshold", "128", "--hidden-size", "32",
             "--intermediate-size", "64", "--vocab-size", "512"]
     assert main(["bench", "capacity", "--quick", "--json", str(path), *args]) == 0
     res = json.loads(path.read_text())
@@ -253,5 +253,5 @@ def test_bench_capacity_hybrid_model_shape(tmp_path):
     assert long["all_global"]["peak_decoding"] == 1 and long["hybrid"]["peak_decoding"] >= 2
     assert long["kv_budget_bytes"] == 2048 * 26 * 2 * 256 * 4
     for mode in ("all_global", "hybrid"):
-        assert long[mode]["generated_tokens"] == 3 * 2 and res["mix"][mode]["generated_tokens"] > 0
+        assert long[mode]["generated_tokens"] == 2 * 2 and res["mix"][mode]["generated_tokens"] > 0
         assert long[mode]["kv_cache_bytes"] <= long["kv_budget_bytes"]      # the null block within the budget

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from kvserve.bench.common import add_model_args, describe_shape, make_checkpoint, model_shape, print_table, \
     random_prompts, write_json
 from kvserve.distributed import pin_cpu_threads
-from kvserve.engine.workers import ShmChannel, StoreConnection, _dumps, _loads
+from kvserve.engine.workers import ShmChannel, StoreConnection, _loads
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
 
