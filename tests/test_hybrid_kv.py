@@ -300,7 +300,7 @@ def mistral(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=WINDOW)
 
 
-@pytest.mark.parametrize("backend", ["native", "sdpa"])
+@pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])
 @pytest.mark.parametrize("model", ["gemma3", "gemma2", "mistral"])
 def test_sink_with_a_hybrid_cache_gives_the_one_table_tokens(request, model, backend):
     """`sink` for the engine and per request, with the hybrid cache: the global layers keep the sinks and the sink
