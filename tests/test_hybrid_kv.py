@@ -13,6 +13,7 @@ from tiny_models import make_checkpoint
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.blocks import block_key
+from kvserve.kv.eviction import Sink
 from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, group_size, layer_groups, layer_slots
 
 WINDOW = 8
@@ -125,17 +126,19 @@ def test_a_missing_window_block_shortens_the_hit():
 
 
 def check_ownership(kv: HybridKVCacheManager) -> None:
-    """The pool's reference counts are the tables' entries in every group (the null block's plus the one the
-    manager holds), and no owned block is free."""
-    occurrences = Counter(b for m in kv.groups for t in m.block_tables.values() for b in t)
+    """The pool's reference counts are the tables' entries and the pinned sink blocks in every group (the null
+    block's plus the one the manager holds), and no owned block is free."""
+    def owned_by(m) -> list[int]:
+        return [b for t in [*m.block_tables.values(), *m.pinned.values()] for b in t]
+
+    occurrences = Counter(b for m in kv.groups for b in owned_by(m))
     occurrences[kv.null_block] += 1
     owned = {b for b, n in occurrences.items() if n}
     assert [kv.pool.ref_counts[b] for b in range(kv.num_blocks)] == [occurrences[b] for b in range(kv.num_blocks)]
     assert not owned & set(kv.pool._free)
     assert kv.pool.num_free + len(owned) == kv.num_blocks
     for m, held in zip(kv.groups, kv.blocks_per_group()):
-        blocks = {b for t in m.block_tables.values() for b in t} - {kv.null_block}
-        assert held == len(blocks)
+        assert held == len(set(owned_by(m)) - {kv.null_block})
 
 
 # ---------------------------------------------------------------- end to end, against the one-table cache
@@ -175,24 +178,35 @@ def test_gemma3_is_hybrid_and_bounded(gemma3):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(suffixes=st.lists(st.integers(0, 12), min_size=1, max_size=5), ns=st.lists(st.integers(1, 3), min_size=5,
        max_size=5), block_size=st.integers(2, 5), spare=st.integers(0, 8), budget=st.integers(4, 40),
-       max_tokens=st.integers(1, 12), prefix_caching=st.booleans())
+       max_tokens=st.integers(1, 12), prefix_caching=st.booleans(),
+       evictions=st.lists(st.sampled_from([None, "sink:sinks=2,window=8", "sink:sinks=0,window=9",
+                                           "sink:sinks=5,window=12"]), min_size=5, max_size=5))
 def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block_size, spare, budget, max_tokens,
-                                                     prefix_caching):
-    """Prefix hits past the window, forks with copy-on-write, eviction of cached blocks and preemption, mixed
-    at random over three layer groups (with prefix caching on or off): the tokens of the one-table cache, and
-    every block back in the end."""
+                                                     prefix_caching, evictions):
+    """Prefix hits past the window, forks with copy-on-write, eviction of cached blocks, preemption and requests
+    under `sink` (evicting from the global group, pinning its sink blocks) beside others, mixed at random over
+    three layer groups (with prefix caching on or off): the tokens of the one-table cache, and every block back
+    in the end. A sink request's tokens depend on where its prompt chunks ended (each step evicts what left the
+    window), which a small pool moves (preemption, admission): of those, the lengths are compared here, the tokens
+    by test_sink_with_a_hybrid_cache_gives_the_one_table_tokens."""
     prompts = [{"prompt_token_ids": SYSTEM[:20] + SYSTEM[-k:]} if k else {"prompt_token_ids": SYSTEM[:23]}
                for k in suffixes]
-    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True)
-              for n in ns[:len(prompts)]]
+    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True, eviction=e)
+              for n, e in zip(ns[:len(prompts)], evictions)]
     ref = LLM(str(gemma3), block_size=block_size, num_kv_blocks=512, enable_prefix_caching=False,
               disable_hybrid_kv_cache_manager=True, dtype="float32")
     expected = [[o.token_ids for o in out.outputs] for out in ref.generate(prompts, params, use_tqdm=False)]
     need = max(-(-(len(p["prompt_token_ids"]) + max_tokens) // block_size) for p in prompts)
     llm = LLM(str(gemma3), block_size=block_size, num_kv_blocks=3 * need + 4 + spare, max_num_batched_tokens=budget,
               dtype="float32", enable_prefix_caching=prefix_caching)
-    assert run_checked(llm.engine, prompts, params, lambda: check_ownership(llm.engine.kv)) == expected
+    got = run_checked(llm.engine, prompts, params, lambda: check_ownership(llm.engine.kv))
+    for eviction, ours, theirs in zip(evictions, got, expected):
+        assert (ours if eviction is None else [len(t) for t in ours]) == \
+            (theirs if eviction is None else [len(t) for t in theirs])
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
+    # every prompt outgrows every sink budget here: a sink request evicts once its prompt is computed
+    assert (llm.stats()["num_evicted_tokens"] > 0) == any(evictions[:len(prompts)])
+    assert not llm.engine.kv.pinned
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
@@ -261,9 +275,90 @@ def test_a_window_of_one_token_never_indexes_the_null_block():
 @pytest.mark.parametrize("flag, message", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 with a hybrid KV cache"),
     ({"kv_cache_dtype": "int8", "kv_cache_dtype_skip_layers": (0,)}, "kv_cache_dtype_skip_layers with a hybrid"),
-    ({"eviction": "sink:sinks=4,window=64"}, "eviction with a hybrid KV cache"),
 ])
 def test_what_a_hybrid_cache_cannot_do_is_refused_with_the_way_out(gemma3, flag, message):
     """Each refusal comes before any worker is spawned or block allocated, and names the flag that lifts it."""
     with pytest.raises(ValueError, match=f"{message}.*disable_hybrid_kv_cache_manager"):
+        LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", **flag)
+
+
+# ---------------------------------------------------------------- sink eviction per layer group
+
+SINK = "sink:sinks=4,window=12"
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """Two layers: a sliding one (window 8) and a global one: two layer groups."""
+    return make_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2", sliding_window=WINDOW, head_dim=16,
+                           query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """Every layer sliding (window 8): one layer group, no global one to evict from."""
+    return make_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])
+@pytest.mark.parametrize("model", ["gemma3", "gemma2", "mistral"])
+def test_sink_with_a_hybrid_cache_gives_the_one_table_tokens(request, model, backend):
+    """`sink` for the engine and per request, with the hybrid cache: the global layers keep the sinks and the sink
+    window, each sliding group its own window, and the greedy tokens equal the one-table cache's under the same
+    policies (a sliding layer sees its last 8 positions either way). Prompts and generations well past both, in
+    chunks that cut across windows and blocks, batched with a shorter request and one that evicts nothing."""
+    path = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": SYSTEM[:n]} for n in (40, 17, 33)]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, eviction=e)
+              for e in (None, "sink:sinks=2,window=9", "none")]
+    outs, evicted = [], []
+    for disable in (True, False):
+        llm = LLM(str(path), eviction=SINK, disable_hybrid_kv_cache_manager=disable, attention_backend=backend,
+                  block_size=4, num_kv_blocks=96, dtype="float32", long_prefill_token_threshold=12)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        evicted.append(llm.stats()["num_evicted_tokens"])
+        assert llm.stats()["num_preemptions"] == 0      # the same chunks in both: what a sink evicts depends on them
+    assert llm.engine.kv_groups and outs[0] == outs[1]
+    assert evicted[0] == evicted[1] > 0
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
+    check_ownership(llm.engine.kv)
+
+
+@pytest.mark.parametrize("sinks", [4, 0])
+def test_sink_bounds_each_group(gemma3, sinks):
+    """A request of 80 tokens under sink with the hybrid cache, a prompt chunk then one token a step: the global
+    group's table holds at most the sink budget's blocks (and the pinned originals of its sink blocks beside it),
+    each sliding group's at most window/block_size + 1 live blocks, as llm.stats() reports per group; all of them
+    return at the end."""
+    policy = Sink(sinks, 12)
+    llm = LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", eviction=policy.spec())
+    engine, kv = llm.engine, llm.engine.kv
+    engine.add_request("r", {"prompt_token_ids": SYSTEM[:20]},
+                       SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    seq, budget, decoding = engine.requests["r"][0], policy.max_cache_tokens(4) // 4, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if seq.is_finished or seq.num_output_tokens < 2:
+            continue
+        full, *sliding = kv.group_tables(seq.seq_id)
+        assert len(full) <= budget and all(len(t) == len(full) for t in sliding)
+        assert all(live(t, kv) <= WINDOW // 4 + 1 for t in sliding)
+        groups = engine.stats()["kv_groups"]
+        assert groups[0]["blocks_in_use"] == len(full) + len(kv.pinned.get(seq.seq_id, []))
+        assert [g["blocks_in_use"] for g in groups[1:]] == [live(t, kv) for t in sliding]
+        check_ownership(kv)
+        decoding += 1
+    assert decoding > 40 and seq.num_evicted_tokens > 40
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1 and not kv.pinned
+
+
+@pytest.mark.parametrize("flag, message", [
+    ({"eviction": "h2o:budget=32,recent=8"}, "eviction 'h2o:budget=32,recent=8,score=max' .*h2o drops tokens"),
+    ({"eviction": "snapkv:budget=32,window=8"}, "eviction 'snapkv:budget=32,window=8,pool=7' .*snapkv drops"),
+    ({"eviction": "sink:sinks=4,window=4"}, "sink's window \\(4\\) must be at least 8 tokens"),
+])
+def test_eviction_that_would_cut_a_window_is_refused_as_the_engine_starts(gemma3, flag, message):
+    """h2o and snapkv pick tokens inside a sliding layer's window, and a sink window under it cuts that window: the
+    engine-wide policy is refused before any block is allocated, naming the policy and what is wrong."""
+    with pytest.raises(ValueError, match=message):
         LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", **flag)

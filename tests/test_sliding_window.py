@@ -196,17 +196,21 @@ def test_eviction_that_would_cut_a_window_is_refused(tmp_path, eviction):
     assert not llm.engine.requests
 
 
-def test_eviction_with_a_hybrid_cache_is_refused(tmp_path):
-    """The hybrid cache (the default for sliding-window models) drops what left each window itself; an eviction
-    policy, per request or for the engine, is refused with the flag that allows it."""
+def test_eviction_with_a_hybrid_cache_is_sink_alone(tmp_path):
+    """The hybrid cache (the default for sliding-window models) applies sink to its full-attention layers, each
+    sliding layer group keeping its window (test_hybrid_kv.py); h2o, per request or for the engine, is refused
+    naming the policy, as with one block table."""
     path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"][1])
     llm = LLM(str(path), block_size=4, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="eviction 'sink.*hybrid KV cache.*disable_hybrid_kv_cache_manager"):
+    with pytest.raises(ValueError, match="eviction 'h2o.*sliding-window layers \\(window 8\\): h2o drops tokens"):
         llm.engine.add_request("r", {"prompt_token_ids": prompt(20)},
-                               SamplingParams(max_tokens=4, eviction="sink:sinks=4,window=8"))
+                               SamplingParams(max_tokens=4, eviction="h2o:budget=32,recent=8"))
     assert not llm.engine.requests
-    with pytest.raises(ValueError, match="eviction with a hybrid KV cache.*disable_hybrid_kv_cache_manager"):
-        LLM(str(path), block_size=4, num_kv_blocks=64, eviction="sink:sinks=4,window=8")
+    out = llm.generate({"prompt_token_ids": prompt(20)},
+                       SamplingParams(max_tokens=4, eviction="sink:sinks=4,window=8"), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and llm.stats()["num_evicted_tokens"] > 0
+    with pytest.raises(ValueError, match="eviction 'h2o.*sliding-window layers \\(window 8\\): h2o drops tokens"):
+        LLM(str(path), block_size=4, num_kv_blocks=64, eviction="h2o:budget=32,recent=8")
     with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers with a hybrid KV cache"):
         LLM(str(path), block_size=4, num_kv_blocks=64, kv_cache_dtype="int8", kv_cache_dtype_skip_layers=(0,))
 

@@ -63,6 +63,9 @@ class LLMEngine:
         self.detokenize = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.backend = get_backend(config.attention_backend, self.device)
+        self.eviction = parse_eviction(config.eviction)
+        if self.eviction is not None:
+            self._check_eviction(self.eviction)
         self.kv_groups = self._kv_groups(config, mcfg)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
         self.gemm = self._choose_gemm(config, mcfg, native)
@@ -78,7 +81,6 @@ class LLMEngine:
                                     self.workers)
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        self.eviction = parse_eviction(config.eviction)
         # under tensor parallelism the evictor's changes to the pool are made on every rank
         self.evictor = Evictor(self.kv, self.storage if self.workers is None else ForwardedStorage(self.storage,
                                self.workers), self.model)
@@ -176,10 +178,26 @@ class LLMEngine:
         if config.kv_cache_dtype_skip_layers:
             raise ValueError(f"kv_cache_dtype_skip_layers with a hybrid KV cache (sliding-window layers, whose "
                              f"pages every layer group shares): quantize every layer, or {fix}")
-        if config.eviction is not None:
-            raise ValueError(f"eviction with a hybrid KV cache (sliding-window layers keep only their window "
-                             f"already): {fix}")
         return groups
+
+    def _check_eviction(self, policy: EvictionPolicy) -> None:
+        """Refuse (ValueError naming the policy and the option) a policy that would cut a sliding-window layer's
+        window: such a layer attends to the last W cached tokens, which must be the last W positions. Only sink
+        keeps them, with a window of at least W (a window of max_model_len or more never binds: no cache holds
+        more). With the hybrid cache, sink evicts from the full-attention layer groups; each sliding group keeps
+        its window, as without a policy."""
+        windows = [w for w in self.model_config.sliding_windows or () if w is not None and w < self.max_model_len]
+        if not windows:
+            return
+        widest = max(windows)
+        if not isinstance(policy, Sink):
+            raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {widest}): {policy.name} "
+                             f"drops tokens inside a layer's window; only sink, with a window of at least {widest} "
+                             f"tokens, keeps each such layer's window whole")
+        if policy.window < widest:
+            raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {widest}): sink's window "
+                             f"({policy.window}) must be at least {widest} tokens, to keep each such layer's window "
+                             f"whole")
 
     def _init_cache(self, config: EngineConfig):
         # contiguous: the same pool, with one block holding a whole max_model_len context
@@ -331,16 +349,8 @@ class LLMEngine:
         policy = self.eviction if params.eviction is None else parse_eviction(params.eviction)
         if policy is not None and self.kv.recomputes:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
-        # a sliding layer attends to the last W cached tokens, which must be the last W positions (a window
-        # of max_model_len or more never binds: no cache holds more, sink's included)
-        windows = [w for w in self.model_config.sliding_windows if w is not None and w < self.max_model_len]
-        if policy is not None and self.kv_groups:
-            raise ValueError(f"eviction {policy.spec()!r} with a hybrid KV cache (sliding-window layers keep only "
-                             f"their window already): start the engine with disable_hybrid_kv_cache_manager")
-        if policy is not None and windows and not (isinstance(policy, Sink) and policy.window >= max(windows)):
-            raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {max(windows)}): only "
-                             f"sink with a window of at least {max(windows)} tokens keeps each such layer's window "
-                             f"whole")
+        if policy is not None:
+            self._check_eviction(policy)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
         seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),
@@ -402,7 +412,9 @@ class LLMEngine:
             bs, cfg = self.kv.block_size, self.scheduler_config
             chunk = min(prompt_len, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
             held = min(total, policy.max_cache_tokens(bs) + chunk)
-            blocks = policy.sink_blocks(bs)   # the unrotated originals, pinned
+            # the unrotated originals, pinned: in each full-attention layer group of a hybrid cache
+            full_groups = sum(g.sliding_window is None for g in self.kv_groups) if self.kv_groups else 1
+            blocks = policy.sink_blocks(bs) * full_groups
             if held > self.max_model_len:
                 raise ValueError(f"{policy.spec()} with prompt chunks of {chunk} tokens holds up to {held} tokens, "
                                  f"more than max_model_len ({self.max_model_len}); use a smaller window or "

@@ -7,6 +7,10 @@ evicted tokens (one exact rotation from the original, never a rotation of a rota
 their place in the table. With RoPE only relative positions matter, so this is StreamingLLM's
 "positions within the cache". h2o and snapkv pick tokens and compact them into fresh blocks; a
 block that others share (prefix cache, forks) is never written, only let go of.
+
+With the hybrid KV cache (kv/hybrid.py), sink evicts and pins in the full-attention layer groups; a
+sliding group's entries it drops are the null block already (they left the group's window first), so
+every group's table keeps holding the same cached tokens at the same entries.
 """
 from __future__ import annotations
 
@@ -102,13 +106,16 @@ class Evictor:
             self._rotate_sinks(seq, sink_blocks)
 
     def _rotate_sinks(self, seq: Sequence, sink_blocks: int) -> None:
-        """The working sink blocks := the originals with keys rotated forward by the evicted count."""
+        """The working sink blocks := the originals with keys rotated forward by the evicted count (the
+        full-attention layers' RoPE: only they read the sinks)."""
+        originals = self.kv.pinned.get(seq.seq_id)
+        if not originals:       # a hybrid cache of sliding layer groups alone: no layer reads the sinks
+            return
         delta = seq.num_evicted_tokens
         self.model.ensure_rope(delta + 1)
         cos, sin = self.model.rope(torch.tensor([delta], device=self.model.rope.cos.device), torch.float32)
-
-        table = self.kv.block_tables[seq.seq_id]
-        self.storage.rotate_keys(self.kv.pinned[seq.seq_id], table[:sink_blocks], KeyRotation(cos[0, 0], sin[0, 0]))
+        working = self.kv.leading_blocks(seq.seq_id, sink_blocks)
+        self.storage.rotate_keys(originals, working, KeyRotation(cos[0, 0], sin[0, 0]))
 
     def _compact(self, seq: Sequence, keep: torch.Tensor) -> None:
         """Copy the kept tokens, in order, into fresh blocks; the old ones are let go of."""

@@ -13,6 +13,10 @@ Prefix caching: each group indexes its blocks under its own keys (BlockKey.in_gr
 the whole prefix's blocks in a full-attention group but only a sliding group's last window of them. The
 second KV tier keeps each group's blocks under the same keys: a hit finds each block it needs in the pool
 or in the tier, which loads it into a fresh block.
+
+Eviction: a `sink` policy drops the same entries of a sequence's table in every group (so that entry j holds
+the same cached tokens in each) and pins the originals of its sink blocks in the full-attention groups alone;
+a sliding group's dropped entries are the null block already, since a sink's window is at least the group's.
 """
 from __future__ import annotations
 
@@ -140,13 +144,24 @@ class HybridKVCacheManager(BlockCounts):
         self._held, owner = [0] * len(groups), [0] * num_blocks
         pools = [GroupPool(self.pool, g, self._held, owner, self.null_block) for g in range(len(groups))]
         self.groups = [KVCacheManager(num_blocks, block_size, pool=p) for p in pools]
-        self.pinned: dict[int, list[int]] = {}         # a sink's blocks: never (no eviction policy here)
+        # the groups that keep every token's blocks, where a sink policy evicts and pins its sink blocks
+        self._full = [m for g, m in zip(groups, self.groups) if g.sliding_window is None]
         # per group: how many leading entries of each sequence's table are the null block
         self._released: list[dict[int, int]] = [{} for _ in groups]
 
     @property
     def block_tables(self) -> dict[int, list[int]]:
         return self.groups[0].block_tables
+
+    @property
+    def pinned(self) -> dict[int, list[int]]:
+        """Each sequence's blocks outside its tables: a sink's unrotated originals, those of every full-attention
+        group in the groups' order (a sliding group pins none: its sink blocks left its window)."""
+        pinned: dict[int, list[int]] = {}
+        for m in self._full:
+            for seq_id, blocks in m.pinned.items():
+                pinned.setdefault(seq_id, []).extend(blocks)
+        return pinned
 
     def group_tables(self, seq_id: int) -> list[list[int]]:
         """The sequence's block table in each group."""
@@ -325,9 +340,35 @@ class HybridKVCacheManager(BlockCounts):
     def release(self, block_ids: list[int]) -> None:
         self.groups[0].release(block_ids)
 
+    def drop(self, seq_id: int, indices: range) -> None:
+        """Remove entries `indices` of the sequence's table in every group and let go of their blocks (a sink's
+        eviction), so that entry j holds the same cached tokens in every group. A sliding group's entries there
+        are the null block already: a sink's window is at least the group's, so they left the group's window
+        before they left the sink's."""
+        for m, released in zip(self.groups, self._released):
+            m.drop(seq_id, indices)
+            nulls = released.get(seq_id, 0)
+            if nulls > indices.start:
+                released[seq_id] = nulls - (min(nulls, indices.stop) - indices.start)
+
+    def replace(self, seq_id: int, indices: range, pin: bool = False) -> list[int]:
+        """Give entries `indices` of the sequence's table in every full-attention group fresh blocks (a sink's
+        working copies; a sliding group's entries there left its window); the blocks they held are returned, the
+        groups' in order (and pinned to the sequence when `pin`, else left to the caller to `release`). Nothing
+        changes if the pool has too few free blocks."""
+        needed = len(indices) * len(self._full)
+        if needed > self.pool.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {self.pool.num_free} free")
+        return [b for m in self._full for b in m.replace(seq_id, indices, pin)]
+
+    def leading_blocks(self, seq_id: int, n: int) -> list[int]:
+        """The first n entries of the sequence's table in every full-attention group, in the order of `pinned`:
+        where a sink's originals are copied to."""
+        return [b for m in self._full for b in m.leading_blocks(seq_id, n)]
+
     def blocks_per_group(self) -> list[int]:
-        """Blocks each group holds: those of its sequences' tables (a block shared by several counted once; the
-        null block not at all)."""
+        """Blocks each group holds: those of its sequences' tables and a sink's pinned originals (a block shared by
+        several counted once; the null block not at all)."""
         return list(self._held)
 
 

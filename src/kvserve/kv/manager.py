@@ -201,6 +201,11 @@ class KVCacheManager(BlockCounts):
             self.pinned.setdefault(seq_id, []).extend(old)
         return old
 
+    def leading_blocks(self, seq_id: int, n: int) -> list[int]:
+        """The first n entries of the sequence's table, in the order of `pinned`: where a sink's originals are
+        copied to."""
+        return self.block_tables[seq_id][:n]
+
     def rebuild(self, seq_id: int, num_tokens: int) -> list[int]:
         """Give a sequence a table of fresh blocks for `num_tokens` tokens; returns the old table, whose
         blocks it still owns until `release` (its tokens are copied over first)."""
