@@ -12,7 +12,8 @@ from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.eval.perplexity import perplexity
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.quant import FP8_MAX, Fp8PerToken, Int4, codecs
+from kvserve.engine.evictor import KeyRotation
+from kvserve.kv.quant import FP8_MAX, Fp8PerToken, Int4, codecs, rotate_keys_
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
 from tiny_models import make_checkpoint
@@ -74,6 +75,80 @@ def test_int4_error_is_within_half_a_step_per_token():
     step = meta[..., 0, :].float().unsqueeze(-1)
     err = (codec.decode(q, meta) - x).abs()
     assert (err <= step / 2 + 1e-3 * step + 1e-6).all()   # fp16 minimum adds a rounding of its own
+
+
+def rotated(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    rotate_keys_(y)
+    return y
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_key_rotation_is_orthonormal_and_keeps_scores(head_dim):
+    """Blocks of the largest power of two dividing head_dim (8 of 24): q . k is unchanged when both turn,
+    and turning twice gives the keys back."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, head_dim, generator=g), torch.randn(7, head_dim, generator=g)
+    assert not torch.allclose(rotated(k), k, atol=0.1)
+    torch.testing.assert_close(rotated(q) @ rotated(k).T, q @ k.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rotated(rotated(k)), k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rotated(k).norm(dim=-1), k.norm(dim=-1))
+    if head_dim == 24:      # three blocks of 8: a key in the first block stays there
+        assert rotated(torch.eye(24)[:8])[:, 8:].eq(0).all()
+
+
+@pytest.mark.parametrize("head_dim, most", [(64, 1 / 4), (24, 2 / 3)])
+def test_rotation_shrinks_int4_key_error_beside_an_outlier_channel(head_dim, most):
+    """An outlier channel sets a token's int4 range, leaving its other channels a few levels: rotated keys
+    spread it over their block (the wider, the more: 64 channels at head_dim 64, 8 at 24), and come back
+    (turned again) closer to the keys."""
+    x = with_outliers((2, 3, 16, head_dim))
+    codec = Int4()
+    plain = codec.decode(*codec.encode(x)) - x
+    back = codec.decode(*codec.encode(rotated(x)))
+    rotate_keys_(back)
+    err = back - x
+    assert err.pow(2).mean() < plain.pow(2).mean() * most
+
+
+def test_int4_layers_store_the_keys_rotated(ckpt):
+    """The engine's int4 pages hold H k (within int4's half step), not k; values are stored as they are."""
+    prompt = {"prompt_token_ids": list(range(3, 33))}
+    once = SamplingParams(max_tokens=1, temperature=0)
+    full, int4 = (LLM(str(ckpt), block_size=4, num_kv_blocks=16, kv_cache_dtype=dt) for dt in ("auto", "int4"))
+    for llm in (full, int4):
+        llm.generate([prompt], once, use_tqdm=False)
+    k, v = full.engine.storage.layer(0)           # layer 0's K and V do not depend on the cache
+    layer = int4.engine.storage.layer(0)
+    got_k, got_v = layer.gather(torch.arange(16))
+    want = rotated(k)
+    step = ((want.amax(-1) - want.amin(-1)) / 15)[..., None]
+    assert ((got_k - want).abs() <= step / 2 + 1e-3 * step + 1e-6).all()
+    assert not torch.allclose(got_k, k, atol=(step / 2).max().item())
+    vstep = ((v.amax(-1) - v.amin(-1)) / 15)[..., None]
+    assert ((got_v - v).abs() <= vstep / 2 + 1e-3 * vstep + 1e-6).all()
+
+
+def test_sink_moves_rotated_int4_keys_by_rope_of_the_model_keys():
+    """sink's RoPE shift applies to the model's keys: an int4 layer's keys are turned back, shifted and turned
+    again, so that its moved block holds H rope(k)."""
+    bs, kvh, d = 4, 2, 64
+    storage = KVStorage(KVSpec(1, kvh, d, torch.float32, bs, "int4"), 4, torch.device("cpu"))
+    layer = storage.layer(0)
+    kv = with_outliers((bs, 2, kvh, d), seed=2)
+    rotate_keys_(kv[:, 0])                        # as the attention layer writes them
+    layer.write_tokens(kv, torch.arange(bs))
+    angle = torch.arange(d // 2) * 0.3
+    cos, sin = torch.cat((angle.cos(), angle.cos())), torch.cat((-angle.sin(), angle.sin()))
+    stored = layer.gather(torch.tensor([0]))[0, :, 0]                  # [KVH, BS, D]
+    storage.rotate_keys([0], [1], KeyRotation(cos, sin))
+    model_keys = stored.clone()
+    rotate_keys_(model_keys)
+    want = model_keys * cos + model_keys.roll(d // 2, -1) * sin
+    rotate_keys_(want)
+    got = layer.gather(torch.tensor([1]))[0, :, 0]
+    step = ((want.amax(-1) - want.amin(-1)) / 15)[..., None]
+    assert ((got - want).abs() <= step / 2 + 1e-3 * step + 1e-5).all()
 
 
 def test_int4_packs_two_numbers_per_byte():

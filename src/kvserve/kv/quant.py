@@ -7,6 +7,7 @@ is quantized as it is written and a block still filling needs nothing kept exact
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,29 @@ def take_blocks(t: torch.Tensor, ids: torch.Tensor, axis: int) -> torch.Tensor:
     return _words(t, axis)[index].view(t.dtype).reshape(*t.shape[:axis], *ids.shape, *t.shape[axis + 1:])
 
 
+def hadamard_block(head_dim: int) -> int:
+    """The size of rotate_keys_'s Hadamard blocks: the largest power of two dividing head_dim."""
+    return head_dim & -head_dim
+
+
+@functools.cache
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """Sylvester's n x n Hadamard matrix (n a power of two) over sqrt(n): orthonormal and symmetric."""
+    h = torch.ones(1, 1)
+    while len(h) < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)))
+    return (h / len(h) ** 0.5).to(device)
+
+
+def rotate_keys_(x: torch.Tensor) -> None:
+    """x [..., D] times the orthonormal block-diagonal Hadamard matrix H of blocks hadamard_block(D), in place
+    (in float32, then rounded to x's dtype). H is symmetric and orthonormal, so it is its own inverse, and
+    rotating both q and k leaves every score q . k as it was."""
+    d = x.shape[-1]
+    h = _hadamard(hadamard_block(d), x.device)
+    x.copy_((x.float().unflatten(-1, (d // len(h), len(h))) @ h).flatten(-2))
+
+
 @dataclass
 class Affine:
     """decode() = numbers() * scale + offset, in float32, one of each per token [KVH, *ids, BS].
@@ -61,6 +85,7 @@ class Codec:
     meta_dtype: torch.dtype = torch.float16
     pack = 1                 # numbers per stored element along head_dim
     splits_channels = False  # numbers() holds the even channels, then the odd
+    rotates_keys = False     # keys (and queries) pass through rotate_keys_ before they meet the cache
 
     def meta_shape(self, block_size: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one (head, block)'s scales."""
@@ -155,11 +180,16 @@ class Int4(Codec):
     keys' own numbers. Per token, a token costs head_dim + 8 bytes (K and V) whatever the block
     size, and is quantized as it is written (docs/performance.md: the perplexity barely moves).
     meta is (scale, minimum) [2, block_size].
+
+    Per token, a key's few outlier channels would set its range and leave 16 levels too coarse for the
+    rest: keys are stored rotated by a block Hadamard matrix (rotate_keys_, as QuaRot does), which spreads
+    an outlier over its block, and the queries meet them rotated alike (rotates_keys).
     """
 
     storage_dtype = torch.uint8
     pack = 2
     splits_channels = True
+    rotates_keys = True
 
     def meta_shape(self, block_size, head_dim):
         return (2, block_size)
@@ -233,6 +263,7 @@ class QuantizedLayer:
         self.dtype = dtype
         self.shape = (2, num_kv_heads, num_blocks, block_size, head_dim)   # of the pages it stands for
         self.splits_channels = k_codec.splits_channels
+        self.rotates_keys = k_codec.rotates_keys     # its keys are stored as rotate_keys_ turns them
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype, dequantized

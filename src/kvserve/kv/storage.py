@@ -7,7 +7,7 @@ import torch
 
 from kvserve.engine.cpu_memory import zeros
 from kvserve.kernels import fallback, function
-from kvserve.kv.quant import QuantizedLayer, codecs, take_blocks
+from kvserve.kv.quant import QuantizedLayer, codecs, rotate_keys_, take_blocks
 from kvserve.kv.spec import KVSpec
 
 
@@ -126,7 +126,12 @@ class KVStorage:
         src_t, dst_t = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
         for layer in self.layers:
             pages = read_pages(layer, src_t).clone()             # [2, KVH, n, BS, D]
+            rotated = isinstance(layer, QuantizedLayer) and layer.rotates_keys
+            if rotated:
+                rotate_keys_(pages[0])       # RoPE turns the model's keys: undo the cache's rotation (its own inverse)
             rotate(pages[0])
+            if rotated:
+                rotate_keys_(pages[0])
             if isinstance(layer, QuantizedLayer):
                 layer.quantize(dst_t, pages)
             else:

@@ -11,6 +11,7 @@ from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
 from kvserve.distributed import TensorParallel, shard_config
 from kvserve.kv.nocache import NoKVStorage
+from kvserve.kv.quant import QuantizedLayer, rotate_keys_
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import (Embedding, GateUpLinear, GeluGateUpLinear, GemmaRMSNorm, Linear, RMSNorm,
                                   RotaryEmbedding, apply_rope_)
@@ -50,6 +51,10 @@ class Attention(nn.Module):
             qk[:, :nh] = self.q_norm(qk[:, :nh])
             qk[:, nh:] = self.k_norm(qk[:, nh:])
         apply_rope_(qk if self.rotary_dim == hd else qk[..., :self.rotary_dim], *rope)
+        if isinstance(kv_cache, QuantizedLayer) and kv_cache.rotates_keys:
+            # the cache stores its keys rotated: the queries turn alike, and every backend (and the
+            # attention mass) sees the scores unchanged, the step's own fresh keys included
+            rotate_keys_(qk)
         kv = qkv[:, self.q_size:].view(tokens, 2, nkv, hd)
         if kv_cache is not None:
             backend.store(kv_cache, kv, batch)
