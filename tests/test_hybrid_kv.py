@@ -15,6 +15,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.kv.blocks import block_key
 from kvserve.kv.eviction import Sink
 from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, group_size, layer_groups, layer_slots
+from kvserve.kv.quant import QuantizedLayer
 
 WINDOW = 8
 
@@ -274,7 +275,6 @@ def test_a_window_of_one_token_never_indexes_the_null_block():
 
 @pytest.mark.parametrize("flag, message", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 with a hybrid KV cache"),
-    ({"kv_cache_dtype": "int8", "kv_cache_dtype_skip_layers": (0,)}, "kv_cache_dtype_skip_layers with a hybrid"),
 ])
 def test_what_a_hybrid_cache_cannot_do_is_refused_with_the_way_out(gemma3, flag, message):
     """Each refusal comes before any worker is spawned or block allocated, and names the flag that lifts it."""
@@ -322,6 +322,34 @@ def test_sink_with_a_hybrid_cache_gives_the_one_table_tokens(request, model, bac
     assert evicted[0] == evicted[1] > 0
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
     check_ownership(llm.engine.kv)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])
+@pytest.mark.parametrize("model, skip", [("gemma3", (1, 2)), ("gemma2", (0,))])
+def test_skip_layers_per_group(request, model, skip, backend, kv_cache_dtype):
+    """kv_cache_dtype_skip_layers with the hybrid cache (Gemma 3: a sliding and the global layer kept; Gemma 2: its
+    sliding one): each layer reads and writes its pages in its own dtype whatever group holds the block, so that the
+    greedy tokens equal the one-table cache's with the same layers kept, batched, past the window. The pool's
+    tensors are its blocks' bytes, within kv_cache_memory, and every block returns."""
+    path = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": SYSTEM[:n]} for n in (40, 17, 33)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    budget = 2**20 + 123
+    outs = []
+    for disable in (True, False):
+        llm = LLM(str(path), disable_hybrid_kv_cache_manager=disable, attention_backend=backend, block_size=4,
+                  kv_cache_memory=budget, dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_dtype_skip_layers=skip, long_prefill_token_threshold=12)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    engine, stats = llm.engine, llm.stats()
+    assert len(engine.kv_groups) > 1 and outs[0] == outs[1]
+    assert [isinstance(engine.storage.layer(i), QuantizedLayer) for i in range(engine.model_config.num_layers)] \
+        == [i not in skip for i in range(engine.model_config.num_layers)]
+    assert stats["kv_cache_bytes"] == stats["kv_blocks_total"] * engine.kv_spec.bytes_per_block <= budget
+    assert stats["kv_blocks_total"] == budget // engine.kv_spec.bytes_per_block
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] - 1
+    check_ownership(engine.kv)
 
 
 @pytest.mark.parametrize("sinks", [4, 0])

@@ -211,8 +211,6 @@ def test_eviction_with_a_hybrid_cache_is_sink_alone(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4 and llm.stats()["num_evicted_tokens"] > 0
     with pytest.raises(ValueError, match="eviction 'h2o.*sliding-window layers \\(window 8\\): h2o drops tokens"):
         LLM(str(path), block_size=4, num_kv_blocks=64, eviction="h2o:budget=32,recent=8")
-    with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers with a hybrid KV cache"):
-        LLM(str(path), block_size=4, num_kv_blocks=64, kv_cache_dtype="int8", kv_cache_dtype_skip_layers=(0,))
 
 
 def test_a_window_past_max_model_len_leaves_eviction_free(tmp_path):

@@ -7,7 +7,6 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from itertools import count
 
 import torch
@@ -27,7 +26,7 @@ from kvserve.engine.workers import ForwardedStorage, WorkerArgs, Workers
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
 from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
-from kvserve.kv.hybrid import HybridKVCacheManager, HybridKVStorage, LayerGroup, group_size, is_hybrid, layer_groups
+from kvserve.kv.hybrid import HybridKVCacheManager, HybridKVStorage, LayerGroup, block_spec, is_hybrid, layer_groups
 from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVOffloader, SwapCosts, TierCompat,
                                 measure_prefill, model_identity, parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
@@ -175,9 +174,6 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} with a hybrid KV cache "
                              f"(sliding-window layers): the workers keep one block table for every layer; {fix}")
-        if config.kv_cache_dtype_skip_layers:
-            raise ValueError(f"kv_cache_dtype_skip_layers with a hybrid KV cache (sliding-window layers, whose "
-                             f"pages every layer group shares): quantize every layer, or {fix}")
         return groups
 
     def _check_eviction(self, policy: EvictionPolicy) -> None:
@@ -203,10 +199,10 @@ class LLMEngine:
         # contiguous: the same pool, with one block holding a whole max_model_len context
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
         # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
-        self.kv_spec = spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size,
-                                                config.kv_cache_dtype, config.kv_cache_dtype_skip_layers)
+        self.kv_spec = spec = model_spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size,
+                                                             config.kv_cache_dtype, config.kv_cache_dtype_skip_layers)
         if self.kv_groups:      # a block holds the pages of one group's layers
-            self.kv_spec = spec = replace(spec, num_layers=group_size(self.kv_groups))
+            self.kv_spec = spec = block_spec(model_spec, self.kv_groups)
         if config.cache_mode == "none":
             return CacheConfig(cache_mode="none"), NoKVCacheManager(), NoKVStorage(spec.num_layers)
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
@@ -229,7 +225,7 @@ class LLMEngine:
                 num_blocks += 1                     # asked for (a memory budget holds it)
                 cache.num_kv_blocks = num_blocks
             kv = HybridKVCacheManager(num_blocks, block_size, self.kv_groups)
-            storage = HybridKVStorage(spec, num_blocks, self.device, self.kv_groups, self.model_config.num_layers)
+            storage = HybridKVStorage(model_spec, num_blocks, self.device, self.kv_groups)
             log.info("KV cache: %d layer groups (%s) of %d layers' pages per block", len(self.kv_groups),
                      ", ".join(f"window {g.sliding_window}" if g.sliding_window else "full" for g in self.kv_groups),
                      spec.num_layers)
@@ -259,7 +255,7 @@ class LLMEngine:
         else:
             compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
                                 kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
-                                kv_spec.head_dim, tuple(sorted(kv_spec.skip_layers)),
+                                kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
                                 layer_groups=tuple((g.sliding_window, g.layers) for g in self.kv_groups))
             tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
         offload = KVOffloader(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks, self.device)

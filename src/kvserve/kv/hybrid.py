@@ -3,7 +3,9 @@
 Layers that attend to the whole context form one kind, layers of each distinct sliding window another.
 Each kind is cut into groups of the same number of layers (`group_size`), so that one block of the
 pool holds the pages of `group_size` layers whatever group it serves: the storage keeps `group_size`
-page tensors, and layer i's pages are those of its place within its group (`slot`). A group has its own
+page tensors, and layer i's pages are those of its place within its group (`slot`). With layers kept in the
+model's dtype among quantized ones (kv_cache_dtype_skip_layers), a block holds enough tensors of each dtype for
+any group (`block_spec`), each layer taking one of its own dtype. A group has its own
 block table per sequence. A sliding group lets go of a block once every token in it has left the
 window of the next query, and puts the pool's `null_block` in its place, so that a table's entry j
 still holds tokens [j * block_size, (j + 1) * block_size): attention never reads the null block's
@@ -21,7 +23,7 @@ a sliding group's dropped entries are the null block already, since a sink's win
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,11 +68,34 @@ def group_size(groups: list[LayerGroup]) -> int:
     return max(len(g.layers) for g in groups)
 
 
-def layer_slots(groups: list[LayerGroup], num_layers: int) -> tuple[list[int], list[int]]:
-    """For each layer: the page tensor it uses (its place in its group) and its group's index."""
+def _full_precision_slots(groups: list[LayerGroup], quantized: set[int]) -> int:
+    """Page tensors of a block kept in the model's dtype: those of the group with the most unquantized layers."""
+    return max(sum(layer not in quantized for layer in g.layers) for g in groups)
+
+
+def block_spec(spec: KVSpec, groups: list[LayerGroup]) -> KVSpec:
+    """The spec of one block of the pool (its num_layers: the page tensors a block holds), from the model's.
+
+    A block serves one group at a time, and each of its page tensors must hold its layer's pages in that layer's
+    dtype whatever the group: with kv_cache_dtype_skip_layers, the block holds as many full-precision tensors as
+    the group with the most skipped layers has layers, then as many quantized ones as the group with the most
+    quantized layers (the pool's skip_layers are the leading tensors). Without, group_size tensors of one kind."""
+    quantized = set(spec.quantized_layers)
+    full = _full_precision_slots(groups, quantized)
+    quant = max(sum(layer in quantized for layer in g.layers) for g in groups)
+    return replace(spec, num_layers=full + quant, skip_layers=tuple(range(full)) if quant else ())
+
+
+def layer_slots(groups: list[LayerGroup], num_layers: int, quantized: set[int] = frozenset()
+                ) -> tuple[list[int], list[int]]:
+    """For each layer: the page tensor it uses and its group's index. A group's unquantized layers take the
+    block's full-precision tensors in order, its `quantized` ones the quantized tensors after those (block_spec)."""
     slots, owner = [0] * num_layers, [0] * num_layers
+    first_quantized = _full_precision_slots(groups, quantized)
     for g, group in enumerate(groups):
-        for place, layer in enumerate(group.layers):
+        full = [layer for layer in group.layers if layer not in quantized]
+        quant = [layer for layer in group.layers if layer in quantized]
+        for place, layer in [*enumerate(full), *enumerate(quant, first_quantized)]:
             slots[layer], owner[layer] = place, g
     return slots, owner
 
@@ -373,15 +398,14 @@ class HybridKVCacheManager(BlockCounts):
 
 
 class HybridKVStorage(KVStorage):
-    """The pages of a hybrid cache: `group_size` page tensors (or quantized layers) over the pool's block
-    ids, layer i reading and writing those of its place in its group (`slots[i]`). A block serves one group
-    at a time, so that copying a block copies every tensor's page."""
+    """The pages of a hybrid cache: block_spec's page tensors (or quantized layers) over the pool's block
+    ids, layer i reading and writing those of its place in its group (`slots[i]`), in its own dtype. A block
+    serves one group at a time, so that copying a block copies every tensor's page."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device, groups: list[LayerGroup],
-                 num_layers: int):
-        """`spec`: the pool's spec, whose num_layers is group_size(groups) (one block's page tensors)."""
-        super().__init__(spec, num_blocks, device)
-        self.slots, self.layer_group = layer_slots(groups, num_layers)
+    def __init__(self, model_spec: KVSpec, num_blocks: int, device: torch.device, groups: list[LayerGroup]):
+        """`model_spec`: the model's spec (every layer, its skip_layers); `spec` becomes the pool's, block_spec's."""
+        super().__init__(block_spec(model_spec, groups), num_blocks, device)
+        self.slots, self.layer_group = layer_slots(groups, model_spec.num_layers, set(model_spec.quantized_layers))
 
     def layer(self, i: int) -> torch.Tensor | QuantizedLayer:
         """Model layer i's cache: the pages of its place in its group."""
