@@ -14,8 +14,9 @@ from tiny_models import make_checkpoint
 from kvserve import LLM, SamplingParams
 from kvserve.kv.blocks import block_key
 from kvserve.kv.eviction import Sink
-from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, group_size, layer_groups, layer_slots
+from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, block_spec, group_size, layer_groups, layer_slots
 from kvserve.kv.quant import QuantizedLayer
+from kvserve.kv.spec import KVSpec
 
 WINDOW = 8
 
@@ -31,6 +32,12 @@ def test_gemma3_1b_groups():
     assert group_size(groups) == 4
     slots, owner = layer_slots(groups, 26)
     assert (slots[5], owner[5], slots[24], owner[24], slots[25], owner[25]) == (0, 0, 0, 6, 1, 6)
+    # int8 pages but layers 0 (sliding) and 5 (global) in float32: a block holds one float32 tensor, then enough
+    # int8 ones for a group of four quantized layers; each layer takes one of its own dtype
+    spec = block_spec(KVSpec(26, 1, 256, torch.float32, 16, "int8", (0, 5)), groups)
+    assert (spec.num_layers, spec.skip_layers) == (5, (0,))
+    slots, _ = layer_slots(groups, 26, set(range(26)) - {0, 5})
+    assert [slots[i] for i in (0, 1, 2, 3, 5, 11, 17, 23, 4, 8)] == [0, 1, 2, 3, 0, 1, 2, 3, 1, 4]
 
 
 @pytest.mark.parametrize("windows, max_model_len, expected", [
@@ -237,7 +244,6 @@ def test_one_table_executors_need_one_group():
     from kvserve.attention.triton import TritonBackend
     from kvserve.config import EngineConfig
     from kvserve.engine.executor import cuda_graphs_wanted
-    from kvserve.kv.spec import KVSpec
 
     config, spec = EngineConfig(), KVSpec(2, 1, 16, torch.float32)
     wanted = [cuda_graphs_wanted(config, torch.device("cuda"), spec, TritonBackend(), n) for n in (0, 1, 3)]

@@ -48,6 +48,26 @@ def test_planner_blocks_equal_the_engines(ckpt, kv_dtype, budget):
     assert num_blocks(str(ckpt), budget, 16, "float32", kv_dtype) == llm.stats()["kv_blocks_total"]
 
 
+@pytest.mark.parametrize("kv_dtype, skip", [("auto", ()), ("int8", ()), ("int8", (1, 2)), ("int4", (0,))])
+def test_planner_blocks_equal_the_hybrid_engines(tmp_path, kv_dtype, skip):
+    """A tiny Gemma 3 (two sliding layers, one global: three layer groups of one layer), some layers kept in the
+    model's dtype: the planner's blocks for a budget are the hybrid pool's, and each group's bytes per token are
+    a pool block's."""
+    path = make_checkpoint(tmp_path, "gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3,
+                           sliding_window_pattern=3)
+    budget = 3 * 2**20 + 5
+    llm = LLM(str(path), kv_cache_memory=budget, block_size=4, dtype="float32", kv_cache_dtype=kv_dtype,
+              kv_cache_dtype_skip_layers=skip)
+    engine = llm.engine
+    assert len(engine.kv_groups) == 3
+    assert num_blocks(str(path), budget, 4, "float32", kv_dtype, kv_dtype_skip_layers=skip) \
+        == llm.stats()["kv_blocks_total"]
+    groups = plan(str(path), 2**30, engine.max_model_len, dtype="float32", block_size=4, kv_dtype=kv_dtype,
+                  kv_dtype_skip_layers=skip).kv_groups
+    assert [g["bytes_per_token"] * 4 for g in groups] == [engine.kv_spec.bytes_per_block] * 3
+    assert [g["full_precision_layers"] for g in groups] == [1 if skip or kv_dtype == "auto" else 0] * 3
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_planner_bytes_per_request_are_what_the_engine_holds(ckpt, kv_dtype):
     """A request holding T tokens holds KVSpec.bytes_held(T) in the engine (its blocks); over a block's fill
@@ -166,6 +186,12 @@ def test_hybrid_models_are_planned_per_layer_group(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "layer group (window 512, 2 layers, pages of 4 per block): 4 x 2 x 1 x 256 x 2 bytes = 4,096 bytes" in out
     assert "paged per layer group" in out
+    # layer 0 (sliding) and 5 (global) kept in bfloat16: a block holds one bfloat16 layer's pages and four int8 ones
+    assert main(["plan", "--model", "gemma3-1b", "--gpu", "l4", "--context", "8192", "--kv-dtype", "int8",
+                 "--kv-dtype-skip-layers", "0,5"]) == 0
+    out = capsys.readouterr().out
+    assert "layer group (full attention, 4 layers, pages of 5 per block): 1 x 2 x 1 x 256 x 2 bytes + " \
+           "4 x 2 x 1 x 256 x 1.008 bytes (int8 with its scales) = 3,088 bytes per token" in out
 
 
 def test_hybrid_full_context_bytes_are_what_the_engine_holds(tmp_path):

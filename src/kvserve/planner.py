@@ -10,16 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from kvserve.cli import layer_list
 from kvserve.config import (KV_CACHE_DTYPES, QUANTIZATIONS, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes,
                             parse_dtype)
 from kvserve.distributed import check_tensor_parallel, shard_config
 from kvserve.kv.eviction import Sink
-from kvserve.kv.hybrid import LayerGroup, group_size, is_hybrid, layer_groups, window_blocks
+from kvserve.kv.hybrid import LayerGroup, block_spec, is_hybrid, layer_groups, window_blocks
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.kv.spec import KVSpec
 
@@ -146,10 +147,12 @@ def mean_tokens_held(context: int, avg_prompt: float | None, avg_output: float |
 def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_parallel: int = 1,
          utilization: float = 0.9, block_size: int = 16, avg_prompt: float | None = None,
          avg_output: float | None = None, sinks: int = 4, window: int = 1020, kv_dtype: str = "auto",
-         offload_size: int | None = None, quantization: str | None = None) -> Plan:
+         offload_size: int | None = None, quantization: str | None = None,
+         kv_dtype_skip_layers: tuple[int, ...] = ()) -> Plan:
     """Users that fit with each cache option; contiguous, paged and sink_window store `kv_dtype`; the weights
-    are quantized as `quantization` says (weight_bytes). With `offload_size`, the prefix tokens a second tier of
-    that many bytes keeps (kv_offload)."""
+    are quantized as `quantization` says (weight_bytes). Quantized pages keep the layers `kv_dtype_skip_layers` in
+    `dtype` (kv_cache_dtype_skip_layers). With `offload_size`, the prefix tokens a second tier of that many bytes
+    keeps (kv_offload)."""
     if context < 1:
         raise ValueError(f"context must be at least 1 token, got {context}")
     if not 0 < utilization <= 1:
@@ -171,7 +174,7 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
     bounded = policy.max_cache_tokens(block_size) + policy.sink_blocks(block_size) * block_size
     held = mean_tokens_held(context, avg_prompt, avg_output)
     held_sink = mean_tokens_held(context, avg_prompt, avg_output, bounded)
-    per_card = {kd: KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kd)
+    per_card = {kd: KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kd, kv_dtype_skip_layers)
                 for kd in ("auto", *QUANTIZED_KV_CACHE_DTYPES)}
     cards = min(tensor_parallel, cfg.num_kv_heads)   # tensor parallelism splits the KV heads (never one head)
     per_token = per_card[kv_dtype].bytes_per_token / cards
@@ -191,8 +194,7 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
     groups = layer_groups(cfg.sliding_windows or (None,) * cfg.num_layers, context)
     kv_groups = []
     if is_hybrid(groups):
-        slots = KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kv_dtype)
-        slots = KVSpec(group_size(groups), slots.num_kv_heads, slots.head_dim, slots.dtype, block_size, kv_dtype)
+        slots = block_spec(per_card[kv_dtype], groups)
         kv_groups = [GroupPlan.of(g, slots, context, avg_prompt, avg_output, cards) for g in groups]
         per_user = sum(_paged_bytes_per_user(slots, g.mean_tokens_held, cards) for g in kv_groups)
         mix["hybrid"] = int(kv_memory // per_user)
@@ -209,7 +211,8 @@ class GroupPlan:
 
     sliding_window: int | None
     num_layers: int
-    padded_layers: int             # the layers' pages a block of the group holds: group_size
+    padded_layers: int             # the layers' pages a block of the group holds: group_size (block_spec's layers)
+    full_precision_layers: int     # those of them in the model's dtype (all, or with quantized pages the skipped)
     bytes_per_token: float         # per card
     mean_tokens_held: float        # a request of the length mix, over its life: min(its tokens, the window)
     # the most a request of `context` tokens holds, per card: every block in a full-attention group; in a sliding
@@ -219,10 +222,11 @@ class GroupPlan:
     @classmethod
     def of(cls, group: LayerGroup, slots: KVSpec, context: int, avg_prompt: float | None,
            avg_output: float | None, cards: int) -> GroupPlan:
-        """The group's plan; `slots`: the spec of one block (num_layers = group_size)."""
+        """The group's plan; `slots`: the spec of one block (block_spec's)."""
         cap, bs = group.sliding_window, slots.block_size
         blocks = -(-context // bs) if cap is None else window_blocks(cap, bs, context)
-        return cls(cap, len(group.layers), slots.num_layers, slots.bytes_per_token / cards,
+        full = slots.num_layers - len(slots.quantized_layers)
+        return cls(cap, len(group.layers), slots.num_layers, full, slots.bytes_per_token / cards,
                    mean_tokens_held(context, avg_prompt, avg_output, cap),
                    blocks * slots.bytes_per_block / cards)
 
@@ -245,12 +249,20 @@ def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
 
 
 def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",
-               kv_dtype: str = "auto", tensor_parallel: int = 1) -> int:
+               kv_dtype: str = "auto", tensor_parallel: int = 1, kv_dtype_skip_layers: tuple[int, ...] = (),
+               max_model_len: int | None = None) -> int:
     """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses (per rank under
-    tensor parallelism, whose ranks hold their KV heads' pages of the same blocks)."""
+    tensor parallelism, whose ranks hold their KV heads' pages of the same blocks). A model whose sliding windows
+    bind within max_model_len (default: its positions) gets the hybrid cache's blocks, each holding the pages of
+    one layer group's layers (block_spec)."""
     _, cfg = load_model_config(model)
     check_tensor_parallel(cfg, tensor_parallel)
-    spec = KVSpec.from_model(shard_config(cfg, tensor_parallel), parse_dtype(dtype), block_size, kv_dtype)
+    spec = KVSpec.from_model(shard_config(cfg, tensor_parallel), parse_dtype(dtype), block_size, kv_dtype,
+                             kv_dtype_skip_layers)
+    groups = layer_groups(cfg.sliding_windows or (None,) * cfg.num_layers,
+                          max_model_len or cfg.max_position_embeddings)
+    if is_hybrid(groups):
+        spec = block_spec(spec, groups)
     return spec.num_blocks_for(parse_bytes(kv_cache_memory))
 
 
@@ -265,6 +277,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="pages of the contiguous, paged and sink+window rows (int8/fp8/int4 rows are always "
                         "shown); bfloat16, bf16, float16, fp16 name the model's --dtype, as auto does")
+    p.add_argument("--kv-dtype-skip-layers", type=layer_list, default=(),
+                   help="comma-separated layers whose quantized pages stay in --dtype, e.g. 0,31")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="weight-only quantization")
     p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument("--memory-utilization", type=float, default=0.9)
@@ -284,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.gpu_memory) if args.gpu_memory else GPUS[args.gpu] * 2**30
     kw = dict(dtype=args.dtype, tensor_parallel=args.tensor_parallel, utilization=args.memory_utilization,
               block_size=args.block_size, avg_prompt=args.avg_prompt, avg_output=args.avg_output,
-              sinks=args.sinks, window=args.window, kv_dtype=args.kv_dtype, quantization=args.quantization)
+              sinks=args.sinks, window=args.window, kv_dtype=args.kv_dtype, quantization=args.quantization,
+              kv_dtype_skip_layers=args.kv_dtype_skip_layers)
     offload = None
     if args.kv_offload_size is not None:
         try:
@@ -296,25 +311,26 @@ def run(args: argparse.Namespace) -> int:
     gib = 2**30
     print(f"{result.model}: weights {result.weight_bytes / gib:.2f} GiB per card ({args.quantization or args.dtype}, "
           f"tensor parallel {args.tensor_parallel})")
-    spec = KVSpec.from_model(cfg, parse_dtype(args.dtype), args.block_size, args.kv_dtype)
+    spec = KVSpec.from_model(cfg, parse_dtype(args.dtype), args.block_size, args.kv_dtype, args.kv_dtype_skip_layers)
     cards = min(args.tensor_parallel, cfg.num_kv_heads)
     number = (f"{spec.bytes_per_number} bytes" if spec.kv_cache_dtype == "auto" else
               f"{spec.bytes_per_block / (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * args.block_size):.4g} "
-              f"bytes ({args.kv_dtype} with its scales)")
+              f"bytes ({args.kv_dtype} with its scales"
+              f"{f', layers {_layers(spec.skip_layers)} in {args.dtype}' if spec.skip_layers else ''})")
     print(f"KV bytes per token = {cfg.num_layers} layers x 2 (K, V) x {cfg.num_kv_heads} kv_heads x "
           f"{cfg.head_dim} head_dim x {number}{f' / {cards} cards' if cards > 1 else ''}"
           f" = {result.kv_bytes_per_token:,.0f} bytes")
     for g in result.kv_groups:
         kind = "full attention" if g["sliding_window"] is None else f"window {g['sliding_window']}"
         print(f"  layer group ({kind}, {g['num_layers']} layers, pages of {g['padded_layers']} per block): "
-              f"{g['padded_layers']} x 2 x {cfg.num_kv_heads} x {cfg.head_dim} x {number} = "
+              f"{_block_formula(g, cfg, spec)} = "
               f"{g['bytes_per_token']:,.0f} bytes per token, holding min(length, "
               f"{g['sliding_window'] or args.context}) tokens: {g['mean_tokens_held']:.0f} on average at the mix")
     print(f"per full {args.context}-token request: {result.kv_bytes_per_request / gib:.3f} GiB; "
           f"KV memory on the card: {result.kv_memory / gib:.2f} GiB")
     if args.tensor_parallel > 1:
         blocks = num_blocks(args.model, result.kv_memory, args.block_size, args.dtype, args.kv_dtype,
-                            args.tensor_parallel)
+                            args.tensor_parallel, args.kv_dtype_skip_layers, args.context)
         print(f"per rank: --kv-cache-memory {result.kv_memory} --tensor-parallel-size {args.tensor_parallel} gives "
               f"each rank {blocks:,} blocks of {args.block_size} tokens ({args.kv_dtype} pages)")
     print(f"concurrent users: requests of the length mix (mean {result.mean_tokens_held:.0f} tokens held, "
@@ -337,6 +353,23 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args, memory, kw)
     return 0
+
+
+def _layers(layers: tuple[int, ...]) -> str:
+    return ",".join(map(str, sorted(layers)))
+
+
+def _block_formula(group: dict, cfg: ModelConfig, spec: KVSpec) -> str:
+    """A layer group's bytes per token: its block's page tensors in the model's dtype, then its quantized ones."""
+    dims = f"2 x {cfg.num_kv_heads} x {cfg.head_dim}"
+    full = group["full_precision_layers"]
+    quantized = group["padded_layers"] - full
+    terms = [f"{full} x {dims} x {spec.bytes_per_number} bytes"] if full else []
+    if quantized:
+        one = replace(spec, num_layers=1, skip_layers=())        # a quantized layer's pages and scales
+        number = one.bytes_per_block / (2 * cfg.num_kv_heads * cfg.head_dim * spec.block_size)
+        terms.append(f"{quantized} x {dims} x {number:.4g} bytes ({spec.kv_cache_dtype} with its scales)")
+    return " + ".join(terms)
 
 
 def _plot(args, memory: int, kw: dict) -> None:
