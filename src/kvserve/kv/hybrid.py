@@ -5,11 +5,11 @@ Each kind is cut into groups of the same number of layers (`group_size`), so tha
 pool holds the pages of `group_size` layers whatever group it serves: the storage keeps `group_size`
 page tensors, and layer i's pages are those of its place within its group (`slot`). With layers kept in the
 model's dtype among quantized ones (kv_cache_dtype_skip_layers), a block holds enough tensors of each dtype for
-any group (`block_spec`), each layer taking one of its own dtype. A group has its own
-block table per sequence. A sliding group lets go of a block once every token in it has left the
-window of the next query, and puts the pool's `null_block` in its place, so that a table's entry j
-still holds tokens [j * block_size, (j + 1) * block_size): attention never reads the null block's
-positions (they lie outside the window), and its pages stay zero.
+any group (`block_spec`), each layer taking one of its own dtype. A group has its own block table per
+sequence. A sliding group lets go of a block once every token in it has left the window of the next query,
+and puts the pool's `null_block` in its place, so that a table's entry j still holds tokens
+[j * block_size, (j + 1) * block_size): attention never reads the null block's positions (they lie outside
+the window), and its pages stay zero.
 
 Prefix caching: each group indexes its blocks under its own keys (BlockKey.in_group). A prefix hit needs
 the whole prefix's blocks in a full-attention group but only a sliding group's last window of them. The
@@ -78,8 +78,10 @@ def block_spec(spec: KVSpec, groups: list[LayerGroup]) -> KVSpec:
 
     A block serves one group at a time, and each of its page tensors must hold its layer's pages in that layer's
     dtype whatever the group: with kv_cache_dtype_skip_layers, the block holds as many full-precision tensors as
-    the group with the most skipped layers has layers, then as many quantized ones as the group with the most
-    quantized layers (the pool's skip_layers are the leading tensors). Without, group_size tensors of one kind."""
+    any group has unquantized layers, then as many quantized ones as any group has quantized layers (the pool's
+    skip_layers are the leading tensors). Without, group_size tensors of one kind. Where the two maxima come from
+    different groups, a block is larger than any one group's pages: the page layouts of the two dtypes cannot
+    share bytes, their block axis not leading."""
     quantized = set(spec.quantized_layers)
     full = _full_precision_slots(groups, quantized)
     quant = max(sum(layer in quantized for layer in g.layers) for g in groups)
