@@ -144,7 +144,7 @@ class LLMEngine:
                                    config.enable_prefix_caching and config.cache_mode == "paged", self.offload)
         self._final_only: set[str] = set()              # requests reported only when finished
         if self.workers is not None:
-            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks)
+            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks, self.kv_groups)
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel); none is left running. The engine cannot step
@@ -172,9 +172,6 @@ class LLMEngine:
         if config.cache_mode != "paged" or config.disable_hybrid_kv_cache_manager or not is_hybrid(groups):
             return []
         fix = "set disable_hybrid_kv_cache_manager, so that every layer keeps every token"
-        if config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} with a hybrid KV cache "
-                             f"(sliding-window layers): the workers keep one block table for every layer; {fix}")
         if config.kv_cache_dtype_skip_layers:
             raise ValueError(f"kv_cache_dtype_skip_layers with a hybrid KV cache (sliding-window layers, whose "
                              f"pages every layer group shares): quantize every layer, or {fix}")
