@@ -116,16 +116,19 @@ def test_hybrid_cache_two_ranks_give_one_ranks_tokens_and_logits(request, model,
     assert steps["eager_tp"] > 0 and (steps.get("native_tp", 0) == 0) == enforce_eager
 
 
-def test_hybrid_cache_prefix_caching_forks_and_preemption(request):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_hybrid_cache_prefix_caching_forks_and_preemption(request, kv_cache_dtype):
     """The hybrid cache on two ranks, with a prompt reusing a cached prefix (each group's blocks of it), n=3
     samples forked from one prompt (copy-on-write block copies of every group) and a pool so small that sequences
-    are preempted (prompts in chunks of 8, a window's, so that a sequence fits it): as one rank."""
+    are preempted (prompts in chunks of 8, a window's, so that a sequence fits it), in full-precision or quantized
+    pages (logprobs within 1e-3, as test_quantized_pages_prefix_caching_forks_and_preemption's): as one rank."""
     batches = [[SYSTEM[:36]], [SYSTEM[:36] + [3, 4, 5], SYSTEM[:28] + [9]]]
     params = SamplingParams(max_tokens=24, temperature=0, n=3, logprobs=2, ignore_eos=True)
-    kw = dict(num_kv_blocks=34, block_size=4, max_num_seqs=4, long_prefill_token_threshold=8)
+    kw = dict(num_kv_blocks=34, block_size=4, max_num_seqs=4, long_prefill_token_threshold=8,
+              kv_cache_dtype=kv_cache_dtype)
     path = request.getfixturevalue("gemma3")
     one, two = _run(path, 1, params, batches, **kw), _run(path, 2, params, batches, **kw)
-    _assert_same(one, two)
+    _assert_same(one, two, tol=1e-3 if kv_cache_dtype == "int8" else 1e-4)
     stats = two[2]
     assert stats["kv_groups"] and stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
 
