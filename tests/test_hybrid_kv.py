@@ -279,15 +279,6 @@ def test_a_window_of_one_token_never_indexes_the_null_block():
     assert len(hits[0]) == 2 and hits[1] == [kv.null_block] * 2     # the next query needs no cached token
 
 
-@pytest.mark.parametrize("flag, message", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 with a hybrid KV cache"),
-])
-def test_what_a_hybrid_cache_cannot_do_is_refused_with_the_way_out(gemma3, flag, message):
-    """Each refusal comes before any worker is spawned or block allocated, and names the flag that lifts it."""
-    with pytest.raises(ValueError, match=f"{message}.*disable_hybrid_kv_cache_manager"):
-        LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", **flag)
-
-
 # ---------------------------------------------------------------- sink eviction per layer group
 
 SINK = "sink:sinks=4,window=12"

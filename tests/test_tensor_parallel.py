@@ -14,6 +14,7 @@ from kvserve.distributed import check_tensor_parallel
 from kvserve.engine.workers import WorkerArgs, Workers
 from kvserve.kv import KVSpec
 from kvserve.planner import num_blocks
+from test_hybrid_kv import SYSTEM, WINDOW, gemma2, gemma3, mistral  # noqa: F401  (the fixtures: tiny checkpoints)
 from tiny_models import make_checkpoint
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], list(range(8, 30)), [5, 17, 33, 2, 99, 100, 7, 61, 62]]
@@ -90,6 +91,46 @@ def test_eviction_policies_choose_as_one_rank(tmp_path, kv_heads):
     one, two = _run(path, 1, params, (prompts,), **kw), _run(path, 2, params, (prompts,), **kw)
     _assert_same(one, two)
     assert two[2]["num_evicted_tokens"] == one[2]["num_evicted_tokens"] > 0
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["native_tp", "eager_tp"])
+@pytest.mark.parametrize("model", ["gemma3", "gemma2", "mistral"])
+def test_hybrid_cache_two_ranks_give_one_ranks_tokens_and_logits(request, model, enforce_eager):
+    """The hybrid cache (a block table per layer group, kv/hybrid.py) on two ranks: each worker's pool keeps the
+    groups' pages as rank 0's, and each step carries every group's slots and block tables (read by the C step on every
+    rank where native_tp decodes, op by op otherwise). Prompts and generations well past the window (8), in chunks
+    that cut across windows and blocks, batched with shorter ones, one of them under `sink` (its rotations made on
+    every rank, its evictions in the full-attention group): as one rank."""
+    path = request.getfixturevalue(model)
+    prompts = [SYSTEM[:n] for n in (40, 17, 33)]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                             eviction=e) for e in (None, "sink:sinks=2,window=9", None)]
+    kw = dict(block_size=4, num_kv_blocks=96, long_prefill_token_threshold=12, enforce_eager=enforce_eager)
+    one, two = _run(path, 1, params, (prompts,), **kw), _run(path, 2, params, (prompts,), **kw)
+    _assert_same(one, two)
+    stats = two[2]
+    assert stats["kv_groups"] and any(g["sliding_window"] == WINDOW for g in stats["kv_groups"])
+    assert all(len(c.token_ids) == 30 for o in two[0] for c in o.outputs)
+    assert stats["num_evicted_tokens"] == one[2]["num_evicted_tokens"] > 0
+    steps = stats["steps"]
+    assert steps["eager_tp"] > 0 and (steps.get("native_tp", 0) == 0) == enforce_eager
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_hybrid_cache_prefix_caching_forks_and_preemption(request, kv_cache_dtype):
+    """The hybrid cache on two ranks, with a prompt reusing a cached prefix (each group's blocks of it), n=3
+    samples forked from one prompt (copy-on-write block copies of every group) and a pool so small that sequences
+    are preempted (prompts in chunks of 8, a window's, so that a sequence fits it), in full-precision or quantized
+    pages (logprobs within 1e-3, as test_quantized_pages_prefix_caching_forks_and_preemption's): as one rank."""
+    batches = [[SYSTEM[:36]], [SYSTEM[:36] + [3, 4, 5], SYSTEM[:28] + [9]]]
+    params = SamplingParams(max_tokens=24, temperature=0, n=3, logprobs=2, ignore_eos=True)
+    kw = dict(num_kv_blocks=34, block_size=4, max_num_seqs=4, long_prefill_token_threshold=8,
+              kv_cache_dtype=kv_cache_dtype)
+    path = request.getfixturevalue("gemma3")
+    one, two = _run(path, 1, params, batches, **kw), _run(path, 2, params, batches, **kw)
+    _assert_same(one, two, tol=1e-3 if kv_cache_dtype == "int8" else 1e-4)
+    stats = two[2]
+    assert stats["kv_groups"] and stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
 
 
 def _alive(pid: int) -> bool:
@@ -249,14 +290,15 @@ def test_torchrun_launches_the_ranks(tiny_llama, capsys):
     from pathlib import Path
 
     from kvserve.cli import main
+    from test_server import free_port
 
     command = ["generate", "def fib", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "6"]
     assert main(command) == 0
     expected = capsys.readouterr().out.strip()
     src = str(Path(__file__).resolve().parent.parent / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kvserve",
-                           *command, "--tensor-parallel-size", "2"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "kvserve", *command, "--tensor-parallel-size", "2"],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected

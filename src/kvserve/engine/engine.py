@@ -143,7 +143,7 @@ class LLMEngine:
                                    config.enable_prefix_caching and config.cache_mode == "paged", self.offload)
         self._final_only: set[str] = set()              # requests reported only when finished
         if self.workers is not None:
-            self.workers.init_cache(self.kv_spec, self.cache_config.num_kv_blocks)
+            self.workers.init_cache(self.model_kv_spec, self.cache_config.num_kv_blocks, self.kv_groups)
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel); none is left running. The engine cannot step
@@ -170,10 +170,6 @@ class LLMEngine:
         groups = layer_groups(mcfg.sliding_windows or (None,) * mcfg.num_layers, self.max_model_len)
         if config.cache_mode != "paged" or config.disable_hybrid_kv_cache_manager or not is_hybrid(groups):
             return []
-        fix = "set disable_hybrid_kv_cache_manager, so that every layer keeps every token"
-        if config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} with a hybrid KV cache "
-                             f"(sliding-window layers): the workers keep one block table for every layer; {fix}")
         return groups
 
     def _check_eviction(self, policy: EvictionPolicy) -> None:
@@ -201,6 +197,7 @@ class LLMEngine:
         # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
         self.kv_spec = spec = model_spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size,
                                                              config.kv_cache_dtype, config.kv_cache_dtype_skip_layers)
+        self.model_kv_spec = model_spec    # every layer's pages: what a worker's pool is built from
         if self.kv_groups:      # a block holds the pages of one group's layers
             self.kv_spec = spec = block_spec(model_spec, self.kv_groups)
         if config.cache_mode == "none":

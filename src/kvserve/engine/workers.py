@@ -39,6 +39,7 @@ import torch.distributed as dist
 from kvserve.config import ModelConfig
 from kvserve.distributed import COLLECTIVE_TIMEOUT, TensorParallel, init_group, pin_cpu_threads
 from kvserve.kv import KVSpec, KVStorage, NoKVStorage
+from kvserve.kv.hybrid import HybridKVStorage, LayerGroup
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0        # seconds a worker may take to load its shard
@@ -76,7 +77,7 @@ class StepMessage:
     then the step's block copies and forward."""
 
     block_copies: list[tuple[int, int]]
-    inputs: object                                   # executor.StepInputs
+    inputs: object                                   # executor.StepInputs (a hybrid cache: every group's tables)
     storage_ops: list[tuple[str, tuple]]             # (KVStorage method, its arguments)
     native: bool = False                             # run by the C decode step (executor native_tp), else eager
 
@@ -239,11 +240,14 @@ class Workers:
             conns.append(ours)
         return procs, conns
 
-    def init_cache(self, spec: KVSpec, num_blocks: int | None) -> None:
-        """Have every worker build its KV pool: `spec` is the shard's (its KV heads), num_blocks rank 0's (None:
-        no cache). Returns once all are ready to run steps."""
+    def init_cache(self, spec: KVSpec, num_blocks: int | None, kv_groups: list[LayerGroup] | None = None) -> None:
+        """Have every worker build its KV pool: `spec` is the shard's (its KV heads; every layer's, as
+        HybridKVStorage takes it), num_blocks rank 0's (None: no cache), kv_groups the layer groups of rank 0's
+        hybrid cache (empty: one block table for every layer), each layer reading the pages of its place in its
+        group as on rank 0. Returns once all are ready to run steps (whose batches carry each group's slots and
+        block tables)."""
         for conn in self.conns:
-            conn.send_bytes(_dumps(("cache", spec, num_blocks)))
+            conn.send_bytes(_dumps(("cache", spec, num_blocks, list(kv_groups or []))))
         self._expect("ready", START_TIMEOUT)
 
     def _expect(self, what: str, timeout: float) -> None:
@@ -395,8 +399,13 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         gemm_kernels(args.dtype)        # the OS grants AMX's tile state to each process that asks (as rank 0 did)
     GemmChoice(args.weight_format, "rank 0's", args.amx_from).apply(model)
     backend = get_backend(args.attention_backend, device)
-    kind, spec, num_blocks = _loads(conn.recv_bytes(), device)
-    storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device)
+    kind, spec, num_blocks, kv_groups = _loads(conn.recv_bytes(), device)
+    if num_blocks is None:
+        storage = NoKVStorage(spec.num_layers)
+    elif kv_groups:
+        storage = HybridKVStorage(spec, num_blocks, device, kv_groups)
+    else:
+        storage = KVStorage(spec, num_blocks, device)
     native = NativeDecode(model, storage) if args.native else None
     steps = ShmChannel(size - 1, channel) if channel is not None else None
     conn.send_bytes(_dumps(("ready", None)))
