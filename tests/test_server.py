@@ -426,6 +426,19 @@ def test_an_engine_that_cannot_start_again_is_tried_a_bounded_number_of_times(ck
     assert [record.msg for record in caplog.records].count("engine start %d of %d failed: %s") == 2
 
 
+def test_an_engine_process_that_does_not_stop_is_killed_at_shutdown(ckpt, monkeypatch, caplog):
+    import kvserve.server.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "SHUTDOWN_GRACE_S", 1.0)
+    app = build_app(EngineConfig(model=str(ckpt), **ENGINE_ARGS), MODEL)
+    core = app.state.async_engine._core
+    with ServerThread(app) as base:
+        assert httpx.get(f"{base}/health").status_code == 200
+        os.kill(core.pid, signal.SIGSTOP)         # hung: it never reads the word to stop
+    assert not core.is_alive() and core.exitcode == -signal.SIGKILL
+    assert any("did not exit within" in record.getMessage() for record in caplog.records)
+
+
 def test_the_engine_process_reports_a_bad_model_and_stops_with_the_server(ckpt, tmp_path):
     with pytest.raises(ValueError, match="no-such-model"):
         build_app(EngineConfig(model=str(tmp_path / "no-such-model")), MODEL)

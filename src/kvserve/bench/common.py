@@ -213,7 +213,7 @@ class ReadBandwidth:
     """Best bytes/s read from a buffer much larger than the caches: by a sum, and by matrix-vector products
     (the GEMMs of _linears, and on the CPU the native decode step's). On the CPU the buffer is on huge pages,
     as the native decode step's weights are. The buffer and its packed copies are made once: a bench that
-    measures again around each of its runs (this machine's bandwidth moves from minute to minute) pays for the
+    measures again around each of its runs (a shared machine's bandwidth moves from minute to minute) pays for the
     reads alone."""
 
     @torch.inference_mode()
