@@ -432,7 +432,7 @@ def test_no_swap_past_the_tier_or_once_it_is_closed(ckpt, tmp_path):
 
 
 def test_a_corrupt_file_is_removed_and_never_served(ckpt, tmp_path):
-    first = written(tiered, ckpt, tmp_path / "tier", [A, B], num_kv_blocks=32)
+    written(tiered, ckpt, tmp_path / "tier", [A, B], num_kv_blocks=32)
     hashes_a = [k.hash for k in _keys(A)]
     hashes_b = [k.hash for k in _keys(B)]
     tier_dir = files(tmp_path / "tier")[0].parent
