@@ -102,6 +102,25 @@ def test_quantized_gemm_is_the_product_of_the_dequantized_weight(quantization, d
         _close(got, _reference(x, dequantized, bias), x)
 
 
+def test_int4_bfloat16_products_take_x_in_fixed_point_per_group():
+    """AVX-512's int4 kernel (VNNI) multiplies x as a 24-bit fixed point per group of 32 inputs, its unit the power
+    of two that puts the group's largest |x| under 2^22: 0.75 beside 2^20 (unit 0.5) counts as 1.0, the nearest
+    even multiple; the next group, without a large number, keeps its 0.75. Where the CPU has no VNNI, chunks are
+    widened and 0.75 is exact."""
+    amx_from = _amx_from("avx512", torch.bfloat16)
+    w = torch.zeros(1, 64)
+    w[0, 1] = w[0, 33] = 1.0              # each group's q: 15 for its second input, scale 1/15, minimum 0
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 33] = 2.0 ** 20, 0.75, 0.75
+    packed, scales, dequantized = _quantized(w.bfloat16(), "int4", torch.bfloat16)
+    assert dequantized[0, 0] == 0 and dequantized[0, 32] == 0
+    got = gemm(x.bfloat16(), packed, None, 1, amx_from=amx_from, scales=scales).float()
+    vnni = "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    fixed = torch.tensor([1.0 if vnni else 0.75, 0.75])
+    expected = (fixed * dequantized[0, [1, 33]]).sum().bfloat16().float()
+    assert torch.equal(got, expected.reshape(1, 1)), (got, expected)
+
+
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("dtype, kernel", KERNELS)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (15, 64, 257), (64, 100, 513)])

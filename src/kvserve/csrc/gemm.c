@@ -20,11 +20,12 @@
  * the products are those of the dequantized weight q * scale, up to the order of the sums.
  *
  * Weight-only int4 (`kind` INT4), group-wise: two numbers a byte (0..15), and for each group of G4 k rows
- * of a panel its columns' scales and minimums (float16). Bfloat16 products by AVX-512 (tile_int4): q itself
- * is looked up as bfloat16 (exact) in registers, VDPBF16PS sums x . q over a group, and each group's sums
- * become sum(x q) scale + min sum(x): the products are those of the dequantized weight q * scale + min in
- * float32, up to the order of the sums. Float32 products, and AMX's tiles, take each chunk widened to the
- * dequantized weight rounded to the dtype: the products of that weight.
+ * of a panel its columns' scales and minimums (float16). Bfloat16 products by AVX-512 (tile_int4, with VNNI):
+ * x is put in fixed point per group (split_rows), VPDPBUSD sums q . x over a group exactly in integers, and
+ * each group's sums become sum(x q) scale + min sum(x): the products are those of the dequantized weight
+ * q * scale + min in float32, up to the order of the sums and x's fixed point (24 bits a group). Float32
+ * products, and AMX's tiles, take each chunk widened to the dequantized weight rounded to the dtype: the
+ * products of that weight.
  *
  * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
  * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
@@ -91,16 +92,15 @@ int64_t gemm_groups_size(int dtype, int n, int k, int gated) {
 }
 
 /* Where number i of a packed int4 weight lies (packed_at's order): its byte, and whether in the high half.
- * bfloat16 products: blocks of four k rows (two pairs, 128 numbers) of 64 bytes, read as 32 16-bit words;
- * nibble t of word w is number w of the block's vector t (t = 2 x its pair + h, h: the pair's numbers 32h ..
- * 32h + 31, columns 16h .. 16h + 15), so that one shift of the words by 4t puts a vector's numbers in the low
- * bits of its lanes, where a word lookup (VPERMW, which reads 5 bits) finds them without a mask. float32: a
- * unit of a k row (32 numbers, 16 bytes), byte j its number j in the low half and j + 16 in the high half. */
+ * bfloat16 products: blocks of four k rows (128 numbers) of 64 bytes, byte 4c + t holding k row t of column c
+ * in its low half and of column c + 16 in its high half, so that a byte-wise mask (columns 0-15) or a shift
+ * and a mask (16-31) gives 16 32-bit lanes of four k rows each, as VPDPBUSD reads them (tile_int4). float32:
+ * a unit of a k row (32 numbers, 16 bytes), byte j its number j in the low half and j + 16 in the high half. */
 static inline int64_t int4_byte(int dtype, int64_t i, int *high) {
-    if (dtype == BF16) {
-        const int v = (int)(i % 128), t = v / 32;
-        *high = t % 2;
-        return i / 128 * 64 + 2 * (v % 32) + t / 2;
+    if (dtype == BF16) {        /* i: packed_at's index, pairs of k rows interleaved column by column */
+        const int v = (int)(i % 128), j = v % 64 / 2, t = 2 * (v / 64) + v % 2;
+        *high = j >= 16;
+        return i / 128 * 64 + 4 * (j % 16) + t;
     }
     const int v = (int)(i % NR);
     *high = v >= NR / 2;
@@ -122,6 +122,14 @@ static int panel_column(int p, int j, int n, int gated) {
 #define INT8_BY_BYTES 1
 #else
 #define INT8_BY_BYTES 0
+#endif
+
+/* int4 numbers for bfloat16 products are multiplied as bytes by x in fixed point (VNNI's VPDPBUSD: tile_int4);
+ * elsewhere (no VNNI) each chunk is widened, as for float32 products. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define INT4_BY_VNNI 1
+#else
+#define INT4_BY_VNNI 0
 #endif
 
 /* Where number v (of 64) of a pair of k rows lies as stored (INT8_BY_BYTES): the unpacks take bytes 8l..8l+7
@@ -211,55 +219,53 @@ void gemm_rows(const void *packed, const void *scales, int kind, int dtype, int 
     }
 }
 
-/* The scales and minimums of an int4 group (NR of each, float16) as four vectors of each, one a lane of a unit
- * (int4_byte): bfloat16 products, columns 0-7, 8-15, 16-23, 24-31, each twice (even and odd k); float32,
- * columns 0-15 and 16-31. */
-static inline void int4_group(const uint16_t *group, int dtype, __m512 s[4], __m512 m[4]) {
-    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)group));
-    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16)));
-    const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR)));
-    const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16)));
-    if (dtype != BF16) {
-        s[0] = s0, s[1] = s1, m[0] = m0, m[1] = m1;
-        return;
+/* The scales and minimums of an int4 group (NR of each, float16) as two vectors of each: columns 0-15 and
+ * 16-31. */
+static inline void int4_group(const uint16_t *group, __m512 s[2], __m512 m[2]) {
+    for (int j = 0; j < NV; j++) {
+        s[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16 * j)));
+        m[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16 * j)));
     }
-    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-    s[0] = _mm512_permutexvar_ps(low, s0), s[1] = _mm512_permutexvar_ps(high, s0);
-    s[2] = _mm512_permutexvar_ps(low, s1), s[3] = _mm512_permutexvar_ps(high, s1);
-    m[0] = _mm512_permutexvar_ps(low, m0), m[1] = _mm512_permutexvar_ps(high, m0);
-    m[2] = _mm512_permutexvar_ps(low, m1), m[3] = _mm512_permutexvar_ps(high, m1);
 }
 
 /* k rows k0 .. k0 + rows (bfloat16: k0 and rows multiples of 4) of an int4 panel (its bytes, and its groups'
  * scales and minimums) dequantized, q * scale + min rounded to dtype, into `to` in the panel's order. (q * scale
- * is exact in float32, 4 bits by 11: the one rounding is the sum's, fused or not.) */
+ * is exact in float32, 4 bits by 11: the one rounding is the sum's, fused or not.) bfloat16: a block of four k
+ * rows is first reordered k row by k row (16 bytes each, as float32's), and each pair of rows interleaved
+ * column by column as it is stored. */
 static void widen_int4(const uint8_t *panel, const uint16_t *groups, int k0, int rows, int dtype, void *to) {
-    __m512 s[4], m[4];
-    if (dtype == BF16) {
+    __m512 s[2], m[2];
+    const __m512i nibble = _mm512_set1_epi32(15);
 #if defined(__AVX512BF16__)
-        const __m512i nibble = _mm512_set1_epi16(15);
+    if (dtype == BF16) {
+        /* byte 4c + t of each 128-bit lane to 4t + c (VPSHUFB), then dword 4L + t to 4t + L (VPERMD) */
+        const __m512i in_lanes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+        const __m512i by_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         for (int kk = k0; kk < k0 + rows; kk += 4) {
-            if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, dtype, s, m);
-            const __m512i words = _mm512_loadu_si512(panel + (int64_t)(kk / 4) * 64);
+            if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, s, m);
+            uint8_t block[64] __attribute__((aligned(64)));
+            const __m512i packed = _mm512_loadu_si512(panel + (int64_t)(kk / 4) * 64);
+            _mm512_store_si512(block, _mm512_permutexvar_epi32(by_rows, _mm512_shuffle_epi8(packed, in_lanes)));
             uint16_t *out = (uint16_t *)to + (int64_t)(kk - k0) * NR;
-            for (int t = 0; t < 4; t++) {
-                const int h = t % 2;
-                const __m512i q = _mm512_and_si512(_mm512_srl_epi16(words, _mm_cvtsi32_si128(4 * t)), nibble);
-                const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q))),
-                                                  s[2 * h], m[2 * h]);
-                const __m512 hi = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1))), s[2 * h + 1],
-                    m[2 * h + 1]);
-                _mm512_storeu_si512(out + t / 2 * 2 * NR + h * NR, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            for (int pair = 0; pair < 2; pair++) {
+                __m512 w[2][NV];      /* its k rows, columns 0-15 and 16-31 */
+                for (int t = 0; t < 2; t++) {
+                    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(block + 16 * (2 * pair + t))));
+                    w[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), s[0], m[0]);
+                    w[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s[1], m[1]);
+                }
+                for (int j = 0; j < NV; j++)
+                    _mm512_storeu_si512(out + pair * 2 * NR + 32 * j,
+                                        _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w[1][j], w[0][j])));
             }
         }
-#endif
         return;
     }
-    const __m512i nibble = _mm512_set1_epi32(15);
+#endif
     for (int kk = k0; kk < k0 + rows; kk++) {
-        if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, dtype, s, m);
+        if (kk == k0 || kk % G4 == 0) int4_group(groups + (int64_t)(kk / G4) * 2 * NR, s, m);
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(panel + (int64_t)kk * NR / 2)));
         _mm512_storeu_ps((float *)to + (int64_t)(kk - k0) * NR,
                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), s[0], m[0]));
@@ -332,7 +338,7 @@ typedef struct {
     size_t bytes;
 } Scratch;
 
-static __thread Scratch group_sums;     /* an int4 weight's: the rows' sums over each group (row_group_sums) */
+static __thread Scratch fixed_rows;     /* an int4 weight's: x's rows in fixed point (split_rows) */
 
 /* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. */
 static void *scratch(Scratch *s, size_t bytes) {
@@ -470,88 +476,87 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
     finish(acc, partial, mr, c, BF16, y, ldy);
 }
 
-#define MR4 8                /* rows of an int4 tile: 16 group sums in registers */
+#endif
 
-/* 0 .. 15 as bfloat16, twice: VPERMW's table, indexed by a word's low 5 bits (the fifth another number's) */
-static const uint16_t INT4_BF16[32] __attribute__((aligned(64))) = {
-    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
-    0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130,
-    0x4140, 0x4150, 0x4160, 0x4170};
+#if INT4_BY_VNNI
+#define MRQ 2        /* rows of an int4 tile: 18 integer sums and 6 float ones in registers */
+#define PIECES 3     /* bytes of x's fixed point (split_rows) */
 
-/* The sums of x's rows over each int4 group of k (G4 numbers; the last one k's rest), as floats: sums[r * groups
- * + g] of rows 0 .. m (ldx apart). */
-static void row_group_sums(const uint16_t *x, int64_t ldx, int m, int k, float *sums) {
-    const int groups = (k + G4 - 1) / G4;
+/* Rows 0 .. m of x (ldx apart), bfloat16, in fixed point for the int4 tiles: each group of G4 numbers (past k:
+ * zeros, up to `depth`) as v = x / unit rounded to an integer, unit the power of two that puts the group's
+ * largest |x| just under 2^22, and v as three signed bytes, v = hi 2^16 + mid 2^8 + lo: pieces[(r PIECES + i)
+ * depth + kk] (i: lo, mid, hi). units[r groups + g] is the unit, sums[r groups + g] the group's sum of x (floats).
+ * A bfloat16 number within 2^14 of its group's largest is exact; any other is off by at most half a unit, under
+ * 2^-22 of that largest: a sum's error is then at most 2^-22 max|x| sum|w| a group, float32's order. */
+static void split_rows(const uint16_t *x, int64_t ldx, int m, int k, int depth, int8_t *pieces, float *units,
+                       float *sums) {
+    const int groups = depth / G4;
     for (int r = 0; r < m; r++)
         for (int g = 0; g < groups; g++) {
-            const int have = k - g * G4 < G4 ? k - g * G4 : G4;
+            const int have = k - g * G4 < 0 ? 0 : k - g * G4 < G4 ? k - g * G4 : G4;
             const __m512i v = _mm512_maskz_loadu_epi16(have == G4 ? ~0u : (1u << have) - 1, x + r * ldx + g * G4);
-            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-            sums[(int64_t)r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            const __m512 half[2] = {
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)),
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16))};
+            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]), _mm512_abs_ps(half[1])));
+            int e = 0;
+            if (largest > 0) frexpf(largest, &e);            /* largest < 2^e */
+            units[r * groups + g] = ldexpf(1.0f, e - 22);
+            sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(half[0], half[1]));
+            const __m512 to_fixed = _mm512_set1_ps(ldexpf(1.0f, 22 - e));
+            int8_t *row = pieces + (int64_t)r * PIECES * depth + g * G4;
+            for (int h = 0; h < 2; h++) {
+                __m512i rest = _mm512_cvtps_epi32(_mm512_mul_ps(half[h], to_fixed));
+                for (int i = 0; i < PIECES; i++) {    /* the low byte as signed, then the rest shifted down */
+                    const __m512i byte = _mm512_sub_epi32(
+                        _mm512_and_si512(_mm512_add_epi32(rest, _mm512_set1_epi32(128)), _mm512_set1_epi32(255)),
+                        _mm512_set1_epi32(128));
+                    _mm_storeu_si128((__m128i *)(row + (int64_t)i * depth + 16 * h), _mm512_cvtepi32_epi8(byte));
+                    rest = _mm512_srai_epi32(_mm512_sub_epi32(rest, byte), 8);
+                }
+            }
         }
 }
 
-/* x's pair of numbers kk, kk + 1 of a row, as one 32-bit lane to broadcast; a number at or past kc is zero. */
-static inline uint32_t x_pair(const uint16_t *x, int kk, int kc) {
-    uint32_t pair = 0;
-    if (kk + 1 < kc) memcpy(&pair, x + kk, 4);
-    else if (kk < kc) pair = x[kk];
-    return pair;
-}
-
-/* One block of four k rows kk .. kk + 3 of an int4 panel (64 bytes: int4_byte) into the group sums of mr rows:
- * each of its four vectors is a shift of the words and a lookup of q's bfloat16 (exact). The rows' numbers at
- * or past kc are zeros (`whole`: none is). Few rows: a sum for each vector (the two pairs' are added at the
- * group's end), so that more of the multiply-adds are independent. */
-static inline __attribute__((always_inline)) void block_int4(__m512 sums[MR4][4], const uint8_t *bytes,
-                                                            __m512i table, const uint16_t *x, int64_t ldx, int kk,
-                                                            int kc, int mr, int whole) {
-    const __m512i words = _mm512_loadu_si512(bytes);
-    const __m512bh q[4] = {(__m512bh)_mm512_permutexvar_epi16(words, table),
-                           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table),
-                           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table),
-                           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table)};
-    const int split = mr <= MR4 / 2;
-    for (int r = 0; r < mr; r++) {
-        const uint16_t *row = x + r * ldx;
-        __m512bh a[2];
-        for (int i = 0; i < 2; i++)     /* (broadcast from memory: no shuffle) */
-            a[i] = whole ? (__m512bh)_mm512_broadcastss_ps(_mm_load_ss((const float *)(row + kk + 2 * i)))
-                         : (__m512bh)_mm512_set1_epi32((int)x_pair(row, kk + 2 * i, kc));
-        for (int t = 0; t < 4; t++) {
-            __m512 *s = &sums[r][split ? t : t % 2];
-            *s = _mm512_dpbf16_ps(*s, a[t / 2], q[t]);
-        }
-    }
-}
-
-/* mr (<= MR4) rows of x by kc k of an int4 panel (bfloat16 products), its k-chunk starting at a group: VDPBF16PS
- * sums x . q over each group (block_int4), and the group's scale and minimum are applied once to them, for each
- * column, as sum(x q) scale + min sum(x) (`xsums`: the rows' sums over the chunk's groups, `ldg` apart). The
- * products are those of the dequantized weight q * scale + min in float32, up to the order of the sums. */
+/* mr (<= MRQ) rows of x by kc k of an int4 panel (bfloat16 products), its k-chunk starting at a group, x as
+ * split_rows gives it (`pieces`, `units`, `sums`: from the chunk's start). Over a group of G4 k,
+ * sum_k x (q scale + min) = scale sum_k x q + min sum_k x: VPDPBUSD sums q . v exactly in int32, a piece of v at
+ * a time (q 0..15 unsigned bytes straight from the panel: a mask and a shift), and once a group, for each column,
+ * the pieces' sums join as integers (|sum q v| < 32 x 15 x 2^22 < 2^31) and become sum(x q) scale + min sum(x)
+ * in float32. The products are those of the dequantized weight q * scale + min in float32, up to the order of the
+ * sums and x's rounding to its group's fixed point. */
 static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel, const uint16_t *groups,
-                                                           const float *xsums, int ldg, const uint16_t *x,
-                                                           int64_t ldx, int kc, int mr, float *partial,
-                                                           const Chunk *c, void *y, int ldy) {
-    const __m512i table = _mm512_loadu_si512(INT4_BF16);
+                                                           const int8_t *pieces, int depth, const float *units,
+                                                           const float *sums, int ldg, int kc, int mr,
+                                                           float *partial, const Chunk *c, void *y, int ldy) {
+    const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[MR][NV];
     begin(acc);
     for (int g0 = 0; g0 < kc; g0 += G4) {
-        __m512 sums[MR4][4];
+        __m512i dot[MRQ][PIECES][NV];
         for (int r = 0; r < mr; r++)
-            for (int t = 0; t < 4; t++) sums[r][t] = _mm512_setzero_ps();
-        const int end = kc - g0 < G4 ? kc : g0 + G4;
-        int kk = g0;
-        for (; kk + 4 <= end; kk += 4) block_int4(sums, panel + (int64_t)kk / 4 * 64, table, x, ldx, kk, kc, mr, 1);
-        if (kk < end) block_int4(sums, panel + (int64_t)kk / 4 * 64, table, x, ldx, kk, kc, mr, 0);
+            for (int i = 0; i < PIECES; i++)
+                for (int j = 0; j < NV; j++) dot[r][i][j] = _mm512_setzero_si512();
+        for (int kk = g0; kk < g0 + G4; kk += 4) {
+            const __m512i bytes = _mm512_loadu_si512(panel + (int64_t)kk / 4 * 64);
+            const __m512i q[NV] = {_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low)};
+            for (int r = 0; r < mr; r++)
+                for (int i = 0; i < PIECES; i++) {
+                    int32_t four;
+                    memcpy(&four, pieces + ((int64_t)r * PIECES + i) * depth + kk, 4);
+                    const __m512i a = _mm512_set1_epi32(four);
+                    for (int j = 0; j < NV; j++) dot[r][i][j] = _mm512_dpbusd_epi32(dot[r][i][j], q[j], a);
+                }
+        }
         const uint16_t *group = groups + (int64_t)g0 / G4 * 2 * NR;
         for (int j = 0; j < NV; j++) {
             const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16 * j)));
             const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16 * j)));
             for (int r = 0; r < mr; r++) {
-                const __m512 sum = mr <= MR4 / 2 ? _mm512_add_ps(sums[r][j], sums[r][j + 2]) : sums[r][j];
-                acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsums[r * ldg + g0 / G4]), min,
+                const __m512i whole = _mm512_add_epi32(
+                    _mm512_add_epi32(_mm512_slli_epi32(dot[r][2][j], 16), _mm512_slli_epi32(dot[r][1][j], 8)), dot[r][0][j]);
+                const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(whole), _mm512_set1_ps(units[r * ldg + g0 / G4]));
+                acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * ldg + g0 / G4]), min,
                                             _mm512_fmadd_ps(sum, scale, acc[r][j]));
             }
         }
@@ -560,10 +565,10 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
 }
 
 /* tile_int4 with its row count a constant in each case. */
-static void tile4(const uint8_t *panel, const uint16_t *groups, const float *xsums, int ldg, const uint16_t *x,
-                  int64_t ldx, int kc, int mr, float *partial, const Chunk *c, void *y, int ldy) {
-#define ROWS(R) case R: tile_int4(panel, groups, xsums, ldg, x, ldx, kc, R, partial, c, y, ldy); break;
-    switch (mr) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) }
+static void tile4(const uint8_t *panel, const uint16_t *groups, const int8_t *pieces, int depth, const float *units,
+                  const float *sums, int ldg, int kc, int mr, float *partial, const Chunk *c, void *y, int ldy) {
+#define ROWS(R) case R: tile_int4(panel, groups, pieces, depth, units, sums, ldg, kc, R, partial, c, y, ldy); break;
+    switch (mr) { ROWS(1) ROWS(2) }
 #undef ROWS
 }
 #endif
@@ -800,16 +805,22 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
     const int64_t row_bytes = kind == INT4 ? NR / 2 : (int64_t)NR * wsize, groups4 = int4_groups(dtype, k);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
     float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
-    /* an int4 weight's bfloat16 products: the rows' sums over each group (tile_int4), for a block of rows */
-    /* (where they find no memory, the chunks are widened as float32's are) */
-    const int ldg = (k + G4 - 1) / G4;
-    float *xsums = kind == INT4 && dtype == BF16 ? scratch(&group_sums, sizeof(float) * (size_t)(m < MC ? m : MC) * ldg)
-                                                 : NULL;
-    const int sum_groups = xsums != NULL;
+    /* an int4 weight's bfloat16 products: a block of rows in fixed point, with their groups' units and sums
+     * (split_rows; where they find no memory, the chunks are widened as float32's are) */
+    const int ldg = depth / G4, mc = m < MC ? m : MC;
+    int8_t *pieces = NULL;
+    float *units = NULL, *xsums = NULL;
+#if INT4_BY_VNNI
+    if (kind == INT4 && dtype == BF16 &&
+        (pieces = scratch(&fixed_rows, (size_t)mc * (PIECES * depth + 2 * sizeof(float) * ldg)))) {
+        units = (float *)(pieces + (size_t)mc * PIECES * depth);
+        xsums = units + (size_t)mc * ldg;
+    }
+#endif
     for (int m0 = 0; m0 < m; m0 += MC) {
         const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
-#if defined(__AVX512BF16__)
-        if (sum_groups) row_group_sums((const uint16_t *)x + m0 * ldx, ldx, mb, k, xsums);
+#if INT4_BY_VNNI
+        if (pieces) split_rows((const uint16_t *)x + m0 * ldx, ldx, mb, k, depth, pieces, units, xsums);
 #endif
         /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
@@ -827,16 +838,16 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                     const char *next = c.last ? (p + 1 < panels ? panel + (int64_t)depth * row_bytes : NULL)
                                               : panel + (int64_t)(k0 + kc) * row_bytes;
                     const void *chunk = panel + (int64_t)k0 * row_bytes;
-#if defined(__AVX512BF16__)
-                    if (sum_groups) {
+#if INT4_BY_VNNI
+                    if (pieces) {
                         const uint16_t *groups = (const uint16_t *)scales + (p * groups4 + k0 / G4) * 2 * NR;
-                        for (int g = 0, r0 = 0, tiles = (mb + MR4 - 1) / MR4; g < tiles; g++) {
+                        for (int g = 0, r0 = 0, tiles = (mb + MRQ - 1) / MRQ; g < tiles; g++) {
                             const int mr = mb / tiles + (g < mb % tiles);
                             Chunk rows = c;
                             rows.gate = gate + r0 * NR;
-                            tile4((const uint8_t *)chunk, groups, xsums + (int64_t)r0 * ldg + k0 / G4, ldg,
-                                  (const uint16_t *)x + (m0 + r0) * ldx + k0, ldx, kc, mr, partial + r0 * NR, &rows,
-                                  (uint16_t *)y + ((int64_t)(m0 + r0) * n + u * NR), n);
+                            tile4((const uint8_t *)chunk, groups, pieces + (int64_t)r0 * PIECES * depth + k0, depth,
+                                  units + (int64_t)r0 * ldg + k0 / G4, xsums + (int64_t)r0 * ldg + k0 / G4, ldg, kc,
+                                  mr, partial + r0 * NR, &rows, (uint16_t *)y + ((int64_t)(m0 + r0) * n + u * NR), n);
                             r0 += mr;
                         }
                         continue;
