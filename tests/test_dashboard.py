@@ -193,6 +193,27 @@ def test_every_block_of_a_hybrid_cache_has_its_owners_in_their_group(tmp_path):
     assert groups_seen == {1, 2}
 
 
+def test_a_sinks_pinned_blocks_name_their_own_layer_group(tmp_path):
+    # layers 0 and 1 attend fully (a group each), layer 2 within 8 tokens: sink pins its originals in both
+    # full-attention groups, each a block of its own
+    qwen2 = make_checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                            num_hidden_layers=3)
+    engine = LLMEngine(EngineConfig(model=str(qwen2), block_size=4, num_kv_blocks=64, dtype="float32",
+                                    eviction="sink:sinks=4,window=12"))
+    engine.add_request("s", {"prompt_token_ids": list(range(1, 30))},
+                       SamplingParams(max_tokens=20, ignore_eos=True, temperature=0))
+    pinned = {}
+    while engine.has_unfinished_requests() and not pinned:
+        engine.step()
+        seq = engine.scheduler.running[0]
+        pinned = {g: m.pinned[seq.seq_id] for g, m in enumerate(engine.kv.groups) if m.pinned.get(seq.seq_id)}
+    assert sorted(pinned) == [0, 1]
+    for group, blocks in pinned.items():
+        for index, b in enumerate(blocks):
+            assert block_detail(engine, b)["owners"] == [{"request_id": "s", "seq_id": seq.seq_id, "group": group,
+                                                          "index": index, "pinned": True}]
+
+
 # ---- the endpoints ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -86,14 +86,12 @@ def _sequence(seq: Sequence, status: str, kv) -> SequenceState:
     return SequenceState(seq.request_id, seq.seq_id, status, seq.num_prompt_tokens, seq.num_tokens,
                          seq.num_computed_tokens, seq.num_cached_tokens, seq.num_evicted_tokens,
                          list(kv.block_tables.get(seq.seq_id, ())), list(getattr(kv, "pinned", {}).get(seq.seq_id, ())),
-                         [list(tables.get(seq.seq_id, ())) for tables in _group_tables(kv)[1:]])
+                         [list(m.block_tables.get(seq.seq_id, ())) for m in _group_managers(kv)[1:]])
 
 
-def _group_tables(kv) -> list[dict[int, list[int]]]:
-    """Each layer group's block tables (seq_id -> table): one group's unless the cache is hybrid."""
-    if isinstance(kv, HybridKVCacheManager):
-        return [m.block_tables for m in kv.groups]
-    return [kv.block_tables]
+def _group_managers(kv) -> list:
+    """Each layer group's manager (its block tables and pinned blocks): kv itself unless the cache is hybrid."""
+    return list(kv.groups) if isinstance(kv, HybridKVCacheManager) else [kv]
 
 
 def block_states(snap: KVSnapshot) -> np.ndarray:
@@ -155,8 +153,9 @@ def block_detail(engine: LLMEngine, block_id: int) -> dict:
     scheduler = engine.scheduler
     seqs = [*scheduler.running, *scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
     for seq in seqs:
-        tables = [(g, False, t.get(seq.seq_id, ())) for g, t in enumerate(_group_tables(kv))]
-        for group, pinned, table in tables + [(0, True, kv.pinned.get(seq.seq_id, ()))]:
+        groups = list(enumerate(_group_managers(kv)))
+        tables = [(g, False, m.block_tables.get(seq.seq_id, ())) for g, m in groups]
+        for group, pinned, table in tables + [(g, True, m.pinned.get(seq.seq_id, ())) for g, m in groups]:
             for index in (i for i, b in enumerate(table) if b == block_id):
                 owners.append({"request_id": seq.request_id, "seq_id": seq.seq_id, "group": group, "index": index,
                                "pinned": pinned})
