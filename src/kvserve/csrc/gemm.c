@@ -537,6 +537,7 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
         for (int r = 0; r < mr; r++)
             for (int i = 0; i < PIECES; i++)
                 for (int j = 0; j < NV; j++) dot[r][i][j] = _mm512_setzero_si512();
+        #pragma GCC unroll 8     /* a group whole: the sums stay in their registers, never copied */
         for (int kk = g0; kk < g0 + G4; kk += 4) {
             const __m512i bytes = _mm512_loadu_si512(panel + (int64_t)kk / 4 * 64);
             const __m512i q[NV] = {_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low)};
