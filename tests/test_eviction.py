@@ -90,9 +90,11 @@ def test_a_budget_past_the_length_changes_nothing(ckpt, policy, kv_cache_dtype):
     assert llm.stats()["num_evicted_tokens"] == 0
 
 
+@pytest.mark.parametrize("cap", [None, 0.5])
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 @pytest.mark.parametrize("kv_heads, group", [(1, 4), (2, 2), (3, 1)])
-def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_heads, group):
+def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_heads, group, cap):
+    """The layer's own probabilities: its scores soft-capped where it caps them (Gemma 2)."""
     monkeypatch.setattr(mass, "Q_CHUNK", 3)        # several query chunks, merged as the reduction says
     bs, d, ctx, count = 4, 8, 11, 7
     g = torch.Generator().manual_seed(0)
@@ -101,10 +103,12 @@ def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_
     q = torch.randn(2 + count, kv_heads * group, d, generator=g)     # two other rows' tokens come first
     batch = SimpleNamespace(mass_requests=[(1, 2, count, reduce)], context_lens_list=[3, ctx],
                             block_tables=torch.tensor([[1, 2, 4], *table.tolist()]), mass={})
-    mass.accumulate_attention_mass(q, kv_cache, batch, scale=0.3)
+    mass.accumulate_attention_mass(q, kv_cache, batch, scale=0.3, logits_soft_cap=cap)
     keys = kv_cache[0][:, table[0]].flatten(1, 2)[:, :ctx]                         # [KVH, ctx, D]
     queries = q[2:].view(count, kv_heads, group, d)
     scores = torch.einsum("nhgd,hld->hgnl", queries, keys) * 0.3
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
     causal = torch.arange(ctx)[None, :] > torch.arange(ctx - count, ctx)[:, None]
     probs = scores.masked_fill(causal, float("-inf")).softmax(-1)                   # [KVH, G, n, ctx]
     want = probs.sum((1, 2)) if reduce == "sum" else probs.amax((1, 2))
