@@ -90,6 +90,22 @@ def test_a_budget_past_the_length_changes_nothing(ckpt, policy, kv_cache_dtype):
     assert llm.stats()["num_evicted_tokens"] == 0
 
 
+@pytest.mark.parametrize("n", [13, 16, 17, 19, 20, 27])
+def test_whole_blocks_evict_a_multiple_of_the_block_size(n):
+    """With whole_blocks (a model with sliding windows), h2o and snapkv keep between budget and budget + a block - 1
+    tokens, so that whole blocks' worth go, always with their recent tokens; nothing while less than a block's worth
+    is over budget."""
+    scores = torch.rand(n, generator=torch.Generator().manual_seed(n))
+    for policy, recent in [(H2O(12, 8), 8), (SnapKV(12, 8), 8)]:
+        keep = policy.keep(scores, 4, whole_blocks=True)
+        if n < 16:
+            assert keep is None
+            continue
+        assert (n - len(keep)) % 4 == 0 and 12 <= len(keep) < 16
+        assert keep.tolist() == sorted(set(keep.tolist())) and keep[-recent:].tolist() == list(range(n - recent, n))
+        assert len(policy.keep(scores, 4)) == 12       # without: the budget exactly
+
+
 @pytest.mark.parametrize("cap", [None, 0.5])
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 @pytest.mark.parametrize("kv_heads, group", [(1, 4), (2, 2), (3, 1)])
