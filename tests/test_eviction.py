@@ -90,9 +90,27 @@ def test_a_budget_past_the_length_changes_nothing(ckpt, policy, kv_cache_dtype):
     assert llm.stats()["num_evicted_tokens"] == 0
 
 
+@pytest.mark.parametrize("n", [13, 16, 17, 19, 20, 27])
+def test_whole_blocks_evict_a_multiple_of_the_block_size(n):
+    """With whole_blocks (a model with sliding windows), h2o and snapkv keep between budget and budget + a block - 1
+    tokens, so that whole blocks' worth go, always with their recent tokens; nothing while less than a block's worth
+    is over budget."""
+    scores = torch.rand(n, generator=torch.Generator().manual_seed(n))
+    for policy, recent in [(H2O(12, 8), 8), (SnapKV(12, 8), 8)]:
+        keep = policy.keep(scores, 4, whole_blocks=True)
+        if n < 16:
+            assert keep is None
+            continue
+        assert (n - len(keep)) % 4 == 0 and 12 <= len(keep) < 16
+        assert keep.tolist() == sorted(set(keep.tolist())) and keep[-recent:].tolist() == list(range(n - recent, n))
+        assert len(policy.keep(scores, 4)) == 12       # without: the budget exactly
+
+
+@pytest.mark.parametrize("cap", [None, 0.5])
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 @pytest.mark.parametrize("kv_heads, group", [(1, 4), (2, 2), (3, 1)])
-def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_heads, group):
+def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_heads, group, cap):
+    """The layer's own probabilities: its scores soft-capped where it caps them (Gemma 2)."""
     monkeypatch.setattr(mass, "Q_CHUNK", 3)        # several query chunks, merged as the reduction says
     bs, d, ctx, count = 4, 8, 11, 7
     g = torch.Generator().manual_seed(0)
@@ -101,10 +119,12 @@ def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_
     q = torch.randn(2 + count, kv_heads * group, d, generator=g)     # two other rows' tokens come first
     batch = SimpleNamespace(mass_requests=[(1, 2, count, reduce)], context_lens_list=[3, ctx],
                             block_tables=torch.tensor([[1, 2, 4], *table.tolist()]), mass={})
-    mass.accumulate_attention_mass(q, kv_cache, batch, scale=0.3)
+    mass.accumulate_attention_mass(q, kv_cache, batch, scale=0.3, logits_soft_cap=cap)
     keys = kv_cache[0][:, table[0]].flatten(1, 2)[:, :ctx]                         # [KVH, ctx, D]
     queries = q[2:].view(count, kv_heads, group, d)
     scores = torch.einsum("nhgd,hld->hgnl", queries, keys) * 0.3
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
     causal = torch.arange(ctx)[None, :] > torch.arange(ctx - count, ctx)[:, None]
     probs = scores.masked_fill(causal, float("-inf")).softmax(-1)                   # [KVH, G, n, ctx]
     want = probs.sum((1, 2)) if reduce == "sum" else probs.amax((1, 2))

@@ -1,5 +1,6 @@
 """The hybrid KV cache (kv/hybrid.py): layer groups, a sliding group's blocks bounded by its window, prefix hits
-that need only a sliding group's last window, and no leak under prefix hits, forks and preemption."""
+that need only a sliding group's last window, no leak under prefix hits, forks and preemption, and eviction (sink,
+h2o, snapkv) in the full-attention groups while each sliding group keeps its window."""
 from __future__ import annotations
 
 from collections import Counter
@@ -17,6 +18,7 @@ from kvserve.kv.eviction import Sink
 from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, block_spec, group_size, layer_groups, layer_slots
 from kvserve.kv.quant import QuantizedLayer
 from kvserve.kv.spec import KVSpec
+from kvserve.kv.storage import read_pages
 
 WINDOW = 8
 
@@ -188,15 +190,19 @@ def test_gemma3_is_hybrid_and_bounded(gemma3):
        max_size=5), block_size=st.integers(2, 5), spare=st.integers(0, 8), budget=st.integers(4, 40),
        max_tokens=st.integers(1, 12), prefix_caching=st.booleans(),
        evictions=st.lists(st.sampled_from([None, "sink:sinks=2,window=8", "sink:sinks=0,window=9",
-                                           "sink:sinks=5,window=12"]), min_size=5, max_size=5))
+                                           "sink:sinks=5,window=12", "h2o:budget=12,recent=8",
+                                           "h2o:budget=14,recent=9,score=sum", "snapkv:budget=12,window=8"]),
+                          min_size=5, max_size=5))
 def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block_size, spare, budget, max_tokens,
                                                      prefix_caching, evictions):
     """Prefix hits past the window, forks with copy-on-write, eviction of cached blocks, preemption and requests
-    under `sink` (evicting from the global group, pinning its sink blocks) beside others, mixed at random over
-    three layer groups (with prefix caching on or off): the tokens of the one-table cache, and every block back
-    in the end. A sink request's tokens depend on where its prompt chunks ended (each step evicts what left the
-    window), which a small pool moves (preemption, admission): of those, the lengths are compared here, the tokens
-    by test_sink_with_a_hybrid_cache_gives_the_one_table_tokens."""
+    under `sink` (evicting from the global group, pinning its sink blocks), h2o and snapkv (compacting the global
+    group, the sliding groups dropping their null entries) beside others, mixed at random over three layer groups
+    (with prefix caching on or off): the tokens of the one-table cache, and every block back in the end. An
+    evicting request's tokens depend on where its prompt chunks ended (each step evicts what is due), which a small
+    pool moves (preemption, admission): of those, the lengths are compared here, the tokens by
+    test_sink_with_a_hybrid_cache_gives_the_one_table_tokens and
+    test_scored_policies_with_a_hybrid_cache_give_the_one_table_tokens."""
     prompts = [{"prompt_token_ids": SYSTEM[:20] + SYSTEM[-k:]} if k else {"prompt_token_ids": SYSTEM[:23]}
                for k in suffixes]
     params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=3, ignore_eos=True, eviction=e)
@@ -212,7 +218,7 @@ def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block
         assert (ours if eviction is None else [len(t) for t in ours]) == \
             (theirs if eviction is None else [len(t) for t in theirs])
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
-    # every prompt outgrows every sink budget here: a sink request evicts once its prompt is computed
+    # every prompt outgrows every budget here: an evicting request evicts once its prompt is computed
     assert (llm.stats()["num_evicted_tokens"] > 0) == any(evictions[:len(prompts)])
     assert not llm.engine.kv.pinned
 
@@ -378,12 +384,100 @@ def test_sink_bounds_each_group(gemma3, sinks):
 
 
 @pytest.mark.parametrize("flag, message", [
-    ({"eviction": "h2o:budget=32,recent=8"}, "eviction 'h2o:budget=32,recent=8,score=max' .*h2o drops tokens"),
-    ({"eviction": "snapkv:budget=32,window=8"}, "eviction 'snapkv:budget=32,window=8,pool=7' .*snapkv drops"),
+    ({"eviction": "h2o:budget=32,recent=7"}, "eviction 'h2o:budget=32,recent=7,score=max' .*h2o's recent \\(7\\) "
+                                             "must be at least 8 tokens"),
+    ({"eviction": "snapkv:budget=32,window=4"}, "eviction 'snapkv:budget=32,window=4,pool=7' .*snapkv's window "
+                                                "\\(4\\) must be at least 8 tokens"),
     ({"eviction": "sink:sinks=4,window=4"}, "sink's window \\(4\\) must be at least 8 tokens"),
 ])
 def test_eviction_that_would_cut_a_window_is_refused_as_the_engine_starts(gemma3, flag, message):
-    """h2o and snapkv pick tokens inside a sliding layer's window, and a sink window under it cuts that window: the
-    engine-wide policy is refused before any block is allocated, naming the policy and what is wrong."""
+    """Recent tokens that do not cover a sliding layer's window (h2o's recent, snapkv's window, sink's window) would
+    cut that window: the engine-wide policy is refused before any block is allocated, naming the policy and what is
+    wrong."""
     with pytest.raises(ValueError, match=message):
         LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32", **flag)
+
+
+# ---------------------------------------------------------------- h2o and snapkv per layer group
+
+SCORED = "snapkv:budget=18,window=9"
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """Two layers: a global one, then a sliding one (window 8; use_sliding_window from max_window_layers)."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=1)
+
+
+@pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])
+@pytest.mark.parametrize("model", ["gemma3", "gemma2", "mistral", "qwen2"])
+def test_scored_policies_with_a_hybrid_cache_give_the_one_table_tokens(request, model, backend):
+    """snapkv for the engine and h2o per request, with the hybrid cache: they compact the full-attention groups, each
+    sliding group keeps its window's blocks, and the greedy tokens equal the one-table cache's under the same
+    policies. Prompts and generations well past the window and the budgets, in chunks that cut across windows and
+    blocks, batched with a request that evicts nothing; once h2o's request is done, the native backend decodes the
+    compacted caches in the C step. Whole blocks' worth of tokens go, and every block returns."""
+    path = request.getfixturevalue(model)
+    prompts = [{"prompt_token_ids": SYSTEM[:n]} for n in (40, 33, 17)]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, eviction=e)
+              for e in (None, "none", "h2o:budget=20,recent=8")]
+    outs, evicted = [], []
+    for disable in (True, False):
+        llm = LLM(str(path), eviction=SCORED, disable_hybrid_kv_cache_manager=disable, attention_backend=backend,
+                  block_size=4, num_kv_blocks=96, dtype="float32", long_prefill_token_threshold=12)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        evicted.append(llm.stats()["num_evicted_tokens"])
+        assert llm.stats()["num_preemptions"] == 0
+    assert llm.engine.kv_groups and outs[0] == outs[1]
+    assert all(len(t) == 30 for t in outs[1])
+    # snapkv: the 40-token prompt to 20 tokens; h2o: 17 + 30 tokens to at most 23 (whole blocks of 4)
+    assert evicted[0] == evicted[1] >= 20 + 24 and evicted[1] % 4 == 0
+    assert (llm.stats()["steps"].get("native", 0) > 0) == (backend == "native")
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
+    check_ownership(llm.engine.kv)
+
+
+def window_pages(engine, seq, layer: int) -> torch.Tensor:
+    """Layer's K/V [2, KVH, WINDOW, D] at the sequence's last WINDOW cache slots, through the table the layer reads."""
+    kv, n = engine.kv, seq.num_tokens_in_cache
+    table = kv.group_tables(seq.seq_id)[engine.storage.layer_group[layer]] if engine.kv_groups \
+        else kv.block_tables[seq.seq_id]
+    pages = read_pages(engine.storage.layer(layer), torch.tensor(table)).flatten(2, 3)
+    return pages[:, :, n - WINDOW:n]
+
+
+@pytest.mark.parametrize("disable", [False, True], ids=["hybrid", "one-table"])
+@pytest.mark.parametrize("policy", ["h2o:budget=12,recent=8", "snapkv:budget=12,window=8"])
+def test_sliding_layers_read_their_last_positions(gemma3, policy, disable):
+    """Gemma 3's first two layers slide (window 8), before its global one: a policy that evicts between the chunks
+    of a long prompt (h2o) or once it is computed (snapkv) leaves, after every step, their pages at the last 8 cache
+    slots (through the table each reads) equal to those of the last 8 positions without eviction. The second
+    layer's keys are computed from the first layer's attention over its window: it too saw its last positions. The
+    tokens are scored by the global layer alone (its two KV heads)."""
+    kw = dict(block_size=4, num_kv_blocks=96, dtype="float32", long_prefill_token_threshold=6,
+              disable_hybrid_kv_cache_manager=disable)
+    evicting, plain = LLM(str(gemma3), eviction=policy, **kw).engine, LLM(str(gemma3), **kw).engine
+    for engine in (evicting, plain):
+        engine.add_request("r", {"prompt_token_ids": SYSTEM}, SamplingParams(max_tokens=4, temperature=0))
+    seq, ref = evicting.requests["r"][0], plain.requests["r"][0]
+    scored_rows, after_step = [], evicting.evictor.after_step
+
+    def recording_after_step(seqs, attention_mass):
+        scored_rows.extend(mass.shape[0] for mass in attention_mass.values())
+        after_step(seqs, attention_mass)
+
+    evicting.evictor.after_step = recording_after_step
+    checked = 0
+    while not seq.is_finished and seq.token_ids == ref.token_ids:
+        evicting.step()
+        plain.step()
+        if seq.is_finished or seq.num_computed_tokens < WINDOW:
+            continue
+        assert seq.num_computed_tokens == ref.num_computed_tokens and ref.num_evicted_tokens == 0
+        for layer in (0, 1):
+            torch.testing.assert_close(window_pages(evicting, seq, layer), window_pages(plain, ref, layer),
+                                       rtol=1e-5, atol=1e-5)
+        checked += seq.num_evicted_tokens > 0
+    assert checked and seq.num_evicted_tokens % 4 == 0
+    assert scored_rows and set(scored_rows) == {2}

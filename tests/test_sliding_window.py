@@ -186,31 +186,37 @@ def test_sink_eviction_keeps_every_window_whole(tmp_path):
     assert llm.engine.evictor.num_evicted_tokens > 0
 
 
-@pytest.mark.parametrize("eviction", ["sink:sinks=4,window=4", "h2o:budget=32,recent=8",
-                                      "snapkv:budget=32,window=8"])
-def test_eviction_that_would_cut_a_window_is_refused(tmp_path, eviction):
+@pytest.mark.parametrize("disable", [True, False], ids=["one-table", "hybrid"])
+@pytest.mark.parametrize("eviction, option", [("sink:sinks=4,window=4", "sink's window"),
+                                              ("h2o:budget=32,recent=7", "h2o's recent"),
+                                              ("snapkv:budget=32,window=4", "snapkv's window")])
+def test_eviction_that_would_cut_a_window_is_refused(tmp_path, eviction, option, disable):
+    """A policy whose recent tokens do not cover the window, per request or for the engine, with either cache: a
+    ValueError naming the policy, the window and the option."""
     path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"][1])
-    llm = LLM(str(path), block_size=4, num_kv_blocks=64, disable_hybrid_kv_cache_manager=True)
-    with pytest.raises(ValueError, match="eviction .* sliding-window layers \\(window 8\\)"):
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, disable_hybrid_kv_cache_manager=disable)
+    message = f"eviction '{eviction.split(':')[0]}.* sliding-window layers \\(window 8\\): {option} \\(\\d\\) must be " \
+              f"at least 8 tokens"
+    with pytest.raises(ValueError, match=message):
         llm.engine.add_request("r", {"prompt_token_ids": prompt(20)}, SamplingParams(max_tokens=4, eviction=eviction))
     assert not llm.engine.requests
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), block_size=4, num_kv_blocks=64, disable_hybrid_kv_cache_manager=disable, eviction=eviction)
 
 
-def test_eviction_with_a_hybrid_cache_is_sink_alone(tmp_path):
-    """The hybrid cache (the default for sliding-window models) applies sink to its full-attention layers, each
-    sliding layer group keeping its window (test_hybrid_kv.py); h2o, per request or for the engine, is refused
-    naming the policy, as with one block table."""
-    path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"][1])
-    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="eviction 'h2o.*sliding-window layers \\(window 8\\): h2o drops tokens"):
-        llm.engine.add_request("r", {"prompt_token_ids": prompt(20)},
-                               SamplingParams(max_tokens=4, eviction="h2o:budget=32,recent=8"))
-    assert not llm.engine.requests
-    out = llm.generate({"prompt_token_ids": prompt(20)},
-                       SamplingParams(max_tokens=4, eviction="sink:sinks=4,window=8"), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4 and llm.stats()["num_evicted_tokens"] > 0
-    with pytest.raises(ValueError, match="eviction 'h2o.*sliding-window layers \\(window 8\\): h2o drops tokens"):
-        LLM(str(path), block_size=4, num_kv_blocks=64, eviction="h2o:budget=32,recent=8")
+@pytest.mark.parametrize("disable", [True, False], ids=["one-table", "hybrid"])
+@pytest.mark.parametrize("eviction", ["h2o:budget=12,recent=8", "h2o:budget=13,recent=9,score=sum",
+                                      "snapkv:budget=12,window=8"])
+def test_scored_eviction_keeps_every_window_whole(tmp_path, eviction, disable):
+    """A model whose every layer attends within 8 tokens, under h2o or snapkv keeping the last 8 (or 9) tokens, with
+    one block table for all layers or the hybrid cache: the cache is compacted well below the prompt, and the output
+    is transformers' exactly (each layer still sees its last 8 positions)."""
+    path = make_checkpoint(tmp_path, "mistral", sliding_window=WINDOW)
+    prompts = [prompt(40), prompt(17)]
+    llm = LLM(str(path), eviction=eviction, disable_hybrid_kv_cache_manager=disable, **CHUNKED)
+    assert_matches(generate(llm, prompts, 12), reference(path, prompts, 12))
+    assert llm.engine.evictor.num_evicted_tokens >= 24
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - (not disable)     # the null block
 
 
 def test_a_window_past_max_model_len_leaves_eviction_free(tmp_path):

@@ -100,11 +100,12 @@ def test_hybrid_cache_two_ranks_give_one_ranks_tokens_and_logits(request, model,
     groups' pages as rank 0's, and each step carries every group's slots and block tables (read by the C step on every
     rank where native_tp decodes, op by op otherwise). Prompts and generations well past the window (8), in chunks
     that cut across windows and blocks, batched with shorter ones, one of them under `sink` (its rotations made on
-    every rank, its evictions in the full-attention group): as one rank."""
+    every rank, its evictions in the full-attention group), one under `snapkv` (scored by the full-attention layers'
+    mass, gathered from every rank; compacted on every rank): as one rank."""
     path = request.getfixturevalue(model)
     prompts = [SYSTEM[:n] for n in (40, 17, 33)]
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1,
-                             eviction=e) for e in (None, "sink:sinks=2,window=9", None)]
+                             eviction=e) for e in (None, "sink:sinks=2,window=9", "snapkv:budget=18,window=9")]
     kw = dict(block_size=4, num_kv_blocks=96, long_prefill_token_threshold=12, enforce_eager=enforce_eager)
     one, two = _run(path, 1, params, (prompts,), **kw), _run(path, 2, params, (prompts,), **kw)
     _assert_same(one, two)

@@ -102,11 +102,12 @@ class TensorParallel:
         self.comm_seconds += time.perf_counter() - start
         if self.rank > 0:
             return None
-        layers, per_rank = cfg.num_layers, kv_heads_per_rank(cfg, self.size)
+        per_rank = kv_heads_per_rank(cfg, self.size)
         replicas = max(1, self.size // cfg.num_kv_heads)         # ranks holding each KV head
         joined, offset = {}, 0
         for r in rows:
             shape, n = mass[r].shape, mass[r].numel()
+            layers = shape[0] // per_rank                          # those that gather mass (AttentionBatch.mass_layers)
             ranks = torch.stack([p[offset:offset + n].view(layers, per_rank, shape[1]) for p in parts])
             offset += n
             ranks = ranks.view(-1, replicas, layers, per_rank, shape[1])    # [KV head groups, replicas, ...]

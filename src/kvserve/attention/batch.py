@@ -33,6 +33,9 @@ class AttentionBatch:
     # each layer appends to mass[row] as [KVH, context] (for the eviction policies that evict by it)
     mass_requests: list[tuple[int, int, int, str]] = field(default_factory=list)
     mass: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # the layers that gather that mass (None: every layer): those that attend to the whole context, where other
+    # layers attend within a sliding window (their attention says nothing of the tokens before it)
+    mass_layers: frozenset[int] | None = None
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
     # a hybrid cache (kv/hybrid.py): the batch of each layer group but the first (this one), with the group's
     # slots and block tables, and each layer's group

@@ -78,11 +78,14 @@ class LLMEngine:
         executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
                                     self.scheduler, self._final_only, self.max_model_len, len(self.kv_groups),
                                     self.workers)
-        self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors)
+        sliding = self._sliding_layers()
+        # h2o and snapkv score tokens by the attention of the layers that see the whole context
+        mass_layers = frozenset(range(mcfg.num_layers)) - sliding.keys() if sliding else None
+        self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors, mass_layers)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         # under tensor parallelism the evictor's changes to the pool are made on every rank
         self.evictor = Evictor(self.kv, self.storage if self.workers is None else ForwardedStorage(self.storage,
-                               self.workers), self.model)
+                               self.workers), self.model, whole_blocks=bool(sliding))
         self.requests: dict[str, list[Sequence]] = {}   # request id -> its n samples
         # called with (seqs, logits, spans) of each step's scored prompt tokens: for evaluations that
         # need whole distributions (KL divergence), not just the logprobs a request returns
@@ -172,24 +175,29 @@ class LLMEngine:
             return []
         return groups
 
+    def _sliding_layers(self) -> dict[int, int]:
+        """Each layer whose sliding window binds, and its window (one of max_model_len or more never binds: no
+        cache holds more)."""
+        windows = self.model_config.sliding_windows or ()
+        return {i: w for i, w in enumerate(windows) if w is not None and w < self.max_model_len}
+
     def _check_eviction(self, policy: EvictionPolicy) -> None:
         """Refuse (ValueError naming the policy and the option) a policy that would cut a sliding-window layer's
-        window: such a layer attends to the last W cached tokens, which must be the last W positions. Only sink
-        keeps them, with a window of at least W (a window of max_model_len or more never binds: no cache holds
-        more). With the hybrid cache, sink evicts from the full-attention layer groups; each sliding group keeps
-        its window, as without a policy."""
-        windows = [w for w in self.model_config.sliding_windows or () if w is not None and w < self.max_model_len]
-        if not windows:
+        window: such a layer attends to the last W cached tokens, which must be the last W positions. Every policy
+        keeps its most recent tokens (sink its `window`, h2o its `recent`, snapkv its `window`); with at least W of
+        them, the full-attention layers see what the policy keeps and each sliding layer exactly its window, as
+        without a policy. h2o and snapkv then score tokens by the full-attention layers' attention alone and evict
+        whole blocks' worth (engine/evictor.py). With the hybrid cache, a policy evicts (sink pins, h2o and snapkv
+        compact) in the full-attention layer groups; each sliding group keeps its window's blocks as they are."""
+        sliding = self._sliding_layers()
+        if not sliding:
             return
-        widest = max(windows)
-        if not isinstance(policy, Sink):
-            raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {widest}): {policy.name} "
-                             f"drops tokens inside a layer's window; only sink, with a window of at least {widest} "
-                             f"tokens, keeps each such layer's window whole")
-        if policy.window < widest:
-            raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {widest}): sink's window "
-                             f"({policy.window}) must be at least {widest} tokens, to keep each such layer's window "
-                             f"whole")
+        widest, option = max(sliding.values()), policy.recent_option
+        recent = getattr(policy, option)
+        if recent < widest:
+            raise ValueError(f"eviction {policy.spec()!r} with sliding-window layers (window {widest}): "
+                             f"{policy.name}'s {option} ({recent}) must be at least {widest} tokens, to keep each "
+                             f"such layer's window whole")
 
     def _init_cache(self, config: EngineConfig):
         # contiguous: the same pool, with one block holding a whole max_model_len context

@@ -6,11 +6,20 @@ the original blocks stay pinned to the sequence, and a working copy, rotated by 
 evicted tokens (one exact rotation from the original, never a rotation of a rotation), takes
 their place in the table. With RoPE only relative positions matter, so this is StreamingLLM's
 "positions within the cache". h2o and snapkv pick tokens and compact them into fresh blocks; a
-block that others share (prefix cache, forks) is never written, only let go of.
+block that others share (prefix cache, forks) is never written, only let go of. The kept tokens keep their
+keys as computed, rotated for their own positions, and the queries theirs: every distance stays true.
+
+Sliding-window layers attend to the last W cache slots. Every policy keeps its most recent tokens (at
+least the widest W: the engine refuses less), so those slots stay the last W positions and the layers
+compute as without eviction. Where such windows bind, h2o and snapkv score tokens by the attention of the
+full-attention layers alone (a sliding layer's says nothing of the tokens before its window) and evict
+whole blocks' worth of tokens (`whole_blocks`), with one block table for every layer or one per group alike.
 
 With the hybrid KV cache (kv/hybrid.py), sink evicts and pins in the full-attention layer groups; a
 sliding group's entries it drops are the null block already (they left the group's window first), so
-every group's table keeps holding the same cached tokens at the same entries.
+every group's table keeps holding the same cached tokens at the same entries. h2o and snapkv compact the
+full-attention groups; a sliding group drops as many leading entries as whole blocks were evicted (the
+null block) and keeps its window's blocks as they are.
 """
 from __future__ import annotations
 
@@ -43,8 +52,12 @@ class KeyRotation:
 
 
 class Evictor:
-    def __init__(self, kv: KVCacheManager, storage: KVStorage, model: CausalLM):
+    """`whole_blocks`: h2o and snapkv evict a multiple of the block size (a model with sliding windows that bind:
+    its sliding groups' blocks shift by whole table entries)."""
+
+    def __init__(self, kv: KVCacheManager, storage: KVStorage, model: CausalLM, whole_blocks: bool = False):
         self.kv, self.storage, self.model = kv, storage, model
+        self.whole_blocks = whole_blocks
         self.num_evicted_tokens = 0
 
     def after_step(self, seqs: list[Sequence], attention_mass: dict[int, torch.Tensor]) -> None:
@@ -59,12 +72,12 @@ class Evictor:
                 if isinstance(policy, Sink):
                     self._sink(seq, policy)
                 elif isinstance(policy, H2O):
-                    keep = policy.keep(self._token_scores(seq), self.kv.block_size)
+                    keep = policy.keep(self._token_scores(seq), self.kv.block_size, self.whole_blocks)
                     if keep is not None:
                         self._compact(seq, keep)
                 elif isinstance(policy, SnapKV) and not seq.prompt_compacted \
                         and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    keep = policy.keep(self._token_scores(seq))
+                    keep = policy.keep(self._token_scores(seq), self.kv.block_size, self.whole_blocks)
                     if keep is not None:
                         self._compact(seq, keep)
                     seq.prompt_compacted, seq.kv_scores = True, None
@@ -118,11 +131,14 @@ class Evictor:
         self.storage.rotate_keys(originals, working, KeyRotation(cos[0, 0], sin[0, 0]))
 
     def _compact(self, seq: Sequence, keep: torch.Tensor) -> None:
-        """Copy the kept tokens, in order, into fresh blocks; the old ones are let go of."""
+        """Copy the kept tokens, in order, into fresh blocks (each full-attention group's, in a hybrid cache); the
+        old ones are let go of."""
         scores = self._scores(seq, seq.num_tokens_in_cache)[:, keep] if seq.kv_scores is not None else None
-        old = self.kv.rebuild(seq.seq_id, len(keep))
-        self.storage.rewrite(old, keep.to(self.storage.device), self.kv.block_tables[seq.seq_id])
-        self.kv.release(old)
+        tables = self.kv.rebuild(seq.seq_id, len(keep))
+        kept = keep.to(self.storage.device)
+        for old, new in tables:
+            self.storage.rewrite(old, kept, new)
+        self.kv.release([b for old, _ in tables for b in old])
         evicted = seq.num_tokens_in_cache - len(keep)
         seq.num_evicted_tokens += evicted
         self.num_evicted_tokens += evicted

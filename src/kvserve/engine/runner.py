@@ -26,11 +26,15 @@ def index_tensor(values: list, device: torch.device) -> torch.Tensor:
 class ModelRunner:
     """Turns a scheduled step into flat tensors and runs it on the first of `executors` that supports it
     (engine/executor.py); `steps` counts the steps each executor ran, by name. `kv` is the cache manager whose
-    block tables place the step's tokens in `storage`."""
+    block tables place the step's tokens in `storage`. `mass_layers`: the layers whose attention mass scores the
+    cached tokens for h2o and snapkv (AttentionBatch.mass_layers; None: every layer)."""
 
     def __init__(self, model: CausalLM, storage: KVStorage | NoKVStorage, kv: KVCacheManager | NoKVCacheManager,
-                 backend, device: torch.device, executors: list[Executor]):
+                 backend, device: torch.device, executors: list[Executor], mass_layers: frozenset[int] | None = None):
         self.model = model
+        self.mass_layers = mass_layers
+        # a model whose every layer attends within a sliding window has no mass to gather
+        self.gathers_mass = mass_layers is None or bool(mass_layers)
         self.storage = storage
         self.kv = kv
         self.backend = backend
@@ -60,7 +64,7 @@ class ModelRunner:
             # positions count every token (RoPE); the cache holds those not evicted
             evicted.append(seq.num_evicted_tokens)
             ctx_lens.append(seq.num_tokens_in_cache + n)
-            if seq.eviction is not None and seq.eviction.needs_scores:
+            if seq.eviction is not None and seq.eviction.needs_scores and self.gathers_mass:
                 scored = self._scored_queries(seq, n)
                 if scored:
                     mass_requests.append((i, offset + n - scored, scored, seq.eviction.mass_reduce))
@@ -95,6 +99,7 @@ class ModelRunner:
             has_prefix=kv_quantized or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
             kv_quantized=kv_quantized,
             mass_requests=mass_requests,
+            mass_layers=self.mass_layers,
         )
         if group_tables and len(group_tables) > 1:
             batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))

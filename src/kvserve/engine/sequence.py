@@ -57,7 +57,8 @@ class Sequence:
     # eviction: tokens dropped from the cache still count in positions (RoPE), not in cache slots
     eviction: EvictionPolicy | None = None
     num_evicted_tokens: int = 0
-    kv_scores: torch.Tensor | None = None    # [layers * KVH, tokens] mass the cached tokens received (h2o, snapkv)
+    # [layers * KVH, tokens] mass the cached tokens received (h2o, snapkv), of the layers that gather it
+    kv_scores: torch.Tensor | None = None
     prompt_compacted: bool = False           # snapkv has made its choice
 
     def __post_init__(self):

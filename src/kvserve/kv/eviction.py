@@ -2,11 +2,13 @@
 
 Spelled `"sink:sinks=4,window=1020"`, `"h2o:budget=512,recent=64"`, `"snapkv:budget=512,window=32"`
 (or a dict with a "policy" key and the same options). Budgets count tokens. The policies only
-choose; the engine's Evictor moves the blocks.
+choose; the engine's Evictor moves the blocks. Each keeps its most recent tokens whole (`recent_option` names
+how many): a model's sliding-window layers need that many to cover their window.
 
 The scored policies keep, per layer and KV head, one number for each cached token: the attention
 it has received, reduced over the queries (and the heads sharing the KV head) by `mass_reduce`.
-A token's score is the sum of those numbers over layers and KV heads.
+A token's score is the sum of those numbers over layers and KV heads: the full-attention layers alone
+where a model's sliding windows bind (a sliding layer's attention says nothing of older tokens).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class EvictionPolicy:
     name: ClassVar[str] = ""
     needs_scores: ClassVar[bool] = False   # the attention mass each cached token receives
     mass_reduce: ClassVar[str] = "sum"      # how a token's mass combines over queries: "sum" or "max"
+    recent_option: ClassVar[str] = ""       # the option counting the most recent tokens, always kept
 
     def max_cache_tokens(self, block_size: int) -> int | None:
         """The most tokens the cache of one sequence ever holds (None: unbounded)."""
@@ -40,6 +43,7 @@ class Sink(EvictionPolicy):
     blocks holding the sinks stay, and a block is dropped once all its tokens left the window."""
 
     name: ClassVar[str] = "sink"
+    recent_option: ClassVar[str] = "window"
     sinks: int = 4
     window: int = 1020
 
@@ -72,6 +76,7 @@ class H2O(EvictionPolicy):
 
     name: ClassVar[str] = "h2o"
     needs_scores: ClassVar[bool] = True
+    recent_option: ClassVar[str] = "recent"
     budget: int = 512
     recent: int = 64
     score: str = "max"
@@ -87,12 +92,14 @@ class H2O(EvictionPolicy):
     def max_cache_tokens(self, block_size: int) -> int:
         return self.budget + block_size
 
-    def keep(self, scores: torch.Tensor, block_size: int) -> torch.Tensor | None:
-        """Sorted indices of the tokens to keep, or None while within budget + a block."""
+    def keep(self, scores: torch.Tensor, block_size: int, whole_blocks: bool = False) -> torch.Tensor | None:
+        """Sorted indices of the tokens to keep, or None while within budget + a block: `budget` of them, or with
+        `whole_blocks` as few as leave whole blocks' worth evicted (fewer than budget + block_size)."""
         n = len(scores)
         if n < self.budget + block_size:
             return None
-        return _top_and_recent(scores, n - self.recent, self.budget - self.recent)
+        kept = _num_kept(n, self.budget, block_size, whole_blocks)
+        return _top_and_recent(scores, n - self.recent, kept - self.recent)
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ class SnapKV(EvictionPolicy):
 
     name: ClassVar[str] = "snapkv"
     needs_scores: ClassVar[bool] = True
+    recent_option: ClassVar[str] = "window"
     budget: int = 512
     window: int = 32
     pool: int = 7
@@ -111,19 +119,29 @@ class SnapKV(EvictionPolicy):
         _check(0 < self.window < self.budget and self.pool >= 1 and self.pool % 2 == 1,
                "snapkv needs 0 < window < budget and an odd pool >= 1")
 
-    def keep(self, scores: torch.Tensor) -> torch.Tensor | None:
-        """Sorted indices of the prompt tokens to keep, or None if the prompt fits the budget."""
+    def keep(self, scores: torch.Tensor, block_size: int, whole_blocks: bool = False) -> torch.Tensor | None:
+        """Sorted indices of the prompt tokens to keep, or None if the prompt fits the budget: `budget` of them, or
+        with `whole_blocks` as few as leave whole blocks' worth evicted (None if that is none)."""
         n = len(scores)
-        if n <= self.budget:
+        kept = _num_kept(n, self.budget, block_size, whole_blocks)
+        if n <= kept:
             return None
         pooled = F.max_pool1d(scores[None, None], self.pool, stride=1, padding=self.pool // 2)[0, 0]
-        return _top_and_recent(pooled, n - self.window, self.budget - self.window)
+        return _top_and_recent(pooled, n - self.window, kept - self.window)
 
 
 POLICIES = {p.name: p for p in (Sink, H2O, SnapKV)}
 MAX_OPTION = 2**31 - 1      # a budget, window or pool in tokens: more than any context
 _FORM = ('expected "sink:sinks=4,window=1020", "h2o:budget=512,recent=64", "snapkv:budget=512,window=32" '
          '(options may be left out) or a dict with a "policy" key')
+
+
+def _num_kept(n: int, budget: int, block_size: int, whole_blocks: bool) -> int:
+    """How many of n cached tokens a policy of `budget` keeps: the budget, or with `whole_blocks` the fewest of at
+    least budget that leave a multiple of block_size evicted (n itself when n <= budget)."""
+    if not whole_blocks or n <= budget:
+        return min(n, budget)
+    return n - (n - budget) // block_size * block_size
 
 
 def _top_and_recent(scores: torch.Tensor, recent_start: int, top: int) -> torch.Tensor:

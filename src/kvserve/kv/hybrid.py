@@ -16,9 +16,12 @@ the whole prefix's blocks in a full-attention group but only a sliding group's l
 second KV tier keeps each group's blocks under the same keys: a hit finds each block it needs in the pool
 or in the tier, which loads it into a fresh block.
 
-Eviction: a `sink` policy drops the same entries of a sequence's table in every group (so that entry j holds
-the same cached tokens in each) and pins the originals of its sink blocks in the full-attention groups alone;
-a sliding group's dropped entries are the null block already, since a sink's window is at least the group's.
+Eviction: entry j of a sequence's table holds the same cached tokens in every group. A `sink` policy drops the
+same entries in every group and pins the originals of its sink blocks in the full-attention groups alone; a sliding
+group's dropped entries are the null block already, since a sink's window is at least the group's. `h2o` and
+`snapkv` compact the full-attention groups into fresh blocks; they evict whole blocks' worth of tokens, all older than
+their recent tokens (at least the widest window), so that a sliding group only drops as many leading entries (the
+null block) and keeps its window's blocks, never rewritten, at the entries that now hold those tokens.
 """
 from __future__ import annotations
 
@@ -372,11 +375,33 @@ class HybridKVCacheManager(BlockCounts):
         eviction), so that entry j holds the same cached tokens in every group. A sliding group's entries there
         are the null block already: a sink's window is at least the group's, so they left the group's window
         before they left the sink's."""
-        for m, released in zip(self.groups, self._released):
-            m.drop(seq_id, indices)
-            nulls = released.get(seq_id, 0)
-            if nulls > indices.start:
-                released[seq_id] = nulls - (min(nulls, indices.stop) - indices.start)
+        for g in range(len(self.groups)):
+            self._drop(g, seq_id, indices)
+
+    def _drop(self, g: int, seq_id: int, indices: range) -> None:
+        """Remove entries `indices` of the sequence's table in group g and let go of their blocks."""
+        self.groups[g].drop(seq_id, indices)
+        released = self._released[g]
+        nulls = released.get(seq_id, 0)
+        if nulls > indices.start:
+            released[seq_id] = nulls - (min(nulls, indices.stop) - indices.start)
+
+    def rebuild(self, seq_id: int, num_tokens: int) -> list[tuple[list[int], list[int]]]:
+        """An h2o or snapkv compaction to the `num_tokens` tokens it keeps: each full-attention group's table is
+        rebuilt as KVCacheManager.rebuild does ((old table, new table) of each, in the groups' order, to copy the
+        kept tokens over, then `release` the old); each sliding group drops the leading entries its table has past
+        the new length, so that it ends with the same tokens at the same entries. That is exact where the tokens
+        evicted are whole blocks' worth, all before the group's window (its dropped entries are the null block):
+        the policy's recent tokens, always kept, cover the window. Nothing changes if the pool has too few free
+        blocks."""
+        needed = self.blocks_for(num_tokens) * len(self._full)
+        if needed > self.pool.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {self.pool.num_free} free")
+        tables = [t for m in self._full for t in m.rebuild(seq_id, num_tokens)]
+        for g, (group, m) in enumerate(zip(self.layer_groups, self.groups)):
+            if group.sliding_window is not None:
+                self._drop(g, seq_id, range(len(m.block_tables[seq_id]) - self.blocks_for(num_tokens)))
+        return tables
 
     def replace(self, seq_id: int, indices: range, pin: bool = False) -> list[int]:
         """Give entries `indices` of the sequence's table in every full-attention group fresh blocks (a sink's

@@ -206,15 +206,15 @@ class KVCacheManager(BlockCounts):
         copied to."""
         return self.block_tables[seq_id][:n]
 
-    def rebuild(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Give a sequence a table of fresh blocks for `num_tokens` tokens; returns the old table, whose
-        blocks it still owns until `release` (its tokens are copied over first)."""
+    def rebuild(self, seq_id: int, num_tokens: int) -> list[tuple[list[int], list[int]]]:
+        """Give a sequence a table of fresh blocks for the `num_tokens` tokens an eviction keeps; returns (old table,
+        new table), whose old blocks it still owns until `release` (the kept tokens are copied over first)."""
         needed = self.blocks_for(num_tokens)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {self.pool.num_free} free")
         old = self.block_tables[seq_id]
         self.block_tables[seq_id] = self.pool.allocate(needed)
-        return old
+        return [(old, self.block_tables[seq_id])]
 
     def release(self, block_ids: list[int]) -> None:
         for b in block_ids:

@@ -25,6 +25,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
         self.tp = tp    # cfg is then this rank's shard: its heads; o_proj's products are summed over the ranks
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
@@ -60,8 +61,8 @@ class Attention(nn.Module):
             backend.store(kv_cache, kv, batch)
         out = backend.forward(qk[:, :nh], kv[:, 0], kv[:, 1], kv_cache, batch, self.scale,
                               sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
-        if batch.mass_requests:
-            accumulate_attention_mass(qk[:, :nh], kv_cache, batch, self.scale)
+        if batch.mass_requests and (batch.mass_layers is None or self.layer in batch.mass_layers):
+            accumulate_attention_mass(qk[:, :nh], kv_cache, batch, self.scale, self.logits_soft_cap)
         out = self.o_proj(out.reshape(tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
