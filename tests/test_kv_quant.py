@@ -67,14 +67,42 @@ def test_every_codec_quantizes_a_token_alone(kv_cache_dtype, which):
     assert zeros.equal(torch.zeros(1, 1, 4, 64))
 
 
-def test_int4_error_is_within_half_a_step_per_token():
+def min_max_step(x: torch.Tensor) -> torch.Tensor:
+    """The step of the grid whose end levels are each row's min and max, [..., 1]."""
+    return (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15
+
+
+def min_max_int4(x: torch.Tensor) -> torch.Tensor:
+    """x through the 16 levels of each row's min-max grid, float16 scale and minimum: the plain int4."""
+    scale = min_max_step(x).clamp_min(torch.finfo(torch.float16).tiny).half().float()
+    lo = x.amin(-1, keepdim=True).half().float()
+    return ((x - lo) / scale).round().clamp(0, 15) * scale + lo
+
+
+def test_int4_error_is_within_a_step_per_token():
+    """Every number comes back within one step of its row's min-max grid (that grid alone keeps half a
+    step; the grid encode picks trades a little at the row's ends for the rest)."""
     x = with_outliers((2, 3, 16, 64))
     codec = Int4()
     q, meta = codec.encode(x)
     assert q.shape == (2, 3, 16, 32) and q.dtype == torch.uint8 and meta.shape == (2, 3, 2, 16)
-    step = meta[..., 0, :].float().unsqueeze(-1)
-    err = (codec.decode(q, meta) - x).abs()
-    assert (err <= step / 2 + 1e-3 * step + 1e-6).all()   # fp16 minimum adds a rounding of its own
+    assert ((codec.decode(q, meta) - x).abs() <= min_max_step(x)).all()
+
+
+@pytest.mark.parametrize("keys", [True, False], ids=["rotated-keys", "gaussian"])
+def test_int4_rows_come_back_closer_than_by_their_min_max_grid_and_unshrunk(keys):
+    """Near-Gaussian rows (keys with an outlier channel, rotated as they are stored, or plain Gaussian
+    numbers): in all, at least 10% less squared error than through each row's min-max grid, and every
+    row comes back unshrunk along itself (back . x = x . x up to the float16 scale and minimum), where
+    the min-max grid misses by up to a few percent either way."""
+    g = torch.Generator().manual_seed(1)
+    x = rotated(with_outliers((2, 3, 256, 64))) if keys else torch.randn(2, 3, 256, 64, generator=g)
+    codec = Int4()
+    back = codec.decode(*codec.encode(x))
+    err, plain = ((y - x).square().sum(-1) for y in (back, min_max_int4(x)))
+    assert err.sum() < 0.9 * plain.sum()
+    along = (back * x).sum(-1) / x.square().sum(-1)
+    assert ((along - 1).abs() < 2e-3).all()
 
 
 def rotated(x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +140,7 @@ def test_rotation_shrinks_int4_key_error_beside_an_outlier_channel(head_dim, mos
 
 
 def test_int4_layers_store_the_keys_rotated(ckpt):
-    """The engine's int4 pages hold H k (within int4's half step), not k; values are stored as they are."""
+    """The engine's int4 pages hold H k (within a step of its min-max grid), not k; values are stored as they are."""
     prompt = {"prompt_token_ids": list(range(3, 33))}
     once = SamplingParams(max_tokens=1, temperature=0)
     full, int4 = (LLM(str(ckpt), block_size=4, num_kv_blocks=16, kv_cache_dtype=dt) for dt in ("auto", "int4"))
@@ -122,11 +150,10 @@ def test_int4_layers_store_the_keys_rotated(ckpt):
     layer = int4.engine.storage.layer(0)
     got_k, got_v = layer.gather(torch.arange(16))
     want = rotated(k)
-    step = ((want.amax(-1) - want.amin(-1)) / 15)[..., None]
-    assert ((got_k - want).abs() <= step / 2 + 1e-3 * step + 1e-6).all()
+    step = min_max_step(want)
+    assert ((got_k - want).abs() <= step).all()
     assert not torch.allclose(got_k, k, atol=(step / 2).max().item())
-    vstep = ((v.amax(-1) - v.amin(-1)) / 15)[..., None]
-    assert ((got_v - v).abs() <= vstep / 2 + 1e-3 * vstep + 1e-6).all()
+    assert ((got_v - v).abs() <= min_max_step(v)).all()
 
 
 def test_sink_moves_rotated_int4_keys_by_rope_of_the_model_keys():
@@ -147,8 +174,7 @@ def test_sink_moves_rotated_int4_keys_by_rope_of_the_model_keys():
     want = model_keys * cos + model_keys.roll(d // 2, -1) * sin
     rotate_keys_(want)
     got = layer.gather(torch.tensor([1]))[0, :, 0]
-    step = ((want.amax(-1) - want.amin(-1)) / 15)[..., None]
-    assert ((got - want).abs() <= step / 2 + 1e-3 * step + 1e-5).all()
+    assert ((got - want).abs() <= min_max_step(want) + 1e-5).all()
 
 
 def test_int4_packs_two_numbers_per_byte():
@@ -265,13 +291,15 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(backe
 def test_half_precision_decode_over_quantized_pages_matches_the_dequantized_pages(backend, kv_cache_dtype, dtype):
     # sdpa scales queries, scores and probabilities instead of the numbers, native dequantizes in
     # float32 as it reads: either rounds differently from attention over the dequantized values,
-    # but only within the model dtype's precision
+    # but only within the model dtype's precision (bfloat16 keeps 8 bits: its int4 cases come within
+    # 0.02 of the reference, or just past it, as the pages' scales happen to round)
     q_lens, ctx_lens = [1, 1, 1], [40, 3, 21]
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, 3, 8, 2, 64, block_size=5, dtype=dtype)
     layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, 5)
     ref = TextbookBackend().forward(q.float(), k.float(), v.float(), pages.float(), batch, 0.125)
     out = backend.forward(q, k, v, layer, batch, 0.125)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 # ---------------------------------------------------------------- the engine end to end

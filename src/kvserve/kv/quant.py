@@ -170,6 +170,19 @@ class Fp8PerToken(Codec):
         return Affine(meta.float())
 
 
+@functools.cache
+def _on_device(values: tuple, device: torch.device) -> torch.Tensor:
+    """A tensor of constants, made once per device: not inside a CUDA graph capture, which cannot copy
+    from the host."""
+    return torch.tensor(values, device=device)
+
+
+def int4_levels(x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as the nearest of the 16 levels minimum + i * scale (i = 0..15), as floats i; scale and
+    minimum are [...] (float16) and may lead with more axes than x (they broadcast)."""
+    return (x - minimum.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
+
+
 class Int4(Codec):
     """Asymmetric 4-bit quantization, two numbers per byte (even channel in the low nibble), with a
     float16 (scale, minimum) per token and head over its head_dim channels, for keys as for values.
@@ -184,22 +197,52 @@ class Int4(Codec):
     Per token, a key's few outlier channels would set its range and leave 16 levels too coarse for the
     rest: keys are stored rotated by a block Hadamard matrix (rotate_keys_, as QuaRot does), which spreads
     an outlier over its block, and the queries meet them rotated alike (rotates_keys).
+
+    A row's min and max are one or two of its head_dim numbers, and the grid that puts them on its end
+    levels is seldom the one that serves the whole row best: encode tries it and grids with the lowest
+    level, the highest or both moved a little inward (a finer step for the rest), and keeps, per token and
+    head, the one that reconstructs the row with the least squared error (after the float16 rounding of
+    its scale and minimum). Least-squares grids shrink what comes back toward the middle of the range,
+    and keys shrunk alike would scale every score down and flatten attention: the kept grid is stretched
+    about zero (scale and minimum times x . x / (back . x)) so that the row comes back unshrunk along
+    itself, its numbers unchanged. The format and its readers stay as they were: only the (scale,
+    minimum) written, and the numbers they choose, change (docs/performance.md: perplexity, passkey).
     """
 
     storage_dtype = torch.uint8
     pack = 2
     splits_channels = True
     rotates_keys = True
+    # fit's candidate grids: how far each moves its lowest and its highest level inward, in steps of the
+    # min-max grid; less than half a step, so that a row's end numbers come back about as close as under it
+    inward_steps = ((0.0, 0.0), (0.45, 0.0), (0.0, 0.45), (0.45, 0.45))
 
     def meta_shape(self, block_size, head_dim):
         return (2, block_size)
 
     def encode(self, x):
+        q, scale, minimum = self.fit(x)
+        q = q.to(torch.uint8)
+        return q[..., 0::2] | (q[..., 1::2] << 4), torch.stack((scale, minimum), -2)
+
+    def fit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row of x [..., D] as its numbers 0..15 (floats, [..., D]) and float16 (scale, minimum) [...]:
+        of its candidate grids, the one that reconstructs it with the least squared error, stretched so that
+        it comes back unshrunk along itself (see the class)."""
         lo, hi = x.amin(-1), x.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(TINY).to(self.meta_dtype)
-        lo = lo.to(self.meta_dtype)
-        q = ((x - lo.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        return q[..., 0::2] | (q[..., 1::2] << 4), torch.stack((scale, lo), -2)
+        step = (hi - lo) / 15
+        inward = _on_device(self.inward_steps, x.device).view(-1, 2, *(1,) * lo.dim())
+        low, high = lo + inward[:, 0] * step, hi - inward[:, 1] * step          # [grids, ...]
+        scale = ((high - low) / 15).clamp_min(TINY).to(self.meta_dtype)
+        minimum = low.to(self.meta_dtype)
+        q = int4_levels(x, scale, minimum)
+        back = torch.addcmul(minimum.float()[..., None], q, scale.float()[..., None])
+        best = back.sub_(x).square_().sum(-1).argmin(0, keepdim=True)   # the first of equals: the min-max grid
+        scale, minimum = scale.gather(0, best)[0].float(), minimum.gather(0, best)[0].float()
+        q = q.gather(0, best[..., None].expand(1, *x.shape))[0]
+        along = scale * torch.linalg.vecdot(q, x) + minimum * x.sum(-1)     # back . x
+        stretch = torch.where(along > 0, torch.linalg.vecdot(x, x) / along, 1.0)
+        return q, (scale * stretch).clamp_min(TINY).to(self.meta_dtype), (minimum * stretch).to(self.meta_dtype)
 
     def decode(self, q, meta, dtype=torch.float32):
         numbers = torch.stack((q & 15, q >> 4), -1).flatten(-2).to(dtype)
