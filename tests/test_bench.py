@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.bench.common import linear_params, make_checkpoint
+from kvserve.bench.common import linear_params, linear_step, make_checkpoint
 from kvserve.bench.report import plot_eviction, plot_quant
 from kvserve.cli import main
 from kvserve.config import ModelConfig
@@ -42,10 +42,13 @@ def test_bench_decode_json(tmp_path):
 def test_bench_throughput_json(tmp_path):
     path = tmp_path / "throughput.json"
     args = ["--requests", "4", "--prompt-len", "16", "--tokens", "8", "--batch1-prompt-len", "8",
-            "--batch1-tokens", "24", "--repeats", "1", "--device", "cpu"]
+            "--batch1-tokens", "24", "--repeats", "1", "--device", "cpu", "--decode-batches", "2,6"]
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
     res = json.loads(path.read_text())
     assert _positive(res["read_bandwidth_bytes_s"])
+    assert res["workload"]["decode_batches"] == [2, 6]
+    # TINY's linear weights: 2 layers of q, k, v, o (64 x (64 + 2 x 32 + 64)) and the MLP's 3 x 64 x 128; lm_head
+    weights = 2 * (64 * (64 + 2 * 32 + 64) + 3 * 64 * 128) + 64 * 512
     for dtype in ("float32", "bfloat16"):
         r = res[dtype]
         for key in ("ours_tok_s", "hf_tok_s", "ratio_vs_hf", "fraction_of_limit", "batch1_tok_s",
@@ -56,6 +59,16 @@ def test_bench_throughput_json(tmp_path):
         assert r["fraction_of_limit"] == pytest.approx(r["limit_s"] / r["ours_s"])
         assert r["limit_s"] >= max(r["compute_limit_s"], r["memory_limit_s"]) * (1 - 1e-9)
         assert r["batch1_fraction_of_bandwidth_limit"] == pytest.approx(r["batch1_tok_s"] / r["batch1_limit_tok_s"])
+        assert set(r["decode_vs_gemms"]) == {"2", "6"}
+        for b, d in r["decode_vs_gemms"].items():
+            for key in ("tok_s", "step_s", "linear_s", "linear_flops", "linear_flop_s", "step_flop_s",
+                        "fraction_of_gemm_rate"):
+                assert _positive(d[key]), (b, key)
+            # every linear layer once, at b rows: 2 FLOPs a weight a row
+            assert d["linear_flops"] == 2 * weights * int(b)
+            assert d["step_s"] == pytest.approx(int(b) / d["tok_s"])
+            assert d["fraction_of_gemm_rate"] == pytest.approx(d["linear_s"] / d["step_s"])
+            assert d["fraction_of_gemm_rate"] == pytest.approx(d["step_flop_s"] / d["linear_flop_s"])
         # the limit of batch-1 decode is the bandwidth measured around its run
         bandwidth = r["runs"]["batch1_read_bandwidth_bytes_s"][0]
         assert r["batch1_limit_tok_s"] == pytest.approx(bandwidth / r["weight_bytes"])
@@ -73,6 +86,55 @@ def test_bench_throughput_one_dtype(tmp_path):
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *TINY]) == 0
     res = json.loads(path.read_text())
     assert "float32" in res and "bfloat16" not in res and res["float32"]["native_by_batch"] is None
+    assert res["workload"]["decode_batches"] == [4]       # a quick run's one small batch
+
+
+def test_bench_throughput_decode_against_its_gemms(tmp_path):
+    """At a shape whose GEMMs outweigh the calls' own cost, a decode step takes about as long as its linear layers
+    alone (the step adds attention and the rest, the layers alone their Python calls): a fraction near 1."""
+    path = tmp_path / "throughput.json"
+    shape = ["--hidden-size", "512", "--intermediate-size", "1408", "--num-layers", "2", "--num-heads", "8",
+             "--num-kv-heads", "2", "--vocab-size", "4096"]
+    args = ["--dtype", "bfloat16", "--requests", "2", "--prompt-len", "8", "--tokens", "6", "--batch1-prompt-len", "4",
+            "--batch1-tokens", "2", "--repeats", "1", "--no-sweep", "--no-llama-cpp", "--device", "cpu",
+            "--decode-batches", "8"]
+    assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *shape]) == 0
+    d = json.loads(path.read_text())["bfloat16"]["decode_vs_gemms"]["8"]
+    assert 0 < d["fraction_of_gemm_rate"] <= 1.5
+    if shutil.which("cc"):      # the C step decoded the batch, several steps a call
+        assert d["steps"]["native_multi_step"] > 0
+
+
+def test_bench_decode_batches_flag(capsys):
+    from kvserve.bench.throughput import decode_batches
+
+    assert decode_batches("64,32,32") == [32, 64] and decode_batches("none") == decode_batches("") == []
+    for bad in ("0", "32,x", ","):
+        with pytest.raises(ValueError, match="--decode-batches"):
+            decode_batches(bad)
+    assert main(["bench", "throughput", "--decode-batches", "32", "--max-num-seqs", "16", *TINY]) == 2
+    assert "--decode-batches" in capsys.readouterr().err
+
+
+def test_linear_step_times_the_engines_own_linear_layers(tmp_path):
+    """linear_step calls each of the engine's Linear modules (its weights, packing and GEMM choice) once a run, on
+    inputs of the step's rows, and counts 2 FLOPs a weight a row."""
+    from kvserve import LLM
+    from kvserve.model.layers import Linear
+    from tiny_models import make_checkpoint as tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "m", max_position_embeddings=64, dtype=torch.bfloat16)
+    llm = LLM(str(ckpt), dtype="bfloat16", device="cpu", block_size=4)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    rows = []
+    for m in layers:
+        m.register_forward_hook(lambda m, inputs, out: rows.append((m, inputs[0].shape[0])))
+    step = linear_step(llm.engine.model, 5, repeats=3)
+    assert len(rows) == 4 * len(layers)                   # a warm-up run and 3 timed ones
+    assert {id(m) for m, _ in rows} == {id(m) for m in layers} and {n for _, n in rows} == {5}
+    assert step.rows == 5 and _positive(step.seconds)
+    assert step.flops == 2 * 5 * sum(linear_params(llm.engine.model_config))
+    assert step.flop_s == pytest.approx(step.flops / step.seconds)
 
 
 def test_bench_prefix_json(tmp_path):

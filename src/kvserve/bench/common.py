@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
 from kvserve.kernels import COMPUTE_DTYPES, library
-from kvserve.model.layers import NEVER, gemm, gemm_kernels, gemm_pack, onednn_linear, onednn_pack
+from kvserve.model.layers import NEVER, Linear, gemm, gemm_kernels, gemm_pack, onednn_linear, onednn_pack
 from kvserve.sampling import SamplingParams
 
 # bench flag -> LlamaConfig field
@@ -207,6 +208,39 @@ def matmul_rate(dtype: torch.dtype, m: int, k: int, n: int, device: torch.device
         fn(x)
         best = max(best, 2 * m * k * n / min(timed(lambda: fn(x), device) for _ in range(repeats)))
     return best
+
+
+@dataclass
+class LinearStep:
+    """What a model's linear layers alone take for one decode step of `rows` sequences."""
+    rows: int
+    seconds: float      # the best of the timed runs
+    flops: int
+
+    @property
+    def flop_s(self) -> float:
+        """The GEMMs' rate alone: their FLOPs over their best time."""
+        return self.flops / self.seconds
+
+
+def linear_step(model: torch.nn.Module, rows: int, repeats: int = 5) -> LinearStep:
+    """Time the model's own Linear modules (their weights, format and GEMM choice, as its decode step runs
+    them) on random inputs of `rows` rows, each called once, as a decode step calls it: the best of `repeats`
+    runs after a warm-up one. FLOPs: 2 x rows x each layer's in x out features (a fused gate_up layer's
+    activation is part of its call, as in the step, but not counted)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    device = next(model.parameters()).device
+    dtype = next(m.weight.dtype for m in layers)
+    inputs = [torch.randn(rows, m.in_features, dtype=dtype, device=device) for m in layers]
+
+    @torch.inference_mode()
+    def run() -> None:
+        for layer, x in zip(layers, inputs):
+            layer(x)
+
+    run()
+    seconds = min(timed(run, device) for _ in range(repeats))
+    return LinearStep(rows, seconds, sum(2 * rows * m.in_features * m.out_features for m in layers))
 
 
 class ReadBandwidth:

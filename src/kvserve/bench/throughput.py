@@ -5,6 +5,9 @@ memory read bandwidth (bytes/s). Prefill and decode run as separate steps, and e
 weights once, so each phase takes at least the slower of its FLOPs at the matmul rate and its weight reads
 at the bandwidth: limit = max(prefill) + max(decode). Batch-1 decode is bound by the weight reads alone, at
 the bandwidth measured around each of its runs.
+
+At larger batches decode is bound by its GEMMs: at each of --decode-batches the decode step is set against the
+time the engine's own linear layers alone take for one step's rows, the fraction of the GEMM rate the step keeps.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ import torch
 
 from kvserve.bench import llamacpp
 from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_bytes, linear_params,
-                                  make_checkpoint, matmul_rate, model_shape, pick_device, print_table, process_memory,
-                                  random_prompts, ReadBandwidth, step_times, sync, write_json)
+                                  linear_step, make_checkpoint, matmul_rate, model_shape, pick_device, print_table,
+                                  process_memory, random_prompts, ReadBandwidth, step_times, sync, write_json)
 from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, ModelConfig, parse_dtype
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
@@ -31,6 +34,9 @@ TARGET_RATIO_VS_HF = 1.5
 TARGET_FRACTION_OF_LIMIT = 0.70
 TARGET_BATCH1_FRACTION = 0.85
 TARGET_VS_LLAMA_CPP = 1.0          # batch-1 decode against llama.cpp's file of the same bits
+TARGET_FRACTION_OF_GEMM_RATE = 0.85    # a decode step of --decode-batches sequences against its GEMMs alone
+DECODE_BATCHES = "32,64"
+QUICK_DECODE_BATCHES = "4"
 _WARMUP_TOKENS = 4
 NATIVE_SWEEP = (1, 2, 4, 6, 8)      # batch sizes at which the native step is timed against op by op
 
@@ -43,6 +49,7 @@ class Workload:
     batch1_prompt_len: int
     batch1_tokens: int
     repeats: int
+    decode_batches: list[int]
 
     @property
     def max_len(self) -> int:
@@ -59,7 +66,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-tokens", type=int, default=None, help="batch-1 decode tokens (default 128; quick: 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each side; the median is reported")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --requests")
+    p.add_argument("--decode-batches", default=None,
+                   help=f"comma-separated batch sizes (default {DECODE_BATCHES}; quick: {QUICK_DECODE_BATCHES}; "
+                        "none: skip) at which decode is timed against its GEMMs: decode tok/s of that many random "
+                        "prompts of --prompt-len (--tokens - 1 steps), the step's time, the time the engine's own "
+                        "linear layers (its weights and GEMM choice) take alone on random inputs of as many rows, "
+                        "each called once as a step calls it, their FLOPs and rate, and the fraction of that GEMM "
+                        "rate the step keeps: linear layers' time / step time")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: the largest of --requests and --decode-batches")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for every request at once")
@@ -75,12 +90,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
 
 
+def decode_batches(text: str) -> list[int]:
+    """--decode-batches as batch sizes: comma-separated positive integers, or none (empty or "none")."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--decode-batches takes comma-separated batch sizes >= 1, or none; got {text!r}")
+    return sorted(set(sizes))
+
+
 def workload(args: argparse.Namespace) -> Workload:
     short = args.quick
+    batches = args.decode_batches if args.decode_batches is not None else \
+        (QUICK_DECODE_BATCHES if short else DECODE_BATCHES)
     w = Workload(args.requests or (16 if short else 64), args.prompt_len, args.tokens or (32 if short else 128),
-                 args.batch1_prompt_len, args.batch1_tokens or (32 if short else 128), args.repeats)
+                 args.batch1_prompt_len, args.batch1_tokens or (32 if short else 128), args.repeats,
+                 decode_batches(batches))
     if min(w.tokens, w.batch1_tokens) < 2 or min(w.requests, w.prompt_len, w.batch1_prompt_len, w.repeats) < 1:
         raise ValueError("--tokens and --batch1-tokens must be at least 2; requests, prompt lengths, repeats >= 1")
+    if args.max_num_seqs is not None and w.decode_batches and max(w.decode_batches) > args.max_num_seqs:
+        raise ValueError(f"--decode-batches {args.decode_batches!r}: a batch of more than --max-num-seqs "
+                         f"({args.max_num_seqs}) would not decode as one step")
     return w
 
 
@@ -96,15 +130,16 @@ def quantizations(args: argparse.Namespace) -> list[str | None]:
 def engine_kwargs(args: argparse.Namespace, w: Workload, dtype: str, device: torch.device,
                   quantization: str | None = None) -> dict:
     blocks = args.num_kv_blocks
+    seqs = max(w.requests, *w.decode_batches)
     if blocks is None and args.kv_cache_memory is None:
         per_seq = -(-(w.prompt_len + w.tokens) // args.block_size)
-        blocks = max(w.requests * per_seq, -(-w.max_len // args.block_size))
+        blocks = max(seqs * per_seq, -(-w.max_len // args.block_size))
     # every run computes its prompts, as transformers does: the runs repeat the same prompts, which the
     # prefix cache would otherwise serve from the run before
     return dict(dtype=dtype, device=str(device), max_model_len=w.max_len, block_size=args.block_size,
                 enable_prefix_caching=False,
                 num_kv_blocks=blocks, kv_cache_memory=args.kv_cache_memory,
-                max_num_seqs=args.max_num_seqs or w.requests, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs or seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 attention_backend=args.attention_backend, quantization=quantization)
 
 
@@ -179,6 +214,32 @@ def native_by_batch(llm: LLM, eager: LLM, vocab_size: int, w: Workload) -> dict[
         return rates
     finally:
         native.max_batch = limit
+
+
+def decode_vs_gemms(llm: LLM, vocab_size: int, w: Workload, rounds: int = 3) -> dict[int, dict]:
+    """At each of `w.decode_batches` sequences: decode tok/s of that many random prompts (the best of `rounds`
+    decode_rate runs), the step's seconds, and the seconds the engine's own linear layers take alone for a step of
+    as many rows (the best of `rounds` linear_step's, each run after a decode run: a shared machine's load moves
+    from minute to minute, and each side gets its moments), their FLOPs and FLOP/s, the step's FLOP/s (the same
+    FLOPs over the step's time), `fraction_of_gemm_rate` (the linear layers' time / the step's), the steps each
+    executor ran (engine/executor.py) and every run's figures."""
+    runner = llm.engine.runner
+    by_batch = {}
+    for b in w.decode_batches:
+        prompts = random_prompts(b, w.prompt_len, vocab_size, seed=200 + b)
+        before = dict(runner.steps)
+        rates, linears = [], []
+        for _ in range(rounds):
+            rates.append(decode_rate(llm, prompts, w.tokens - 1, repeats=1))
+            linears.append(linear_step(llm.engine.model, b))
+        steps = {name: n - before.get(name, 0) for name, n in runner.steps.items() if n > before.get(name, 0)}
+        tok_s, linear = max(rates), min(linears, key=lambda s: s.seconds)
+        step_s = b / tok_s
+        by_batch[b] = {"tok_s": tok_s, "step_s": step_s, "linear_s": linear.seconds, "linear_flops": linear.flops,
+                       "linear_flop_s": linear.flop_s, "step_flop_s": linear.flops / step_s,
+                       "fraction_of_gemm_rate": linear.seconds / step_s, "steps": steps,
+                       "runs": {"tok_s": rates, "linear_s": [s.seconds for s in linears]}}
+    return by_batch
 
 
 def peer_rates(path: Path, prompts: list[list[int]], prompt1: list[int], w: Workload, hf) -> dict:
@@ -262,6 +323,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
     peer_result = peer_rates(peer, prompts, prompt1, w, hf) if peer is not None else None
     sweep = args.sweep and llm.engine.runner.native is not None
     by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if sweep else None
+    vs_gemms = decode_vs_gemms(llm, cfg.vocab_size, w)
     # each side's resident memory, in a process of its own: the batch's prompts and a few tokens (its peak);
     # not in a quick run, whose processes would take longer than the rest of it
     memory = None
@@ -294,6 +356,8 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         "batch1_fraction_of_bandwidth_limit": statistics.median(r["ours"] * weight_bytes / r["bandwidth"]
                                                                 for r in batch1),
         "native_by_batch": by_batch,
+        # batch size -> the decode step against its linear layers alone (decode_vs_gemms)
+        "decode_vs_gemms": vs_gemms,
         "llama_cpp": peer_result,
         # bytes: {"kvserve" | "transformers": {"before_load", "after_load", "peak"}} (CPU, not --quick)
         "process_memory": memory,
@@ -336,6 +400,22 @@ def _rate(tok_s: float | None) -> str:
 
 def _vs_target(value: float, target: float, text: str) -> str:
     return f"{text} ({'met' if value >= target else 'NOT met'})"
+
+
+def _decode_rows(batches: list[int]) -> list:
+    """Rows of the decode step at each batch size against its linear layers alone (decode_vs_gemms)."""
+    def at(b: int, cell):
+        return lambda r: cell(r["decode_vs_gemms"][b])
+
+    def fraction(d: dict) -> str:
+        value = d["fraction_of_gemm_rate"]
+        return f"{d['step_flop_s'] / 1e9:.1f} | " + _vs_target(value, TARGET_FRACTION_OF_GEMM_RATE, f"{value:.0%}")
+    target = f">= {TARGET_FRACTION_OF_GEMM_RATE:.0%}"
+    return [row for b in batches for row in (
+        [f"decode at {b} seqs: tok/s | step ms", at(b, lambda d: f"{d['tok_s']:.1f} | {d['step_s'] * 1e3:.1f}"), ""],
+        [f"decode at {b} seqs: GEMMs alone ms | GFLOP/s",
+         at(b, lambda d: f"{d['linear_s'] * 1e3:.1f} | {d['linear_flop_s'] / 1e9:.1f}"), ""],
+        [f"decode at {b} seqs: step GFLOP/s | % of GEMM rate", at(b, fraction), target])]
 
 
 def _peer(cell):
@@ -381,6 +461,7 @@ def report(results: dict[str, dict]) -> None:
                                                             f"{r['batch1_fraction_of_bandwidth_limit']:.0%}"),
          f">= {TARGET_BATCH1_FRACTION:.0%}"],
     ]
+    rows += _decode_rows(list(next(iter(results.values()))["decode_vs_gemms"]))
     if any(r["llama_cpp"] for r in results.values()):
         rows += _peer_rows()
     print_table(["", *results, "target"], [[name, *(f(r) for r in results.values()), target]
@@ -443,6 +524,7 @@ def run(args: argparse.Namespace) -> int:
                                 "read_bandwidth_bytes_s": bandwidth,
                                 "targets": {"ratio_vs_hf": TARGET_RATIO_VS_HF,
                                             "fraction_of_limit": TARGET_FRACTION_OF_LIMIT,
-                                            "batch1_fraction_of_bandwidth_limit": TARGET_BATCH1_FRACTION},
+                                            "batch1_fraction_of_bandwidth_limit": TARGET_BATCH1_FRACTION,
+                                            "fraction_of_gemm_rate": TARGET_FRACTION_OF_GEMM_RATE},
                                 **results})
     return 0
