@@ -58,5 +58,5 @@ step kernels 200 python -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
 step attention 120 python -m kvserve.cli bench attention --device "$DEVICE" "${ATTN_ARGS[@]}" \
     --json "$OUT/attention.json" --plot "$OUT/attention.png"
 step throughput 240 python -m kvserve.cli bench throughput --device "$DEVICE" --attention-backend auto "${SHAPE[@]}" \
-    "${LOAD[@]}" --json "$OUT/throughput.json"
+    "${LOAD[@]}" --decode-batches none --json "$OUT/throughput.json"
 exit $status

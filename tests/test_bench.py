@@ -90,8 +90,8 @@ def test_bench_throughput_one_dtype(tmp_path):
 
 
 def test_bench_throughput_decode_against_its_gemms(tmp_path):
-    """At a shape whose GEMMs outweigh the calls' own cost, a decode step takes about as long as its linear layers
-    alone (the step adds attention and the rest, the layers alone their Python calls): a fraction near 1."""
+    """At a shape whose GEMMs outweigh the calls' own cost, the decode batch is timed as the engine runs it (by the C
+    step, several steps a call) against its linear layers alone (no bound on the fraction: it is a timing)."""
     path = tmp_path / "throughput.json"
     shape = ["--hidden-size", "512", "--intermediate-size", "1408", "--num-layers", "2", "--num-heads", "8",
              "--num-kv-heads", "2", "--vocab-size", "4096"]
@@ -100,7 +100,7 @@ def test_bench_throughput_decode_against_its_gemms(tmp_path):
             "--decode-batches", "8"]
     assert main(["bench", "throughput", "--quick", "--json", str(path), *args, *shape]) == 0
     d = json.loads(path.read_text())["bfloat16"]["decode_vs_gemms"]["8"]
-    assert 0 < d["fraction_of_gemm_rate"] <= 1.5
+    assert d["fraction_of_gemm_rate"] > 0
     if shutil.which("cc"):      # the C step decoded the batch, several steps a call
         assert d["steps"]["native_multi_step"] > 0
 
