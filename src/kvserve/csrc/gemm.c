@@ -481,6 +481,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
 #if INT4_BY_VNNI
 #define MRQ 2        /* rows of an int4 tile: 18 integer sums and 6 float ones in registers */
 #define PIECES 3     /* bytes of x's fixed point (split_rows) */
+#define PREFETCH_AHEAD 1024  /* bytes of a panel read ahead (tile_int4): batch-1 decode streams it from memory */
 
 /* Rows 0 .. m of x (ldx apart), bfloat16, in fixed point for the int4 tiles: each group of G4 numbers (past k:
  * zeros, up to `depth`) as v = x / unit rounded to an integer, unit the power of two that puts the group's
@@ -539,6 +540,7 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
                 for (int j = 0; j < NV; j++) dot[r][i][j] = _mm512_setzero_si512();
         #pragma GCC unroll 8     /* a group whole: the sums stay in their registers, never copied */
         for (int kk = g0; kk < g0 + G4; kk += 4) {
+            _mm_prefetch((const char *)(panel + (int64_t)kk / 4 * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
             const __m512i bytes = _mm512_loadu_si512(panel + (int64_t)kk / 4 * 64);
             const __m512i q[NV] = {_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low)};
             for (int r = 0; r < mr; r++)
@@ -550,6 +552,9 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
                 }
         }
         const uint16_t *group = groups + (int64_t)g0 / G4 * 2 * NR;
+        /* the scales and minimums are a second stream, a group's two lines per 512 bytes of the panel */
+        _mm_prefetch((const char *)(group + 8 * 2 * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(group + 8 * 2 * NR + 32), _MM_HINT_T0);
         for (int j = 0; j < NV; j++) {
             const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16 * j)));
             const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16 * j)));

@@ -224,7 +224,7 @@ def gemm_pack_groups(scales: torch.Tensor, mins: torch.Tensor, gated: bool, dtyp
     its numbers for products in dtype), as gemm() takes them."""
     size, pack = _gemm_function("gemm_groups_size", dtype), _gemm_function("gemm_pack_groups", dtype)
     n, k = scales.shape[0], scales.shape[1] * INT4_GROUP
-    out = torch.empty(size(DTYPE_KINDS[dtype], n, k, gated), dtype=torch.float16)
+    out = cpu_tensor((size(DTYPE_KINDS[dtype], n, k, gated),), torch.float16)     # on huge pages, as the panels
     pack(scales.contiguous().data_ptr(), mins.contiguous().data_ptr(), DTYPE_KINDS[dtype], n, k, gated, out.data_ptr())
     return out
 
