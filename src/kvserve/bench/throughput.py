@@ -130,7 +130,7 @@ def quantizations(args: argparse.Namespace) -> list[str | None]:
 def engine_kwargs(args: argparse.Namespace, w: Workload, dtype: str, device: torch.device,
                   quantization: str | None = None) -> dict:
     blocks = args.num_kv_blocks
-    seqs = max(w.requests, *w.decode_batches)
+    seqs = max([w.requests, *w.decode_batches])
     if blocks is None and args.kv_cache_memory is None:
         per_seq = -(-(w.prompt_len + w.tokens) // args.block_size)
         blocks = max(seqs * per_seq, -(-w.max_len // args.block_size))
