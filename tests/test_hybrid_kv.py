@@ -303,6 +303,19 @@ def mistral(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=WINDOW)
 
 
+def _with_and_without_hybrid_cache(path, eviction: str, backend: str, prompts: list, params: list):
+    """The greedy tokens and evicted counts of the one-table cache, then the hybrid one, under the same policies,
+    and the hybrid engine. Neither preempts: the same chunks in both, as what a policy evicts depends on them."""
+    outs, evicted = [], []
+    for disable in (True, False):
+        llm = LLM(str(path), eviction=eviction, disable_hybrid_kv_cache_manager=disable, attention_backend=backend,
+                  block_size=4, num_kv_blocks=96, dtype="float32", long_prefill_token_threshold=12)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        evicted.append(llm.stats()["num_evicted_tokens"])
+        assert llm.stats()["num_preemptions"] == 0
+    return outs, evicted, llm
+
+
 @pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])
 @pytest.mark.parametrize("model", ["gemma3", "gemma2", "mistral"])
 def test_sink_with_a_hybrid_cache_gives_the_one_table_tokens(request, model, backend):
@@ -314,13 +327,7 @@ def test_sink_with_a_hybrid_cache_gives_the_one_table_tokens(request, model, bac
     prompts = [{"prompt_token_ids": SYSTEM[:n]} for n in (40, 17, 33)]
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, eviction=e)
               for e in (None, "sink:sinks=2,window=9", "none")]
-    outs, evicted = [], []
-    for disable in (True, False):
-        llm = LLM(str(path), eviction=SINK, disable_hybrid_kv_cache_manager=disable, attention_backend=backend,
-                  block_size=4, num_kv_blocks=96, dtype="float32", long_prefill_token_threshold=12)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        evicted.append(llm.stats()["num_evicted_tokens"])
-        assert llm.stats()["num_preemptions"] == 0      # the same chunks in both: what a sink evicts depends on them
+    outs, evicted, llm = _with_and_without_hybrid_cache(path, SINK, backend, prompts, params)
     assert llm.engine.kv_groups and outs[0] == outs[1]
     assert evicted[0] == evicted[1] > 0
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
@@ -422,13 +429,7 @@ def test_scored_policies_with_a_hybrid_cache_give_the_one_table_tokens(request, 
     prompts = [{"prompt_token_ids": SYSTEM[:n]} for n in (40, 33, 17)]
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, eviction=e)
               for e in (None, "none", "h2o:budget=20,recent=8")]
-    outs, evicted = [], []
-    for disable in (True, False):
-        llm = LLM(str(path), eviction=SCORED, disable_hybrid_kv_cache_manager=disable, attention_backend=backend,
-                  block_size=4, num_kv_blocks=96, dtype="float32", long_prefill_token_threshold=12)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        evicted.append(llm.stats()["num_evicted_tokens"])
-        assert llm.stats()["num_preemptions"] == 0
+    outs, evicted, llm = _with_and_without_hybrid_cache(path, SCORED, backend, prompts, params)
     assert llm.engine.kv_groups and outs[0] == outs[1]
     assert all(len(t) == 30 for t in outs[1])
     # snapkv: the 40-token prompt to 20 tokens; h2o: 17 + 30 tokens to at most 23 (whole blocks of 4)
