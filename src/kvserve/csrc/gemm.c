@@ -338,10 +338,13 @@ typedef struct {
     size_t bytes;
 } Scratch;
 
+#if INT4_BY_VNNI
 static __thread Scratch fixed_rows;     /* an int4 weight's: x's rows in fixed point (split_rows) */
+#endif
 
-/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. */
-static void *scratch(Scratch *s, size_t bytes) {
+/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. (Unused where the build has neither
+ * AMX nor VNNI.) */
+static __attribute__((unused)) void *scratch(Scratch *s, size_t bytes) {
     if (bytes > s->bytes) {
         free(s->data);
         s->bytes = (bytes + 63) / 64 * 64;
@@ -479,7 +482,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
 #endif
 
 #if INT4_BY_VNNI
-#define MRQ 2        /* rows of an int4 tile: 18 integer sums and 6 float ones in registers */
+#define MRQ 2        /* rows of an int4 tile: 12 integer sums and 4 float ones in registers */
 #define PIECES 3     /* bytes of x's fixed point (split_rows) */
 #define PREFETCH_AHEAD 1024  /* bytes of a panel read ahead (tile_int4): batch-1 decode streams it from memory */
 
@@ -813,14 +816,14 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
     float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
     /* an int4 weight's bfloat16 products: a block of rows in fixed point, with their groups' units and sums
      * (split_rows; where they find no memory, the chunks are widened as float32's are) */
-    const int ldg = depth / G4, mc = m < MC ? m : MC;
+#if INT4_BY_VNNI
     int8_t *pieces = NULL;
     float *units = NULL, *xsums = NULL;
-#if INT4_BY_VNNI
+    const size_t mc = m < MC ? m : MC;
     if (kind == INT4 && dtype == BF16 &&
-        (pieces = scratch(&fixed_rows, (size_t)mc * (PIECES * depth + 2 * sizeof(float) * ldg)))) {
-        units = (float *)(pieces + (size_t)mc * PIECES * depth);
-        xsums = units + (size_t)mc * ldg;
+        (pieces = scratch(&fixed_rows, mc * (PIECES * depth + 2 * sizeof(float) * groups4)))) {
+        units = (float *)(pieces + mc * PIECES * depth);
+        xsums = units + mc * groups4;
     }
 #endif
     for (int m0 = 0; m0 < m; m0 += MC) {
@@ -852,7 +855,7 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                             Chunk rows = c;
                             rows.gate = gate + r0 * NR;
                             tile4((const uint8_t *)chunk, groups, pieces + (int64_t)r0 * PIECES * depth + k0, depth,
-                                  units + (int64_t)r0 * ldg + k0 / G4, xsums + (int64_t)r0 * ldg + k0 / G4, ldg, kc,
+                                  units + r0 * groups4 + k0 / G4, xsums + r0 * groups4 + k0 / G4, (int)groups4, kc,
                                   mr, partial + r0 * NR, &rows, (uint16_t *)y + ((int64_t)(m0 + r0) * n + u * NR), n);
                             r0 += mr;
                         }

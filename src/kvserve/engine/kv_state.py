@@ -152,8 +152,8 @@ def block_detail(engine: LLMEngine, block_id: int) -> dict:
     owners, token_ids = [], list(key.token_ids) if key is not None else None
     scheduler = engine.scheduler
     seqs = [*scheduler.running, *scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
+    groups = list(enumerate(_group_managers(kv)))
     for seq in seqs:
-        groups = list(enumerate(_group_managers(kv)))
         tables = [(g, False, m.block_tables.get(seq.seq_id, ())) for g, m in groups]
         for group, pinned, table in tables + [(g, True, m.pinned.get(seq.seq_id, ())) for g, m in groups]:
             for index in (i for i, b in enumerate(table) if b == block_id):
