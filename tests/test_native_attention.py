@@ -11,6 +11,7 @@ import torch
 
 from attention_cases import make_case, quantize_case
 from kvserve import kernels
+from kvserve.kernels import DTYPE_KINDS
 from kvserve.attention import native
 from kvserve.attention.native import NativeBackend, paged_decode
 from kvserve.attention.sdpa import SdpaBackend
@@ -72,6 +73,30 @@ def test_decode_in_blocks_of_sixteen_keys_and_a_rest(block_size, heads, kv_heads
     ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5)
     out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("q_dtype, tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("block_size", [16, 5, 37])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 1, 64), (3, 1, 32), (24, 2, 128), (2, 2, 256)])
+def test_decode_over_bfloat16_pages_scores_keys_in_lanes(heads, kv_heads, head_dim, block_size, q_dtype, tol):
+    """Decode over bfloat16 pages, head_dim a multiple of 32: sixteen keys a vector, query heads eight at a time
+    (groups of 1, 3, 8 and 12), contexts across its 64-key steps and 16-key chunks, blocks that split a chunk,
+    sliding windows and soft caps; float32 queries that are not bfloat16 numbers are not rounded."""
+    groups = heads // kv_heads
+    if not kernels.function("keys_in_lanes")(DTYPE_KINDS[torch.bfloat16], head_dim, groups, 1):
+        pytest.skip("this build of the kernels has no keys-in-lanes decode (no AVX-512 BW)")
+    assert not kernels.function("keys_in_lanes")(DTYPE_KINDS[torch.float32], head_dim, groups, 1)
+    ctx = [1, 15, 16, 17, 63, 64, 65, 129, 200]
+    q, k, v, kv_cache, batch = make_case([1] * len(ctx), ctx, len(ctx), heads, kv_heads, head_dim,
+                                         block_size=block_size, dtype=torch.bfloat16)
+    if q_dtype == torch.float32:
+        q = q.float() + torch.randn(q.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
+    for window, cap in ((None, None), (50, None), (None, 3.0), (20, 1.5)):
+        ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5,
+                                        window, cap)
+        out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5, window, cap)
+        assert out.dtype == q_dtype
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

@@ -45,6 +45,8 @@ SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     # scale, the cache, sliding window (0: none), soft cap (0: none) (and for prefill, query starts)
     "paged_decode": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F), Status),
     "paged_prefill": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F, _P), Status),
+    # whether a task of (kind, head_dim, query heads of a KV head, tokens) runs with its keys in vector lanes
+    "keys_in_lanes": ((_I, _I, _I, _I), _I),
     # csrc/decode_step.c: model, n, (steps,) input ids, positions, (groups,) (each group's slots,) each group's
     # block tables, their widths, context lens, cos, sin, the sliding layers' cos, sin, logits, (tokens,) threads
     "decode_step": ((_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I), Status),

@@ -86,9 +86,9 @@ static Rows load_block(const Cache *c, int which, int h, int64_t block, int n, f
  * its own page, so the hardware prefetchers, which stop at page boundaries, never run ahead into
  * it, and each block would otherwise start with a wait on memory. Only the first 16 KiB of a long
  * block (cache_mode "contiguous"): the hardware runs ahead within it. `next`: the block after the one
- * attended to, asked for into L1; else the one after that, asked for as non-temporal, so that it does
- * not evict what is being read. The pair measured better than either kind alone, and than L2 hints
- * (docs/performance.md). Always inlined: GCC drops calls to a function that only prefetches, as having no effect. */
+ * attended to, asked for into L1; else the one after that, asked for into L2 (as non-temporal, it measured
+ * a third slower over pages out of cache: docs/kernels.md). Always inlined: GCC drops calls to a function
+ * that only prefetches, as having no effect. */
 static inline __attribute__((always_inline)) void prefetch_block(const Cache *c, int h, int64_t block,
                                                                  const int next) {
     const int quantized = c->kind > F16;
@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const Cache *c,
         const char *rows = (const char *)c->pages + (((int64_t)which * c->kvh + h) * c->nb + block) * bytes;
         for (size_t at = 0; at < ask; at += 64) {
             if (next) __builtin_prefetch(rows + at, 0, 3);
-            else __builtin_prefetch(rows + at, 0, 0);
+            else __builtin_prefetch(rows + at, 0, 2);
         }
     }
 }
@@ -775,6 +775,174 @@ static int attend_tile(const Cache *c, int h, const int64_t *table, int64_t ctx,
 }
 #endif
 
+#if AVX512_BW_VL
+/* A decode task (one query token) over bfloat16 pages, keys in the lanes of vectors. Its G query rows see the
+ * same keys, so each 16-key chunk of K is transposed once, as 32-bit pairs of numbers (transpose16), and a row's
+ * scores for the chunk are one vector summed along d by float32 FMAs, with no sums across lanes (attend_rows
+ * needs one per key and row) and no pair products (AVX-512 BF16's issue at half an FMA's rate on the CPUs
+ * measured). The products with V load each V row's chunk of 32 numbers once for up to ONE_ROWS rows and widen its
+ * even and its odd numbers apart (a shift, a mask: no shuffle), so that the sums hold a chunk's even numbers in
+ * one vector and its odd ones in another until the end. K and V rows are found key by key (any block size), and
+ * the next 64 keys' rows are asked for into L2 while a step's are used. */
+#define ONE_ROWS 8          /* rows a pass keeps the sums of in registers, two vectors each */
+#define ONE_NUMBERS 4096    /* G x d at most: the task's sums live on its stack */
+
+/* Where the K rows of keys [key, key + n) of head h are (V's: v_shift numbers on). */
+static void key_rows(const Cache *c, int h, const int64_t *table, int64_t key, int n, const uint16_t **rows) {
+    const int bs = c->bs, d = c->d;
+    const uint16_t *k = (const uint16_t *)c->pages + (int64_t)h * c->nb * bs * d;
+    int64_t block = key / bs;
+    int at = (int)(key % bs);
+    for (int t = 0; t < n; t++) {
+        rows[t] = k + (table[block] * bs + at) * d;
+        if (++at == bs) at = 0, block++;
+    }
+}
+
+/* Asks for the K and V rows of keys [t0, t1) of `rows` into L2. */
+static inline __attribute__((always_inline)) void ask_rows(const uint16_t *const *rows, int t0, int t1, int d,
+                                                          int64_t v_shift) {
+    for (int t = t0; t < t1; t++)
+        for (int i = 0; i < d; i += 32) {
+            __builtin_prefetch(rows[t] + i, 0, 2);
+            __builtin_prefetch(rows[t] + v_shift + i, 0, 2);
+        }
+}
+
+/* st[g][t] = q[g] . K[t] for the G rows q (float32, scaled; d apart) and the 16 keys of kt (pairs transposed:
+ * kt[i] lane t holds key t's numbers 2i and 2i + 1). */
+static inline __attribute__((always_inline)) void scores_one(const float *q, const __m512i *kt, int d, float *st,
+                                                            int stride, const int G) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 even[ONE_ROWS], odd[ONE_ROWS];
+    for (int g = 0; g < G; g++) even[g] = _mm512_setzero_ps(), odd[g] = _mm512_setzero_ps();
+    for (int i = 0; i < d / 2; i++) {
+        const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(kt[i], 16));
+        const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(kt[i], high));
+        for (int g = 0; g < G; g++) {
+            even[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[(size_t)g * d + 2 * i]), e, even[g]);
+            odd[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[(size_t)g * d + 2 * i + 1]), o, odd[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) _mm512_storeu_ps(st + (size_t)g * stride, _mm512_add_ps(even[g], odd[g]));
+}
+
+/* acc[g] = acc[g] * shrink[g] + sum over t < n of p[g][t] V[t] for G rows (acc d apart, p `stride`), over V's 32
+ * numbers from number i on, which acc holds from i on as their even numbers, then their odd ones. */
+static inline __attribute__((always_inline)) void values_one(float *acc, const float *p, int stride,
+                                                            const float *shrink, const uint16_t *const *rows,
+                                                            int64_t v_shift, int n, int i, int d, const int G) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 even[ONE_ROWS], odd[ONE_ROWS];
+    for (int g = 0; g < G; g++) {
+        const __m512 s = _mm512_set1_ps(shrink[g]);
+        even[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * d + i), s);
+        odd[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * d + i + 16), s);
+    }
+    for (int t = 0; t < n; t++) {
+        const __m512i v = _mm512_loadu_si512(rows[t] + v_shift + i);
+        const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 o = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(p[(size_t)g * stride + t]);
+            even[g] = _mm512_fmadd_ps(w, e, even[g]);
+            odd[g] = _mm512_fmadd_ps(w, o, odd[g]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        _mm512_storeu_ps(acc + (size_t)g * d + i, even[g]);
+        _mm512_storeu_ps(acc + (size_t)g * d + i + 16, odd[g]);
+    }
+}
+
+/* The switches from a row count to the kernels' constant G (at most ONE_ROWS). */
+#define ONE_CASES(CALL) \
+    switch (G) { case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; \
+                 case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
+
+/* The 16 keys of rows[0..n) (n <= 16; past n: 0) as pairs transposed, kt[i] lane t: key t's numbers 2i, 2i + 1. */
+static inline __attribute__((always_inline)) void key_pairs(const uint16_t *const *rows, int n, int d, __m512i *kt) {
+    for (int i0 = 0; i0 < d / 2; i0 += 16) {
+        __m512i r[16];
+        for (int t = 0; t < 16; t++) r[t] = t < n ? _mm512_loadu_si512(rows[t] + 2 * i0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) kt[i0 + i] = r[i];
+    }
+}
+
+/* attend_rows for one query token (rows: its `groups` query heads, q of `kind`, out of `kind`, each d apart) over
+ * bfloat16 pages, keys in lanes (above): d a multiple of 32, groups x d at most ONE_NUMBERS. */
+static void attend_one(const Cache *c, int h, const int64_t *table, int64_t ctx, const void *q, int kind,
+                       int groups, float scale, int64_t window, float cap, void *out) {
+    const int d = c->d;
+    const int64_t v_shift = (int64_t)c->kvh * c->nb * c->bs * d, first_key = window && ctx > window ? ctx - window : 0;
+    float qs[groups * d], acc[groups * d], st[groups * SEGMENT], m[groups], l[groups], corr[groups];
+    int from[groups], valid[groups];
+    const uint16_t *rows_a[SEGMENT], *rows_b[SEGMENT], **now = rows_a, **next = rows_b;
+    __m512i kt[d / 2];
+    for (int i = 0; i < groups * d; i++) qs[i] = (kind == BF16 ? bf16_to_float(((const uint16_t *)q)[i])
+                                                               : ((const float *)q)[i]) * scale;
+    memset(acc, 0, sizeof(float) * (size_t)groups * d);
+    for (int g = 0; g < groups; g++) m[g] = -INFINITY, l[g] = 0.0f, from[g] = 0;
+    if (ctx > first_key) {
+        key_rows(c, h, table, first_key, upto(ctx - first_key, SEGMENT), now);
+        ask_rows(now, 0, upto(ctx - first_key, SEGMENT), d, v_shift);
+    }
+    for (int64_t s = first_key; s < ctx; s += SEGMENT) {
+        const int n = upto(ctx - s, SEGMENT), n_next = upto(ctx - s - SEGMENT, SEGMENT);
+        if (n_next) key_rows(c, h, table, s + SEGMENT, n_next, next);
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            /* the next step's rows, a sixteenth of them with each chunk of this one's */
+            if (n_next) ask_rows(next, upto(t0, n_next), t0 + 16 >= n ? n_next : upto(t0 + 16, n_next), d, v_shift);
+            key_pairs(now + t0, upto(n - t0, 16), d, kt);
+            for (int g0 = 0; g0 < groups; g0 += ONE_ROWS) {
+                const int G = upto(groups - g0, ONE_ROWS);
+#define SCORES(R) scores_one(qs + (size_t)g0 * d, kt, d, st + (size_t)g0 * SEGMENT + t0, SEGMENT, R)
+                ONE_CASES(SCORES)
+#undef SCORES
+            }
+        }
+        for (int g = 0; g < groups; g++) valid[g] = n;
+        if (cap > 0.0f) cap_scores(st, SEGMENT, groups, from, valid, cap);
+        softmax_block(st, SEGMENT, n, groups, from, valid, m, l, corr);
+        for (int i = 0; i < d; i += 32)
+            for (int g0 = 0; g0 < groups; g0 += ONE_ROWS) {
+                const int G = upto(groups - g0, ONE_ROWS);
+#define VALUES(R) values_one(acc + (size_t)g0 * d, st + (size_t)g0 * SEGMENT, SEGMENT, corr + g0, now, v_shift, n, i, d, R)
+                ONE_CASES(VALUES)
+#undef VALUES
+            }
+        const uint16_t **swap = now;
+        now = next, next = swap;
+    }
+    /* each chunk's even and odd numbers back in order, over the sum (no context, a padding row: 0, not 0/0) */
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i top = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int g = 0; g < groups; g++) {
+        const __m512 sum = _mm512_set1_ps(l[g]);
+        for (int i = 0; i < d; i += 32) {
+            const __m512 even = _mm512_loadu_ps(acc + (size_t)g * d + i), odd = _mm512_loadu_ps(acc + (size_t)g * d + i + 16);
+            __m512 v[2] = {_mm512_permutex2var_ps(even, low, odd), _mm512_permutex2var_ps(even, top, odd)};
+            for (int j = 0; j < 2; j++) {
+                v[j] = l[g] > 0.0f ? _mm512_div_ps(v[j], sum) : _mm512_setzero_ps();
+                store16((char *)out + (size_t)g * d * elem_size(kind), i + 16 * j, 0xffff, kind == BF16 ? round16(v[j]) : v[j], kind);
+            }
+        }
+    }
+}
+#endif
+
+/* Whether attend_rows takes `tokens` query tokens of `groups` heads each over pages of `kind` with keys in lanes
+ * (attend_one): decode tokens over bfloat16 pages, d a multiple of 32, groups x d at most ONE_NUMBERS. */
+int keys_in_lanes(int kind, int d, int groups, int tokens) {
+#if AVX512_BW_VL
+    return tokens == 1 && kind == BF16 && d % 32 == 0 && groups * d <= ONE_NUMBERS;
+#else
+    (void)kind, (void)d, (void)groups, (void)tokens;
+    return 0;
+#endif
+}
+
 /* Attention of `tokens` consecutive query tokens of a sequence (q rows q_stride numbers apart, of
  * `kind` F32 or BF16) over KV head h: token r sees the first ctx - tokens + 1 + r cached tokens (causal;
  * its own are cached already), the last `window` of them where window > 0, its scores soft-capped where
@@ -785,6 +953,12 @@ static int attend_rows(const Cache *c, int h, const int64_t *table, int64_t ctx,
                        int64_t q_stride, int tokens, int groups, float scale, int64_t window, float cap, void *out,
                        int64_t out_stride) {
     const int d = c->d, bs = c->bs, rows = tokens * groups;
+#if AVX512_BW_VL
+    if (keys_in_lanes(c->kind, d, groups, tokens)) {
+        attend_one(c, h, table, ctx, q, kind, groups, scale, window, cap, out);
+        return 0;
+    }
+#endif
     Queries qs;
     if (queries(c, q, kind, q_stride, rows, groups, scale, &qs)) return -1;
 #if AVX512_BW_VL
