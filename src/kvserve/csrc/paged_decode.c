@@ -855,11 +855,6 @@ static inline __attribute__((always_inline)) void values_one(float *acc, const f
     }
 }
 
-/* The switches from a row count to the kernels' constant G (at most ONE_ROWS). */
-#define ONE_CASES(CALL) \
-    switch (G) { case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; \
-                 case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
-
 /* softmax_block for a decode step's rows ([rows][SEGMENT] at st), which all see its n keys. */
 static void softmax_one(float *st, int n, int rows, float *m, float *l, float *corr) {
     for (int g = 0; g < rows; g++) {
@@ -870,8 +865,8 @@ static void softmax_one(float *st, int n, int rows, float *m, float *l, float *c
         const __m512 shift = _mm512_set1_ps(new_max);
         for (int t = 0; t < n; t += 16) {
             const __mmask16 seen = lanes16(n - t);
-            const __m512 p = _mm512_maskz_mov_ps(seen, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + t),
-                                                                                       shift)));
+            const __m512 e = _mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + t), shift);
+            const __m512 p = _mm512_maskz_mov_ps(seen, exp16_nonpositive(e));
             _mm512_storeu_ps(s + t, p);
             sum = _mm512_add_ps(sum, p);
         }
@@ -891,17 +886,24 @@ static inline __attribute__((always_inline)) void key_pairs(const uint16_t *cons
     }
 }
 
+/* The switches from a row count to the kernels' constant G (at most ONE_ROWS). */
+#define ONE_CASES(CALL) \
+    switch (G) { case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; \
+                 case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); }
+
 /* attend_rows for one query token (rows: its `groups` query heads, q of `kind`, out of `kind`, each d apart) over
  * bfloat16 pages, keys in lanes (above): d a multiple of 32, groups x d at most ONE_NUMBERS. */
 static void attend_one(const Cache *c, int h, const int64_t *table, int64_t ctx, const void *q, int kind,
                        int groups, float scale, int64_t window, float cap, void *out) {
     const int d = c->d;
-    const int64_t v_shift = (int64_t)c->kvh * c->nb * c->bs * d, first_key = window && ctx > window ? ctx - window : 0;
+    const int64_t v_shift = (int64_t)c->kvh * c->nb * c->bs * d;
+    const int64_t first_key = window && ctx > window ? ctx - window : 0;      /* the first key the token sees */
     float qs[groups * d], acc[groups * d], st[groups * SEGMENT], m[groups], l[groups], corr[groups];
     int from[groups], valid[groups];
     const uint16_t *rows_a[SEGMENT], *rows_b[SEGMENT], **now = rows_a, **next = rows_b;
     __m512i kt[d / 2];
-    for (int i = 0; i < groups * d; i += 16) _mm512_storeu_ps(qs + i, _mm512_mul_ps(load16(q, i, 0xffff, kind), _mm512_set1_ps(scale)));
+    for (int i = 0; i < groups * d; i += 16)
+        _mm512_storeu_ps(qs + i, _mm512_mul_ps(load16(q, i, 0xffff, kind), _mm512_set1_ps(scale)));
     memset(acc, 0, sizeof(float) * (size_t)groups * d);
     for (int g = 0; g < groups; g++) m[g] = -INFINITY, l[g] = 0.0f, from[g] = 0;
     if (ctx > first_key) {
@@ -912,7 +914,7 @@ static void attend_one(const Cache *c, int h, const int64_t *table, int64_t ctx,
         const int n = upto(ctx - s, SEGMENT), n_next = upto(ctx - s - SEGMENT, SEGMENT);
         if (n_next) key_rows(c, h, table, s + SEGMENT, n_next, next);
         for (int t0 = 0; t0 < n; t0 += 16) {
-            /* the next step's rows, a sixteenth of them with each chunk of this one's */
+            /* the next step's rows: 16 keys' with each chunk of this one's, the rest with its last */
             if (n_next) ask_rows(next, upto(t0, n_next), t0 + 16 >= n ? n_next : upto(t0 + 16, n_next), d, v_shift);
             key_pairs(now + t0, upto(n - t0, 16), d, kt);
             for (int g0 = 0; g0 < groups; g0 += ONE_ROWS) {
@@ -930,7 +932,8 @@ static void attend_one(const Cache *c, int h, const int64_t *table, int64_t ctx,
         for (int i = 0; i < d; i += 32)
             for (int g0 = 0; g0 < groups; g0 += ONE_ROWS) {
                 const int G = upto(groups - g0, ONE_ROWS);
-#define VALUES(R) values_one(acc + (size_t)g0 * d, st + (size_t)g0 * SEGMENT, SEGMENT, corr + g0, now, v_shift, n, i, d, R)
+#define VALUES(R) values_one(acc + (size_t)g0 * d, st + (size_t)g0 * SEGMENT, SEGMENT, corr + g0, now, v_shift, n, i, \
+                             d, R)
                 ONE_CASES(VALUES)
 #undef VALUES
             }
@@ -943,11 +946,13 @@ static void attend_one(const Cache *c, int h, const int64_t *table, int64_t ctx,
     for (int g = 0; g < groups; g++) {
         const __m512 sum = _mm512_set1_ps(l[g]);
         for (int i = 0; i < d; i += 32) {
-            const __m512 even = _mm512_loadu_ps(acc + (size_t)g * d + i), odd = _mm512_loadu_ps(acc + (size_t)g * d + i + 16);
+            const __m512 even = _mm512_loadu_ps(acc + (size_t)g * d + i);
+            const __m512 odd = _mm512_loadu_ps(acc + (size_t)g * d + i + 16);
             __m512 v[2] = {_mm512_permutex2var_ps(even, low, odd), _mm512_permutex2var_ps(even, top, odd)};
             for (int j = 0; j < 2; j++) {
                 v[j] = l[g] > 0.0f ? _mm512_div_ps(v[j], sum) : _mm512_setzero_ps();
-                store16((char *)out + (size_t)g * d * elem_size(kind), i + 16 * j, 0xffff, kind == BF16 ? round16(v[j]) : v[j], kind);
+                store16((char *)out + (size_t)g * d * elem_size(kind), i + 16 * j, 0xffff,
+                        kind == BF16 ? round16(v[j]) : v[j], kind);
             }
         }
     }
