@@ -485,6 +485,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
 #define MRQ 2        /* rows of an int4 tile: 12 integer sums and 4 float ones in registers */
 #define PIECES 3     /* bytes of x's fixed point (split_rows) */
 #define PREFETCH_AHEAD 1024  /* bytes of a panel read ahead (tile_int4): batch-1 decode streams it from memory */
+#define PREFETCH_FAR 4096    /* and further ahead into L2: the hardware's prefetches alone fall behind the stream */
 
 /* Rows 0 .. m of x (ldx apart), bfloat16, in fixed point for the int4 tiles: each group of G4 numbers (past k:
  * zeros, up to `depth`) as v = x / unit rounded to an integer, unit the power of two that puts the group's
@@ -544,6 +545,7 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
         #pragma GCC unroll 8     /* a group whole: the sums stay in their registers, never copied */
         for (int kk = g0; kk < g0 + G4; kk += 4) {
             _mm_prefetch((const char *)(panel + (int64_t)kk / 4 * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(panel + (int64_t)kk / 4 * 64 + PREFETCH_FAR), _MM_HINT_T1);
             const __m512i bytes = _mm512_loadu_si512(panel + (int64_t)kk / 4 * 64);
             const __m512i q[NV] = {_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low)};
             for (int r = 0; r < mr; r++)
