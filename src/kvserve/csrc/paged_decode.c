@@ -3,7 +3,8 @@
  * contiguous copy, never dequantized whole). One task per (sequence, KV head): its G query heads
  * share every K/V row it reads. Online softmax (FlashAttention's recurrence) over steps of a few
  * blocks. Prefill runs the same tasks over tiles of a prompt's tokens (paged_prefill), with the rows of
- * tiles of 16 or more in the lanes of vectors (attend_tile). A layer with a sliding window W attends to the
+ * tiles of 16 or more in the lanes of vectors (attend_tile); decode over bfloat16 pages puts keys there
+ * instead (attend_one). A layer with a sliding window W attends to the
  * last W positions only (keys (p - W, p] of the query at p): the tasks start at the block of the window's
  * first key, and mask the keys before it; soft-capped scores (Gemma 2) become cap * tanh(s / cap).
  *
