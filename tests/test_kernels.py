@@ -12,6 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams, kernels
 from kvserve.attention import native
+from kvserve.attention.textbook import TextbookBackend
 from kvserve.engine.native_decode import _Layer, _Model, _Proj
 from kvserve.kv import storage
 from kvserve.kv.storage import KVStorage
@@ -98,11 +99,25 @@ def out_of_memory(no_memory, monkeypatch):
 def test_attention_out_of_memory_raises_memory_error(out_of_memory, dtype):
     from attention_cases import make_case
 
-    q, k, v, kv_cache, batch = make_case([1, 1, 20], [9, 30, 20], 2, 8, 2, 64, block_size=4, dtype=dtype)
+    # head_dim 72: not the keys-in-lanes decode, which takes no memory (below)
+    q, k, v, kv_cache, batch = make_case([1, 1, 20], [9, 30, 20], 2, 8, 2, 72, block_size=4, dtype=dtype)
     with pytest.raises(MemoryError, match="paged_decode: out of memory"):
         native.paged_decode(q[:2], kv_cache, batch.block_tables[:2], batch.context_lens[:2], 0.125)
     with pytest.raises(MemoryError, match="paged_prefill: out of memory"):
         native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, torch.tensor([0, 1, 2, 22]), 0.125)
+
+
+def test_keys_in_lanes_decode_takes_no_memory(out_of_memory):
+    """Decode over bfloat16 pages with head_dim a multiple of 32 keeps its scratch on the task's stack: it runs, and
+    matches the textbook, where every allocation fails."""
+    from attention_cases import make_case
+
+    if not kernels.typed(out_of_memory, "keys_in_lanes")(kernels.DTYPE_KINDS[torch.bfloat16], 64, 4, 1):
+        pytest.skip("this build of the kernels has no keys-in-lanes decode (no AVX-512 BW)")
+    q, k, v, kv_cache, batch = make_case([1, 1], [9, 70], 2, 8, 2, 64, block_size=4, dtype=torch.bfloat16)
+    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, 0.125)
+    out = native.paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
 def test_rms_norm_out_of_memory_raises_memory_error(out_of_memory):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvserve.bench import MissingDependency
@@ -94,15 +95,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printed = 0
     if args.stream:
         sys.stdout.write(args.prompt)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if args.stream:
-                text = out.outputs[0].text
-                sys.stdout.write(text[printed:])
-                sys.stdout.flush()
-                printed = len(text)
-            elif out.finished:
-                sys.stdout.write(args.prompt + out.outputs[0].text)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if args.stream:
+                    text = out.outputs[0].text
+                    sys.stdout.write(text[printed:])
+                    sys.stdout.flush()
+                    printed = len(text)
+                elif out.finished:
+                    sys.stdout.write(args.prompt + out.outputs[0].text)
+    finally:
+        # tensor-parallel workers stopped and the group shut while the interpreter runs, not by its exit
+        llm.shutdown()
     sys.stdout.write("\n")
     return 0
 
@@ -199,7 +204,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `kvserve` command."""
-    sys.exit(main())
+    code = main()
+    from kvserve.engine.workers import torchrun_env
+
+    if torchrun_env() is not None:
+        # a rank torchrun started ends here, before the interpreter's teardown: gloo's threads, still held by
+        # PyTorch's C++ objects then, can abort the process after its work is done ("terminate called without an
+        # active exception"), and torchrun then reports the whole run failed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
