@@ -95,19 +95,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printed = 0
     if args.stream:
         sys.stdout.write(args.prompt)
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if args.stream:
-                    text = out.outputs[0].text
-                    sys.stdout.write(text[printed:])
-                    sys.stdout.flush()
-                    printed = len(text)
-                elif out.finished:
-                    sys.stdout.write(args.prompt + out.outputs[0].text)
-    finally:
-        # tensor-parallel workers stopped and the group shut while the interpreter runs, not by its exit
-        llm.shutdown()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if args.stream:
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+            elif out.finished:
+                sys.stdout.write(args.prompt + out.outputs[0].text)
     sys.stdout.write("\n")
     return 0
 

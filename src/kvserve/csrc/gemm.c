@@ -485,7 +485,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
 #define MRQ 2        /* rows of an int4 tile: 12 integer sums and 4 float ones in registers */
 #define PIECES 3     /* bytes of x's fixed point (split_rows) */
 #define PREFETCH_AHEAD 1024  /* bytes of a panel read ahead (tile_int4): batch-1 decode streams it from memory */
-#define PREFETCH_FAR 4096    /* and further ahead into L2: the hardware's prefetches alone fall behind the stream */
+#define PREFETCH_FAR 4096    /* and further ahead into L2: batch-1 decode measured faster with both */
 
 /* Rows 0 .. m of x (ldx apart), bfloat16, in fixed point for the int4 tiles: each group of G4 numbers (past k:
  * zeros, up to `depth`) as v = x / unit rounded to an integer, unit the power of two that puts the group's

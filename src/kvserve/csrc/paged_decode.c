@@ -856,27 +856,6 @@ static inline __attribute__((always_inline)) void values_one(float *acc, const f
     }
 }
 
-/* softmax_block for a decode step's rows ([rows][SEGMENT] at st), which all see its n keys. */
-static void softmax_one(float *st, int n, int rows, float *m, float *l, float *corr) {
-    for (int g = 0; g < rows; g++) {
-        float *s = st + (size_t)g * SEGMENT;
-        __m512 top = _mm512_set1_ps(m[g]), sum = _mm512_setzero_ps();
-        for (int t = 0; t < n; t += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, lanes16(n - t), s + t));
-        const float new_max = _mm512_reduce_max_ps(top);
-        const __m512 shift = _mm512_set1_ps(new_max);
-        for (int t = 0; t < n; t += 16) {
-            const __mmask16 seen = lanes16(n - t);
-            const __m512 e = _mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + t), shift);
-            const __m512 p = _mm512_maskz_mov_ps(seen, exp16_nonpositive(e));
-            _mm512_storeu_ps(s + t, p);
-            sum = _mm512_add_ps(sum, p);
-        }
-        corr[g] = exp_nonpositive(m[g] - new_max);      /* m = -inf (the first step): 0 */
-        l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
-        m[g] = new_max;
-    }
-}
-
 /* The 16 keys of rows[0..n) (n <= 16; past n: 0) as pairs transposed, kt[i] lane t: key t's numbers 2i, 2i + 1. */
 static inline __attribute__((always_inline)) void key_pairs(const uint16_t *const *rows, int n, int d, __m512i *kt) {
     for (int i0 = 0; i0 < d / 2; i0 += 16) {
@@ -925,11 +904,9 @@ static void attend_one(const Cache *c, int h, const int64_t *table, int64_t ctx,
 #undef SCORES
             }
         }
-        if (cap > 0.0f) {
-            for (int g = 0; g < groups; g++) valid[g] = n;
-            cap_scores(st, SEGMENT, groups, from, valid, cap);
-        }
-        softmax_one(st, n, groups, m, l, corr);
+        for (int g = 0; g < groups; g++) valid[g] = n;        /* every row sees every key of the step */
+        if (cap > 0.0f) cap_scores(st, SEGMENT, groups, from, valid, cap);
+        softmax_block(st, SEGMENT, n, groups, from, valid, m, l, corr);
         for (int i = 0; i < d; i += 32)
             for (int g0 = 0; g0 < groups; g0 += ONE_ROWS) {
                 const int G = upto(groups - g0, ONE_ROWS);
