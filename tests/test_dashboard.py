@@ -94,6 +94,9 @@ def test_a_block_shows_its_owners_hash_and_tokens(tiny_llama):
         engine.step()
     fork = engine.requests["fork"]
     table = engine.kv.block_tables[fork[0].seq_id]
+    def block_detail(engine, block_id):
+        return kv_state.block_detail(engine, block_id, show_content=True)
+
     shared = block_detail(engine, table[1])       # the system prompt's second block: every request's
     assert shared["state"] == "shared" and shared["token_ids"] == SYSTEM[4:8]
     assert shared["prefix_hash"] == fork[0].block_keys[1].hash.hex()
@@ -118,6 +121,31 @@ def test_a_block_shows_its_owners_hash_and_tokens(tiny_llama):
     assert pinned["token_ids"] == sink.token_ids[:4]
     with pytest.raises(ValueError, match="block_id"):
         block_detail(engine, 48)
+
+
+def test_a_blocks_tokens_are_shown_only_when_asked_and_only_under_its_own_salt(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=48))
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    engine.add_request("a", {"prompt_token_ids": SYSTEM, "cache_salt": "tenant-a"}, greedy)
+    engine.add_request("plain", {"prompt_token_ids": SYSTEM}, greedy)
+    engine.step()
+    salted = engine.kv.block_tables[engine.requests["a"][0].seq_id]
+    plain = engine.kv.block_tables[engine.requests["plain"][0].seq_id]
+    assert not set(salted) & set(plain)            # the salt keeps their prefixes apart
+    for table, salt in ((salted, "tenant-a"), (plain, None)):
+        for block in (table[0], table[-1]):        # a full, hashed block and the partial one after it
+            assert block_detail(engine, block)["content"] == "off"       # by default: structure only
+            assert block_detail(engine, block)["token_ids"] is None
+            shown = block_detail(engine, block, show_content=True, cache_salt=salt)
+            assert shown["content"] == "shown" and shown["token_ids"]
+            for other in {"tenant-a", "tenant-b", "tenant-", None} - {salt}:
+                hidden = block_detail(engine, block, show_content=True, cache_salt=other)
+                assert hidden["content"] == "other_salt" and hidden["token_ids"] is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    cached = block_detail(engine, salted[0], show_content=True)         # after the request finished, as cached
+    assert cached["state"] == "cached" and cached["token_ids"] is None and cached["content"] == "other_salt"
+    assert block_detail(engine, salted[0], True, "tenant-a")["token_ids"] == SYSTEM[:4]
 
 
 def test_a_block_with_hundreds_of_owners_is_shared(tiny_llama):
@@ -248,12 +276,42 @@ def test_the_state_json(url):
     assert state["counts"]["cached"] > 0 and state["running"] == state["waiting"] == []
     assert state["server"]["generation_tokens"] == 8 and state["server"]["prompt_tokens"] > 0
     assert state["stats"]["kv_blocks_free"] == 64
-    # a cached block: the prompt's tokens, as text decoded by the server
+    # a cached block: its structure, not the prompt's tokens (the server was not asked to show them)
     cached = state["blocks"].index("c")
     detail = httpx.get(f"{url}/v1/kv/blocks/{cached}", headers=AUTH).json()
-    assert detail["state"] == "cached" and len(detail["token_ids"]) == 4 and detail["owners"] == []
-    decoded = httpx.post(f"{url}/detokenize", json={"tokens": detail["token_ids"]}, headers=AUTH).json()["prompt"]
-    assert detail["text"] == decoded and detail["text"] in prompt
+    assert detail["state"] == "cached" and detail["owners"] == [] and len(detail["prefix_hash"]) == 32
+    assert detail["content"] == "off" and detail["token_ids"] is None and detail["text"] is None
+
+
+SECRET = "TENANT-A SECRET: the launch code is 0000. " * 3
+
+
+def salted_blocks(base: str) -> tuple[list[int], str]:
+    """Run a salted request to its end (one token: its blocks hold the prompt alone); they stay cached. The
+    cached blocks, and the secret's text."""
+    body = {"model": MODEL, "prompt": SECRET, "max_tokens": 1, "cache_salt": "tenant-a", "temperature": 0}
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+    state = httpx.get(f"{base}/v1/kv/state").json()
+    return [b for b, c in enumerate(state["blocks"]) if c == "c"], SECRET
+
+
+@pytest.mark.parametrize("show_content", [False, True])
+def test_no_caller_reads_a_salted_prompt_without_its_salt(tiny_llama, show_content):
+    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64, max_model_len=128)
+    with ServerThread(build_app(config, MODEL, ServerConfig(kv_dashboard_content=show_content))) as base:
+        cached, secret = salted_blocks(base)
+        assert cached
+        for salt in (None, "tenant-b", "tenant-"):
+            headers = {"X-Cache-Salt": salt} if salt else {}
+            for b in cached:
+                detail = httpx.get(f"{base}/v1/kv/blocks/{b}", headers=headers).json()
+                assert detail["text"] is None and detail["token_ids"] is None
+                assert detail["content"] == ("other_salt" if show_content else "off")
+        own = [httpx.get(f"{base}/v1/kv/blocks/{b}", headers={"X-Cache-Salt": "tenant-a"}).json() for b in cached]
+        if show_content:     # its own tenant, where the operator turned content on, reads it back
+            assert all(d["content"] == "shown" and d["text"] in secret for d in own)
+        else:
+            assert all(d["content"] == "off" and d["text"] is None for d in own)
 
 
 @pytest.mark.parametrize("path, status", [("/v1/kv/blocks/64", 404), ("/v1/kv/blocks/-1", 404),
@@ -272,6 +330,8 @@ def test_the_dashboard_can_be_turned_off(tiny_llama):
             assert httpx.get(f"{base}{path}").status_code == 404
     assert build_parser().parse_args(["serve", "--no-kv-dashboard"]).kv_dashboard is False
     assert build_parser().parse_args(["serve"]).kv_dashboard is True
+    assert build_parser().parse_args(["serve"]).kv_dashboard_content is False
+    assert build_parser().parse_args(["serve", "--kv-dashboard-content"]).kv_dashboard_content is True
 
 
 class PausableEngine:

@@ -41,7 +41,7 @@ def browser():
 @pytest.fixture(scope="module")
 def url():
     config = EngineConfig(model=None, num_kv_blocks=NUM_BLOCKS)      # the bundled demo model
-    with ServerThread(build_app(config, "demo", ServerConfig(api_key=KEY))) as base:
+    with ServerThread(build_app(config, "demo", ServerConfig(api_key=KEY, kv_dashboard_content=True))) as base:
         yield base
 
 

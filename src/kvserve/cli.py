@@ -121,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           request_read_timeout=args.request_read_timeout, max_connections=args.max_connections,
                           max_n_sequences=args.max_n_sequences, max_completion_prompts=args.max_completion_prompts,
                           chat_template=load_chat_template(args.chat_template), enable_docs=args.enable_docs,
-                          kv_dashboard=args.kv_dashboard)
+                          kv_dashboard=args.kv_dashboard, kv_dashboard_content=args.kv_dashboard_content)
     app = build_app(EngineConfig(model=args.model, **engine_kwargs(args)), name, config)
     uvicorn.Server(uvicorn_config(app, args.host, args.port, config.request_read_timeout, config.max_connections,
                                   args.log_level)).run()
@@ -163,9 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "itself; default: the model's own")
     s.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     s.add_argument("--kv-dashboard", default=True, action=argparse.BooleanOptionalAction,
-                   help="serve the live view of the KV cache: the page /dashboard and its state, /v1/kv/state and "
-                        "/v1/kv/blocks/ID (whose tokens, as text, are the requests' own: with --api-key they need "
-                        "the key)")
+                   help="serve the live view of the KV cache's structure: the page /dashboard and its state, "
+                        "/v1/kv/state and /v1/kv/blocks/ID (block states and tables, owners as request ids, prefix "
+                        "hashes; with --api-key they need the key)")
+    s.add_argument("--kv-dashboard-content", action="store_true",
+                   help="also show a block's tokens (ids and text: the requests' prompts and outputs) on "
+                        "/v1/kv/blocks/ID, to a caller that presents the block's cache salt (X-Cache-Salt), none "
+                        "for an unsalted block")
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)

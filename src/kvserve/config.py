@@ -390,7 +390,8 @@ class ServerConfig:
     max_completion_prompts: int = 128       # prompts of one /v1/completions request (VLLM_MAX_COMPLETION_PROMPTS)
     chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
     enable_docs: bool = False               # /docs, /redoc and /openapi.json
-    kv_dashboard: bool = True               # /dashboard, /v1/kv/state and /v1/kv/blocks/{id}
+    kv_dashboard: bool = True               # /dashboard, /v1/kv/state and /v1/kv/blocks/{id}: the cache's structure
+    kv_dashboard_content: bool = False      # a block's tokens too, to a caller presenting its cache salt
     engine_start_attempts: int = 3          # tries to start a new engine process after one dies
 
     def __post_init__(self):

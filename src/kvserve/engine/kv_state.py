@@ -14,6 +14,7 @@ In a quantized cache the "u" and "s" blocks are quantized.
 """
 from __future__ import annotations
 
+import hmac
 import time
 from array import array
 from dataclasses import asdict, dataclass
@@ -138,10 +139,16 @@ def render(snap: KVSnapshot) -> dict:
     }
 
 
-def block_detail(engine: LLMEngine, block_id: int) -> dict:
+def block_detail(engine: LLMEngine, block_id: int, show_content: bool = False, cache_salt: str | None = None) -> dict:
     """One block of `engine`'s pool (ValueError naming block_id if there is no such block): its state,
-    owners (sequence, layer group, logical index), reference count, prefix hash, and the token ids it holds
-    (None where they are not known: a sequence that compacted its cache (h2o, snapkv) keeps no record of which
+    owners (sequence, layer group, logical index), reference count and prefix hash: its structure, which
+    is all it says by default.
+
+    Its token ids come too only if `show_content` (the operator's --kv-dashboard-content) and the
+    caller's `cache_salt` is the block's own (None for both: an unsalted caller sees unsalted blocks
+    only): a salt keeps tenants apart in the prefix cache, and this view must not undo that. "content"
+    says which: "shown", "off" (show_content is off), "other_salt", or "none" (a free block, or one whose
+    tokens are not known: a sequence that compacted its cache (h2o, snapkv) keeps no record of which
     tokens stayed)."""
     kv = engine.kv
     pool = getattr(kv, "pool", None)
@@ -149,7 +156,7 @@ def block_detail(engine: LLMEngine, block_id: int) -> dict:
         raise ValueError(f"block_id: there is no block {block_id}; the pool has "
                          f"{pool.num_blocks if pool is not None else 0} blocks")
     key = pool.keys[block_id]
-    owners, token_ids = [], list(key.token_ids) if key is not None else None
+    owners, owner_seqs, token_ids = [], [], list(key.token_ids) if key is not None else None
     scheduler = engine.scheduler
     seqs = [*scheduler.running, *scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
     groups = list(enumerate(_group_managers(kv)))
@@ -159,14 +166,34 @@ def block_detail(engine: LLMEngine, block_id: int) -> dict:
             for index in (i for i, b in enumerate(table) if b == block_id):
                 owners.append({"request_id": seq.request_id, "seq_id": seq.seq_id, "group": group, "index": index,
                                "pinned": pinned})
+                owner_seqs.append(seq)
                 if token_ids is None:
                     token_ids = _tokens_at(seq, index, pinned, kv.block_size)
     refs = pool.ref_counts[block_id]
     state = "shared" if refs > 1 else "used" if refs else "cached" if key is not None else "free"
+    salts = {key.cache_salt} if key is not None else {s.cache_salt for s in owner_seqs}
+    content = _content_access(token_ids, salts, show_content, cache_salt)
     return {"object": "kv_block", "block_id": block_id, "state": state, "ref_count": refs,
             "prefix_hash": key.hash.hex() if key is not None else None,
             "parent_hash": key.parent_hash.hex() if key is not None and key.parent_hash else None,
-            "owners": owners, "token_ids": token_ids}
+            "owners": owners, "content": content, "token_ids": token_ids if content == "shown" else None}
+
+
+def _content_access(token_ids: list[int] | None, salts: set[str | None], show_content: bool,
+                    cache_salt: str | None) -> str:
+    """Whether a caller presenting `cache_salt` may see tokens held under `salts` (see block_detail)."""
+    if token_ids is None:
+        return "none"
+    if not show_content:
+        return "off"
+    return "shown" if len(salts) == 1 and _same_salt(cache_salt, next(iter(salts))) else "other_salt"
+
+
+def _same_salt(given: str | None, salt: str | None) -> bool:
+    """A salt is a tenant's secret: compared in constant time, as the API key is."""
+    if given is None or salt is None:
+        return given is salt
+    return hmac.compare_digest(given.encode(), salt.encode())
 
 
 def _tokens_at(seq: Sequence, index: int, pinned: bool, block_size: int) -> list[int] | None:

@@ -71,7 +71,8 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
                                             "max_model_len": server.engine.max_model_len}]}
 
     if config.kv_dashboard:
-        add_dashboard_routes(app, KVStateView(server, tokenizer, metrics, model_name))
+        add_dashboard_routes(app, KVStateView(server, tokenizer, metrics, model_name,
+                                              show_content=config.kv_dashboard_content))
     app.post("/v1/completions")(handlers.completions)
     app.post("/v1/chat/completions")(handlers.chat)
     app.post("/tokenize")(handlers.tokenize)

@@ -1,5 +1,11 @@
 """The live view of the KV block pool: GET /dashboard (the page), GET /v1/kv/state (what it shows),
-GET /v1/kv/blocks/{block_id} (one block, its tokens as text).
+GET /v1/kv/blocks/{block_id} (one block).
+
+What it exposes is the cache's structure: block states, block tables, owners as the server's own
+request ids, prefix hashes, counters. A block's tokens (ids and text) are the requests' prompts and
+outputs: they are shown only where the operator asked for them (ServerConfig.kv_dashboard_content),
+and then only to a caller that presents the block's cache salt in the X-Cache-Salt header (none for
+an unsalted block), so that the view never hands one tenant's prompts to another.
 
 The page polls the state every STATE_INTERVAL seconds rather than reading a stream of server-sent
 events: a browser's EventSource cannot send an Authorization header (the key would travel in the URL,
@@ -19,7 +25,7 @@ import json
 import time
 from importlib.resources import files
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvserve.engine.kv_state import KVSnapshot, render
@@ -39,9 +45,9 @@ class KVStateView:
     """Snapshots of the engine's KV cache, taken between two steps, at most one per `interval`."""
 
     def __init__(self, server: AsyncEngine, tokenizer: ServerTokenizer, metrics: ServerMetrics, model_name: str,
-                 interval: float = STATE_INTERVAL):
+                 interval: float = STATE_INTERVAL, show_content: bool = False):
         self.server, self.tokenizer, self.metrics = server, tokenizer, metrics
-        self.model_name, self.interval = model_name, interval
+        self.model_name, self.interval, self.show_content = model_name, interval, show_content
         self._body: bytes | None = None
         self._taken = 0.0
         self._pending: asyncio.Future | None = None
@@ -78,16 +84,17 @@ class KVStateView:
                            "num_in_flight": self.server.num_in_flight}
         return json.dumps(state).encode()
 
-    async def block(self, block_id: int) -> dict:
-        """One block's owners, reference count, prefix hash and tokens, with the tokens' text (decoded
-        here, off the event loop). One read at a time goes to the engine."""
+    async def block(self, block_id: int, cache_salt: str | None = None) -> dict:
+        """One block's owners, reference count and prefix hash; its tokens and their text (decoded here,
+        off the event loop) only as kv_state.block_detail allows a caller presenting `cache_salt`. One
+        read at a time goes to the engine."""
         stats = self.server.stats()
         total = stats["kv_blocks_total"] if stats is not None else 0
         if not 0 <= block_id < total:
             raise APIError(404, f"block_id: there is no block {block_id}; the pool has {total} blocks "
                                 f"(0 to {total - 1})", "block_id")
         async with self._block_lock:
-            detail = await self.server.query("kv_block", block_id)
+            detail = await self.server.query("kv_block", block_id, self.show_content, cache_salt)
         ids = detail["token_ids"]
         has_text = ids is not None and self.tokenizer.tokenizer is not None
         detail["text"] = await self.tokenizer.decode(ids) if has_text else None
@@ -108,6 +115,6 @@ def add_dashboard_routes(app: FastAPI, view: KVStateView) -> None:
         return Response(await view.state(), media_type="application/json", headers={"cache-control": "no-store"})
 
     @app.get("/v1/kv/blocks/{block_id}")
-    async def kv_block(block_id: int) -> Response:
-        detail = await view.block(block_id)
+    async def kv_block(block_id: int, request: Request) -> Response:
+        detail = await view.block(block_id, request.headers.get("x-cache-salt"))
         return Response(json.dumps(detail), media_type="application/json", headers={"cache-control": "no-store"})
