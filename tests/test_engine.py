@@ -8,7 +8,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import SchedulerConfig
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence
-from kvserve.kv import KVCacheManager, NoKVCacheManager
+from kvserve.kv import KVCacheManager, NoKVCache
 from kvserve.sampling import Logprob
 from tiny_models import make_checkpoint
 
@@ -67,7 +67,7 @@ def test_with_no_cache_a_sequence_is_computed_whole_or_waits_and_nothing_stays_c
     that does not fit what is left of the budget waits, and every step computes each sequence from its start."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=10,
                              long_prefill_token_threshold=2)
-    sched = Scheduler(config, NoKVCacheManager())
+    sched = Scheduler(config, NoKVCache(2))
     a, b = (Sequence(i, str(i), None, list(range(3, 3 + n)), SamplingParams(), 4, 0.0) for i, n in enumerate((6, 5)))
     sched.add(a)
     sched.add(b)

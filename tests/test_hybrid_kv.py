@@ -3,7 +3,6 @@ that need only a sliding group's last window, no leak under prefix hits, forks a
 h2o, snapkv) in the full-attention groups while each sliding group keeps its window."""
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +14,8 @@ from tiny_models import make_checkpoint
 from kvserve import LLM, SamplingParams
 from kvserve.kv.blocks import block_key
 from kvserve.kv.eviction import Sink
-from kvserve.kv.hybrid import HybridKVCacheManager, LayerGroup, block_spec, group_size, layer_groups, layer_slots
+from kvserve.kv import KVCacheManager, LayerGroup, layer_groups
+from kvserve.kv.storage import block_spec, layer_slots
 from kvserve.kv.quant import QuantizedLayer
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import read_pages
@@ -31,7 +31,7 @@ def test_gemma3_1b_groups():
     assert groups[0] == LayerGroup(None, (5, 11, 17, 23))
     assert [g.sliding_window for g in groups[1:]] == [512] * 6
     assert [len(g.layers) for g in groups] == [4, 4, 4, 4, 4, 4, 2]
-    assert group_size(groups) == 4
+    assert block_spec(KVSpec(26, 1, 256, torch.float32), groups).num_layers == 4
     slots, owner = layer_slots(groups, 26)
     assert (slots[5], owner[5], slots[24], owner[24], slots[25], owner[25]) == (0, 0, 0, 6, 1, 6)
     # int8 pages but layers 0 (sliding) and 5 (global) in float32: a block holds one float32 tensor, then enough
@@ -64,12 +64,12 @@ def keys(tokens: list[int], block_size: int):
     return out
 
 
-def live(table: list[int], kv: HybridKVCacheManager) -> int:
+def live(table: list[int], kv: KVCacheManager) -> int:
     return sum(b != kv.null_block for b in table)
 
 
-def hybrid(num_blocks: int = 64, block_size: int = 4) -> HybridKVCacheManager:
-    return HybridKVCacheManager(num_blocks, block_size, [LayerGroup(None, (0,)), LayerGroup(WINDOW, (1,))])
+def hybrid(num_blocks: int = 64, block_size: int = 4) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, [LayerGroup(None, (0,)), LayerGroup(WINDOW, (1,))])
 
 
 @pytest.mark.parametrize("block_size", [2, 3, 4])
@@ -105,19 +105,20 @@ def test_prefix_hit_needs_only_the_sliding_window():
     kv.release_past_window(0, 32)
     assert live(kv.group_tables(0)[1], kv) == 2      # positions 25..31 for the query at 32: blocks 6, 7
     kv.free(0)
-    hits = kv.cached_prefix(ks)
+    hit = kv.lookup(ks)
+    hits = [list(h) for h in hit.blocks]
     assert len(hits[0]) == len(hits[1]) == 8 and kv.null_block not in hits[0]
     # the token after 8 blocks (position 32) attends to 25..31: blocks 6 and 7
     assert hits[1][:6] == [kv.null_block] * 6 and kv.null_block not in hits[1][6:]
-    assert kv.num_hit_blocks(hits) == 8
+    assert hit.num_blocks == 8
     # the sliding group's cached blocks 6 and 7 are reclaimed by their index; block 5 too, more recently freed
-    kv.share_prefix(1, hits)
+    kv.share_prefix(1, hit)
     kv.allocate(1, 32, 1)
     kv.free(1)
     sliding_block_5 = kv.pool.lookup(ks[5].in_group(1))
     assert sliding_block_5 is not None
     kv.pool.allocate(kv.num_free_blocks)     # every free block reused: the whole index is gone
-    assert kv.cached_prefix(ks) == [[], []]
+    assert kv.lookup(ks).blocks == ((), ())
 
 
 def test_a_missing_window_block_shortens_the_hit():
@@ -130,25 +131,9 @@ def test_a_missing_window_block_shortens_the_hit():
     kv.release_past_window(0, 32)
     kv.free(0)
     kv.pool.uncache(kv.pool.lookup(ks[7].in_group(1)), ks[7].in_group(1))
-    hits = kv.cached_prefix(ks)
+    hits = [list(h) for h in kv.lookup(ks).blocks]
     assert len(hits[0]) == len(hits[1]) == 7
     assert hits[1][:5] == [kv.null_block] * 5 and kv.null_block not in hits[1][5:]
-
-
-def check_ownership(kv: HybridKVCacheManager) -> None:
-    """The pool's reference counts are the tables' entries and the pinned sink blocks in every group (the null
-    block's plus the one the manager holds), and no owned block is free."""
-    def owned_by(m) -> list[int]:
-        return [b for t in [*m.block_tables.values(), *m.pinned.values()] for b in t]
-
-    occurrences = Counter(b for m in kv.groups for b in owned_by(m))
-    occurrences[kv.null_block] += 1
-    owned = {b for b, n in occurrences.items() if n}
-    assert [kv.pool.ref_counts[b] for b in range(kv.num_blocks)] == [occurrences[b] for b in range(kv.num_blocks)]
-    assert not owned & set(kv.pool._free)
-    assert kv.pool.num_free + len(owned) == kv.num_blocks
-    for m, held in zip(kv.groups, kv.blocks_per_group()):
-        assert held == len(set(owned_by(m)) - {kv.null_block})
 
 
 # ---------------------------------------------------------------- end to end, against the one-table cache
@@ -168,7 +153,7 @@ def test_gemma3_is_hybrid_and_bounded(gemma3):
     (llm.stats()'s kv_groups), the global group all of its tokens' blocks; all of them return at the end."""
     llm = LLM(str(gemma3), block_size=4, num_kv_blocks=64, dtype="float32")
     engine = llm.engine
-    assert [g.sliding_window for g in engine.kv_groups] == [None, WINDOW, WINDOW]
+    assert [g.sliding_window for g in engine.kv.layer_groups] == [None, WINDOW, WINDOW]
     engine.add_request("r", {"prompt_token_ids": SYSTEM[:12]},
                        SamplingParams(max_tokens=4 * WINDOW - 12, temperature=0, ignore_eos=True))
     decoding = 0
@@ -182,7 +167,7 @@ def test_gemma3_is_hybrid_and_bounded(gemma3):
             decoding += 1
     assert decoding > 0
     assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"] - 1   # the null block
-    check_ownership(engine.kv)
+    engine.kv.check_invariants()
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -213,7 +198,7 @@ def test_hybrid_never_leaks_and_never_changes_tokens(gemma3, suffixes, ns, block
     need = max(-(-(len(p["prompt_token_ids"]) + max_tokens) // block_size) for p in prompts)
     llm = LLM(str(gemma3), block_size=block_size, num_kv_blocks=3 * need + 4 + spare, max_num_batched_tokens=budget,
               dtype="float32", enable_prefix_caching=prefix_caching)
-    got = run_checked(llm.engine, prompts, params, lambda: check_ownership(llm.engine.kv))
+    got = run_checked(llm.engine, prompts, params, llm.engine.kv.check_invariants)
     for eviction, ours, theirs in zip(evictions, got, expected):
         assert (ours if eviction is None else [len(t) for t in ours]) == \
             (theirs if eviction is None else [len(t) for t in theirs])
@@ -236,13 +221,13 @@ def test_quantized_pages_per_group(gemma3, kv_cache_dtype):
     for disable in (True, False):
         llm = LLM(str(gemma3), disable_hybrid_kv_cache_manager=disable, **kw)
         outs.append([llm.generate(p, params, use_tqdm=False)[0].outputs[0] for p in prompts])
-    assert len(llm.engine.kv_groups) == 3 and llm.stats()["prefix_cache_hits"] > 0
+    assert len(llm.engine.kv.layer_groups) == 3 and llm.stats()["prefix_cache_hits"] > 0
     for ref, ours in zip(*outs):
         assert ours.token_ids == ref.token_ids
         for a, b in zip(ours.logprobs, ref.logprobs):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
-    check_ownership(llm.engine.kv)
+    llm.engine.kv.check_invariants()
 
 
 def test_one_table_executors_need_one_group():
@@ -275,14 +260,14 @@ def test_a_request_that_cannot_fit_names_the_chunk(gemma3):
 def test_a_window_of_one_token_never_indexes_the_null_block():
     """With a window of 1, a block leaves the window as soon as it fills: indexing it afterwards (as a multi-step
     decode does) must not put the null block in the prefix index, where a hit would read it as tokens."""
-    kv = HybridKVCacheManager(16, 2, [LayerGroup(None, (0,)), LayerGroup(1, (1,))])
+    kv = KVCacheManager(16, 2, [LayerGroup(None, (0,)), LayerGroup(1, (1,))])
     ks = keys([5, 6, 7, 8], 2)
     kv.allocate(0, 0, 4)
     kv.release_past_window(0, 4)
     assert kv.group_tables(0)[1] == [kv.null_block, kv.null_block]
     kv.cache_blocks(0, 0, ks)
     assert kv.pool.keys[kv.null_block] is None
-    hits = kv.cached_prefix(ks)
+    hits = [list(h) for h in kv.lookup(ks).blocks]
     assert len(hits[0]) == 2 and hits[1] == [kv.null_block] * 2     # the next query needs no cached token
 
 
@@ -315,7 +300,7 @@ def _with_and_without_hybrid_cache(path, eviction: str, backend: str, prompts: l
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         evicted.append(llm.stats()["num_evicted_tokens"])
         assert llm.stats()["num_preemptions"] == 0
-    assert llm.engine.kv_groups and outs[0] == outs[1]
+    assert any(g.sliding_window for g in llm.engine.kv.layer_groups) and outs[0] == outs[1]
     return outs, evicted, llm
 
 
@@ -333,7 +318,7 @@ def test_sink_with_a_hybrid_cache_gives_the_one_table_tokens(request, model, bac
     outs, evicted, llm = _with_and_without_hybrid_cache(path, SINK, backend, prompts, params)
     assert evicted[0] == evicted[1] > 0
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
-    check_ownership(llm.engine.kv)
+    llm.engine.kv.check_invariants()
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
@@ -355,13 +340,13 @@ def test_skip_layers_per_group(request, model, skip, backend, kv_cache_dtype):
                   kv_cache_dtype_skip_layers=skip, long_prefill_token_threshold=12)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     engine, stats = llm.engine, llm.stats()
-    assert len(engine.kv_groups) > 1 and outs[0] == outs[1]
+    assert len(engine.kv.layer_groups) > 1 and outs[0] == outs[1]
     assert [isinstance(engine.storage.layer(i), QuantizedLayer) for i in range(engine.model_config.num_layers)] \
         == [i not in skip for i in range(engine.model_config.num_layers)]
     assert stats["kv_cache_bytes"] == stats["kv_blocks_total"] * engine.kv_spec.bytes_per_block <= budget
     assert stats["kv_blocks_total"] == budget // engine.kv_spec.bytes_per_block
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] - 1
-    check_ownership(engine.kv)
+    engine.kv.check_invariants()
 
 
 @pytest.mark.parametrize("sinks", [4, 0])
@@ -386,7 +371,7 @@ def test_sink_bounds_each_group(gemma3, sinks):
         groups = engine.stats()["kv_groups"]
         assert groups[0]["blocks_in_use"] == len(full) + len(kv.pinned.get(seq.seq_id, []))
         assert [g["blocks_in_use"] for g in groups[1:]] == [live(t, kv) for t in sliding]
-        check_ownership(kv)
+        kv.check_invariants()
         decoding += 1
     assert decoding > 40 and seq.num_evicted_tokens > 40
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1 and not kv.pinned
@@ -437,14 +422,13 @@ def test_scored_policies_with_a_hybrid_cache_give_the_one_table_tokens(request, 
     assert evicted[0] == evicted[1] >= 20 + 24 and evicted[1] % 4 == 0
     assert (llm.stats()["steps"].get("native", 0) > 0) == (backend == "native")
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] - 1
-    check_ownership(llm.engine.kv)
+    llm.engine.kv.check_invariants()
 
 
 def window_pages(engine, seq, layer: int) -> torch.Tensor:
     """Layer's K/V [2, KVH, WINDOW, D] at the sequence's last WINDOW cache slots, through the table the layer reads."""
     kv, n = engine.kv, seq.num_tokens_in_cache
-    table = kv.group_tables(seq.seq_id)[engine.storage.layer_group[layer]] if engine.kv_groups \
-        else kv.block_tables[seq.seq_id]
+    table = kv.group_tables(seq.seq_id)[engine.storage.layer_group[layer]]
     pages = read_pages(engine.storage.layer(layer), torch.tensor(table)).flatten(2, 3)
     return pages[:, :, n - WINDOW:n]
 

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvserve.kv.blocks import BlockPool, NoFreeBlocksError
+from kvserve.kv.blocks import BlockPool, NoFreeBlocksError, block_key
+from kvserve.kv.groups import LayerGroup
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVSpec
 
@@ -23,21 +24,6 @@ def free_list(pool: BlockPool) -> list[int]:
 
 def snapshot(kv: KVCacheManager) -> tuple:
     return list(kv.pool.ref_counts), free_list(kv.pool), copy.deepcopy(kv.block_tables)
-
-
-def check_ownership(kv: KVCacheManager) -> None:
-    """The pool's bookkeeping agrees with the block tables."""
-    pool = kv.pool
-    occurrences = Counter(b for table in kv.block_tables.values() for b in table)
-    for b in range(pool.num_blocks):
-        assert pool.ref_counts[b] == occurrences[b], f"block {b}: ref count {pool.ref_counts[b]}, " \
-                                                     f"in {occurrences[b]} tables"
-    for seq_id, table in kv.block_tables.items():
-        assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice: {table}"
-    free = free_list(pool)
-    assert len(set(free)) == len(free), f"free list has duplicates: {free}"
-    assert not set(free) & set(occurrences), f"owned blocks on the free list: {set(free) & set(occurrences)}"
-    assert pool.num_free + len(occurrences) == pool.num_blocks, "blocks leaked or double counted"
 
 
 # ---------------------------------------------------------------- BlockPool
@@ -165,7 +151,7 @@ def test_allocate_grows_across_block_boundaries() -> None:
     table = kv.block_tables[0]
     assert len(table) == 3 and table[:2] == first_two
     assert kv.num_free_blocks == 5
-    check_ownership(kv)
+    kv.check_invariants()
 
 
 def test_fork_shares_blocks() -> None:
@@ -176,7 +162,7 @@ def test_fork_shares_blocks() -> None:
     assert kv.block_tables[1] is not kv.block_tables[0]
     assert all(kv.pool.ref_counts[b] == 2 for b in kv.block_tables[0])
     assert kv.num_free_blocks == 6
-    check_ownership(kv)
+    kv.check_invariants()
 
 
 def test_fork_into_existing_sequence_raises() -> None:
@@ -203,7 +189,7 @@ def test_copy_on_write_of_a_shared_partial_block() -> None:
     assert kv.pool.ref_counts[full] == 2
     assert kv.pool.ref_counts[partial] == 1
     assert kv.pool.ref_counts[dst] == 1
-    check_ownership(kv)
+    kv.check_invariants()
 
 
 def test_other_owner_writes_in_place_after_the_copy() -> None:
@@ -223,7 +209,7 @@ def test_write_after_a_full_shared_block_needs_no_copy() -> None:
     assert kv.allocate(1, 8, 1) == []
     assert kv.block_tables[1][:2] == kv.block_tables[0]
     assert len(kv.block_tables[1]) == 3
-    check_ownership(kv)
+    kv.check_invariants()
 
 
 def test_free_of_one_owner_keeps_shared_blocks() -> None:
@@ -239,7 +225,7 @@ def test_free_of_one_owner_keeps_shared_blocks() -> None:
     assert kv.allocate(1, 6, 1) == [], "a sole owner must not copy"
     kv.free(1)
     assert kv.num_free_blocks == 8
-    check_ownership(kv)
+    kv.check_invariants()
 
 
 def test_free_of_unknown_sequence_is_a_no_op() -> None:
@@ -277,7 +263,7 @@ def test_copy_on_write_uses_the_last_free_block() -> None:
     kv.fork(0, 1)
     assert len(kv.allocate(1, 6, 2)) == 1
     assert kv.num_free_blocks == 0
-    check_ownership(kv)
+    kv.check_invariants()
 
 
 # ---------------------------------------------------------------- KVSpec
@@ -452,7 +438,7 @@ class KVMachine(RuleBasedStateMachine):
 
     @invariant()
     def ownership(self) -> None:
-        check_ownership(self.kv)
+        self.kv.check_invariants()
 
     @invariant()
     def sharing_only_through_fork(self) -> None:
@@ -503,21 +489,52 @@ def test_checker_catches_a_leak() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate(0, 0, 3)
     kv.block_tables[0].pop()
-    with pytest.raises(AssertionError):
-        check_ownership(kv)
+    with pytest.raises(RuntimeError):
+        kv.check_invariants()
 
 
 def test_checker_catches_a_missed_incref() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate(0, 0, 3)
     kv.block_tables[1] = list(kv.block_tables[0])
-    with pytest.raises(AssertionError):
-        check_ownership(kv)
+    with pytest.raises(RuntimeError):
+        kv.check_invariants()
 
 
 def test_checker_catches_an_owned_block_on_the_free_list() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate(0, 0, 3)
     kv.pool._free[kv.block_tables[0][0]] = None
-    with pytest.raises(AssertionError):
-        check_ownership(kv)
+    with pytest.raises(RuntimeError):
+        kv.check_invariants()
+
+
+def test_checker_catches_a_block_held_twice() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=2, groups=[LayerGroup(None, (0,)), LayerGroup(2, (1,))])
+    kv.allocate(0, 0, 4)
+    kv.check_invariants()
+    sliding = kv.group_tables(0)[1]
+    kv.pool.decref(sliding[1])
+    kv.pool.incref(sliding[0])
+    sliding[1] = sliding[0]
+    with pytest.raises(RuntimeError, match="twice"):
+        kv.check_invariants()
+
+
+def test_checker_catches_a_wrong_count_of_a_groups_blocks() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=2, groups=[LayerGroup(None, (0,)), LayerGroup(2, (1,))])
+    kv.allocate(0, 0, 4)
+    kv.groups[1].pool.held[1] += 1
+    with pytest.raises(RuntimeError, match="layer group 1"):
+        kv.check_invariants()
+
+
+def test_checker_catches_a_stale_prefix_index() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv.allocate(0, 0, 2)
+    key = block_key(None, (1, 2), None)
+    kv.cache_blocks(0, 0, [key])
+    kv.check_invariants()
+    kv.pool.keys[kv.block_tables[0][0]] = None
+    with pytest.raises(RuntimeError, match="prefix index"):
+        kv.check_invariants()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from kvserve.engine import kv_state
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv import offload as offload_module
 from kvserve.kv.blocks import BlockKey, block_key
-from kvserve.kv.offload import SUFFIX, DiskTier, HostTier, KVOffloader, SwapCosts, swap_is_cheaper
+from kvserve.kv.offload import SUFFIX, DiskTier, HostTier, OffloadingConnector, SwapCosts, swap_is_cheaper
 from kvserve.server.metrics import EngineCollector
 from tiny_models import make_checkpoint
 
@@ -79,8 +78,7 @@ def computed_tokens(llm: LLM) -> list[int]:
 def check_pool(llm: LLM) -> None:
     """No block leaked: every block with an owner is in a table, and once idle all are free."""
     kv = llm.engine.kv
-    owners = Counter(b for table in kv.block_tables.values() for b in table)
-    assert all(kv.pool.ref_counts[b] == owners.get(b, 0) for b in range(kv.num_blocks))
+    kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -91,7 +89,7 @@ def files(tier: Path) -> list[Path]:
 def test_a_prefix_evicted_from_the_pool_is_served_from_the_tier(ckpt, tmp_path):
     llm = tiered(ckpt, tmp_path / "tier")
     llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)     # one at a time in the pool: A's blocks leave it
-    llm.engine.offload.tier.flush()                             # the writer stores them in the background
+    llm.engine.connector.tier.flush()                             # the writer stores them in the background
     stats = llm.stats()
     assert stats["kv_offload_blocks_stored"] > 0
     steps = computed_tokens(llm)
@@ -126,7 +124,7 @@ def test_a_block_evicted_while_it_is_read_is_not_counted_again(ckpt, tmp_path, m
     bookkeeping: the tier's bytes must stay those of the files it has."""
     written(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
     second = tiered(ckpt, tmp_path / "tier", num_kv_blocks=32)
-    tier = second.engine.offload.tier
+    tier = second.engine.connector.tier
     check = type(tier)._check_header
 
     def evicted_meanwhile(self, *args):
@@ -153,7 +151,7 @@ class HeldReads:
     """The tier's reads of an engine, held until `release` is set; each sets `started` first. A read on
     the engine's own thread fails at once instead (it would hold every sequence, and this test)."""
 
-    def __init__(self, offload: KVOffloader):
+    def __init__(self, offload: OffloadingConnector):
         self.started, self.release = threading.Event(), threading.Event()
         read = offload.read
 
@@ -190,7 +188,7 @@ def tier_holding_a(ckpt, tmp_path) -> LLM:
 def decoding_x(llm: LLM):
     """`llm`'s engine with its tier reads held (HeldReads) and X's prompt computed (X reads nothing from
     the tier): the engine, the held reads, and X's request."""
-    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    engine, held = llm.engine, HeldReads(llm.engine.connector)
     x = engine.add_request("x", {"prompt_token_ids": X}, DECODES)
     engine.step()
     return engine, held, x
@@ -237,7 +235,7 @@ def test_a_step_with_nothing_else_to_run_waits_for_the_load(ckpt, tmp_path):
     """Alone, a request with blocks in the tier is not stepped over empty: the step waits for its reads and
     computes its first token."""
     llm = tier_holding_a(ckpt, tmp_path)
-    engine, held = llm.engine, HeldReads(llm.engine.offload)
+    engine, held = llm.engine, HeldReads(llm.engine.connector)
     releaser = threading.Thread(target=lambda: held.started.wait() and held.release.set(), daemon=True)
     releaser.start()
     try:
@@ -306,7 +304,7 @@ def test_a_block_gone_while_its_read_waits_is_computed(ckpt, tmp_path):
         engine.add_request("a", {"prompt_token_ids": A}, GREEDY)
         engine.step()
         assert held.started.is_set()
-        engine.offload.tier._path(_keys(A)[3].hash).unlink()
+        engine.connector.tier._path(_keys(A)[3].hash).unlink()
     finally:
         held.release.set()
     outs = step_to_end(engine)
@@ -414,7 +412,7 @@ def test_swap_or_recompute_by_the_measured_costs():
 
 def test_an_engine_measures_the_costs_at_start_up_and_counts_each_preemption(ckpt, tmp_path):
     llm = LLM(str(ckpt), block_size=BS, num_kv_blocks=24, kv_offload=f"disk:{tmp_path / 'tier'}")
-    costs = llm.engine.offload.swap_costs
+    costs = llm.engine.connector.swap_costs
     assert costs.prefill_s_per_token > 0 and costs.write_s_per_block > 0 and costs.read_s_per_block > 0
     llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
     stats = llm.stats()
@@ -423,7 +421,7 @@ def test_an_engine_measures_the_costs_at_start_up_and_counts_each_preemption(ckp
 
 def test_no_swap_past_the_tier_or_once_it_is_closed(ckpt, tmp_path):
     llm = tiered(ckpt, tmp_path / "tier", size="1MiB", preemption_mode="swap")
-    offload, tier = llm.engine.offload, llm.engine.offload.tier
+    offload, tier = llm.engine.connector, llm.engine.connector.tier
     keys = [block_key(None, (i,) * BS, None) for i in range(3)]
     assert offload.should_swap(keys) and not offload.should_swap([])
     assert not offload.should_swap(keys * (2**20 // (3 * tier.file_bytes(keys[0])) + 1))   # more than 1 MiB
@@ -475,7 +473,7 @@ def test_blocks_of_another_block_size_or_model_are_never_served(ckpt, tmp_path):
     assert_same([out], reference(other, [A]))
     # a file moved into another model's directory is not served there: its header says whose it is
     mine, theirs = (files(tmp_path / "tier")[0].parent,
-                    other_model.engine.offload.tier.dir)
+                    other_model.engine.connector.tier.dir)
     for path in mine.glob(f"*{SUFFIX}"):
         os.link(path, theirs / path.name)
     moved = tiered(other, tmp_path / "tier")
@@ -492,7 +490,7 @@ def test_a_full_tier_evicts_its_least_recently_used_blocks(ckpt, tmp_path):
     llm = tiered(ckpt, tmp_path / "tier", size=capacity)
     for token_list in (A, B, C, A, B):
         llm.generate(prompts(token_list), GREEDY, use_tqdm=False)
-        llm.engine.offload.tier.flush()
+        llm.engine.connector.tier.flush()
         on_disk = sum(p.stat().st_size for p in files(tmp_path / "tier"))
         assert on_disk == llm.stats()["kv_offload_bytes"] <= capacity
     stats = llm.stats()
@@ -529,7 +527,7 @@ def test_failed_writes_are_counted_and_change_nothing(ckpt, tmp_path, monkeypatc
 
     monkeypatch.setattr(DiskTier, "_write_atomic", refuse)
     outs = llm.generate(prompts(A, B, C, A), GREEDY, use_tqdm=False)
-    llm.engine.offload.tier.flush()
+    llm.engine.connector.tier.flush()
     stats = llm.stats()
     assert stats["kv_offload_errors"] > 0 and stats["kv_offload_blocks"] == 0 and not files(tmp_path / "tier")
     assert_same(outs, reference(ckpt, [A, B, C, A]))
@@ -550,14 +548,14 @@ def test_a_full_write_queue_skips_blocks_and_never_blocks_a_step(ckpt, tmp_path,
     stats = llm.stats()
     assert stats["kv_offload_skipped"] > 0
     release.set()
-    llm.engine.offload.tier.flush()
+    llm.engine.connector.tier.flush()
     assert_same(outs, reference(ckpt, [A, B, C]))
 
 
 def test_two_engines_share_one_directory(ckpt, tmp_path):
     one, two = tiered(ckpt, tmp_path / "tier"), tiered(ckpt, tmp_path / "tier")
     one.generate(prompts(A, B, C), GREEDY, use_tqdm=False)       # A's blocks leave one's pool for the tier
-    one.engine.offload.tier.flush()
+    one.engine.connector.tier.flush()
     out = two.generate(prompts(A), GREEDY, use_tqdm=False)[0]     # two started before they were written
     assert out.num_cached_tokens == 20
     assert_same([out], reference(ckpt, [A]))
@@ -620,8 +618,8 @@ def test_the_host_memory_tier(ckpt, tmp_path):
     # an engine whose tier is in host memory
     llm = tiered(ckpt, tmp_path / "unused")
     engine = llm.engine
-    engine.offload.tier.close()
-    engine.offload.tier = HostTier(64 * engine.kv_spec.bytes_per_block, engine.kv_spec.bytes_per_block)
+    engine.connector.tier.close()
+    engine.connector.tier = HostTier(64 * engine.kv_spec.bytes_per_block, engine.kv_spec.bytes_per_block)
     llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
     again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 20 and llm.stats()["kv_offload_loads"] == 5
@@ -638,7 +636,7 @@ def test_offloader_round_trips_quantized_pages():
         for meta in layer.meta:
             meta.copy_(torch.rand(meta.shape))
     tier = HostTier(6 * spec.bytes_per_block, spec.bytes_per_block)
-    offloader = KVOffloader(tier, kv.pool, storage.read_blocks, storage.write_blocks, torch.device("cpu"))
+    offloader = OffloadingConnector(tier, kv.pool, storage.read_blocks, storage.write_blocks, torch.device("cpu"))
     kv.pool.on_evict = offloader.save
     keys = _keys(A)
     blocks = kv.pool.allocate(3)
@@ -662,11 +660,11 @@ def test_timing_a_transfer_changes_no_page_and_keeps_nothing(ckpt, tmp_path):
     storage.write_blocks(blocks, torch.randint(0, 255, (len(blocks), engine.kv_spec.bytes_per_block),
                                                dtype=torch.uint8))
     before = storage.read_blocks(blocks)
-    disk = engine.offload.tier
+    disk = engine.connector.tier
     entries = sorted(p.name for p in disk.dir.iterdir())
     for tier in (disk, HostTier(4 * engine.kv_spec.bytes_per_block, engine.kv_spec.bytes_per_block)):
-        engine.offload.tier = tier
-        write, read = engine.offload.measure_transfer()
+        engine.connector.tier = tier
+        write, read = engine.connector.measure_transfer()
         assert write > 0 and read > 0 and tier.num_blocks == 0 and tier.used_bytes == 0
         assert torch.equal(storage.read_blocks(blocks), before)
     assert sorted(p.name for p in disk.dir.iterdir()) == entries
@@ -743,7 +741,7 @@ def hybrid_reference(gemma3, token_lists):
 
 def group_files(llm: LLM, tokens: list[int], group: int) -> list[Path]:
     """The tier's files of a prefix's blocks in one layer group."""
-    tier = llm.engine.offload.tier
+    tier = llm.engine.connector.tier
     return [tier._path(key.in_group(group).hash) for key in _keys(tokens)]
 
 
@@ -757,9 +755,9 @@ def test_a_hybrid_cache_keeps_each_layer_group_in_the_tier(gemma3, tmp_path):
     full-attention group and only the last window's of each sliding group: the same tokens as the one-table
     cache."""
     llm = hybrid_tiered(gemma3, tmp_path / "tier", num_kv_blocks=24)
-    assert [g.sliding_window for g in llm.engine.kv_groups] == [None, WINDOW, WINDOW]
+    assert [g.sliding_window for g in llm.engine.kv.layer_groups] == [None, WINDOW, WINDOW]
     llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)       # A's blocks leave the pool for the tier
-    llm.engine.offload.tier.flush()
+    llm.engine.connector.tier.flush()
     assert all(path.exists() for path in group_files(llm, A, 0))
     steps = computed_tokens(llm)
     again = llm.generate(prompts(A), GREEDY, use_tqdm=False)[0]

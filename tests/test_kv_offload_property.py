@@ -5,7 +5,6 @@ tier are slow, so that sequences wait for their blocks across several steps of t
 from __future__ import annotations
 
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
-from kvserve.kv.offload import SUFFIX, DiskTier, KVOffloader
+from kvserve.kv.offload import SUFFIX, DiskTier, OffloadingConnector
 from tiny_models import make_checkpoint
 
 BS = 4
@@ -49,7 +48,7 @@ def prompt(prefix: int, keep: int, suffix: int, salt: str | None) -> dict:
 def watch(llm: LLM, stored: dict, slow_reads: bool) -> None:
     """Record the bytes the tier takes under each key; check every block it serves against them. With
     `slow_reads`, each read first lets the engine step for a while."""
-    offload: KVOffloader = llm.engine.offload
+    offload: OffloadingConnector = llm.engine.connector
     tier: DiskTier = offload.tier
     put, read = tier.put, offload.read
 
@@ -73,8 +72,7 @@ def watch(llm: LLM, stored: dict, slow_reads: bool) -> None:
 
 def check_pool(llm: LLM) -> None:
     kv = llm.engine.kv
-    owners = Counter(b for table in kv.block_tables.values() for b in table)
-    assert all(kv.pool.ref_counts[b] == owners.get(b, 0) for b in range(kv.num_blocks))
+    kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
     assert not llm.engine.scheduler.loading and llm.stats()["kv_offload_loads_in_flight"] == 0
 
@@ -112,7 +110,7 @@ def test_random_workloads(ckpt, file_bytes, tmp_path_factory, workload, tier_blo
             assert [[c.token_ids for c in o.outputs] for o in outs] == \
                    [[c.token_ids for c in o.outputs] for o in expected]
         check_pool(llm)
-        llm.engine.offload.tier.flush()
+        llm.engine.connector.tier.flush()
         on_disk = sum(p.stat().st_size for p in Path(tier).glob(f"*/*{SUFFIX}"))
         assert on_disk == llm.stats()["kv_offload_bytes"] <= capacity
     llm.engine.close()

@@ -59,7 +59,7 @@ def test_planner_blocks_equal_the_hybrid_engines(tmp_path, kv_dtype, skip):
     llm = LLM(str(path), kv_cache_memory=budget, block_size=4, dtype="float32", kv_cache_dtype=kv_dtype,
               kv_cache_dtype_skip_layers=skip)
     engine = llm.engine
-    assert len(engine.kv_groups) == 3
+    assert len(engine.kv.layer_groups) == 3
     assert num_blocks(str(path), budget, 4, "float32", kv_dtype, kv_dtype_skip_layers=skip) \
         == llm.stats()["kv_blocks_total"]
     groups = plan(str(path), 2**30, engine.max_model_len, dtype="float32", block_size=4, kv_dtype=kv_dtype,

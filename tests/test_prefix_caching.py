@@ -1,7 +1,6 @@
 """Sharing blocks: prefix caching, parallel samples with copy-on-write, chunked prefill."""
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -38,13 +37,6 @@ def uncached(ckpt):
     return tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
-def check_ownership(llm: LLM) -> None:
-    kv = llm.engine.kv
-    owners = Counter(b for table in kv.block_tables.values() for b in table)
-    assert all(kv.pool.ref_counts[b] == owners.get(b, 0) for b in range(kv.num_blocks))
-    assert kv.num_free_blocks + len(owners) == kv.num_blocks
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 5, 16])
 def test_cached_outputs_equal_uncached(ckpt, block_size):
     ref = LLM(str(ckpt), block_size=block_size, num_kv_blocks=256, enable_prefix_caching=False)
@@ -62,7 +54,7 @@ def test_cached_outputs_equal_uncached(ckpt, block_size):
     assert stats["prefix_cache_hits"] > 0
     assert stats["prefix_cache_queries"] == len(PROMPTS[0]["prompt_token_ids"]) + sum(
         len(p["prompt_token_ids"]) for p in PROMPTS)
-    check_ownership(llm)
+    llm.engine.kv.check_invariants()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
@@ -146,7 +138,7 @@ def test_n_samples_equal_separate_seeded_runs_and_share_blocks(ckpt):
     assert all(engine.kv.pool.ref_counts[b] == 3 for b in table[group[0].seq_id][:3])
     final = None
     while engine.has_unfinished_requests():
-        check_ownership(llm)
+        llm.engine.kv.check_invariants()
         final = engine.step()[0]
     # the prompt's partial last block was copied on the first write of each sample but one
     alone = [llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i, ignore_eos=True),
@@ -202,7 +194,7 @@ def test_sharing_never_leaks_and_never_changes_tokens(ckpt, suffixes, ns, block_
     ref = LLM(str(ckpt), block_size=block_size, num_kv_blocks=256, enable_prefix_caching=False, max_num_seqs=3)
     expected = [[o.token_ids for o in out.outputs] for out in ref.generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(ckpt), block_size=block_size, num_kv_blocks=need + 3 + spare, max_num_batched_tokens=budget)
-    assert run_checked(llm.engine, prompts, params, lambda: check_ownership(llm)) == expected
+    assert run_checked(llm.engine, prompts, params, llm.engine.kv.check_invariants) == expected
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 

@@ -90,7 +90,7 @@ def test_family_matches_transformers_past_its_window(family, backend):
     llm = LLM(str(path), attention_backend=backend, **CHUNKED)
     assert llm.engine.max_model_len == 512           # the model's context, not its window
     assert_matches(generate(llm, prompts), refs)
-    assert any(g.sliding_window == WINDOW for g in llm.engine.kv_groups)
+    assert any(g.sliding_window == WINDOW for g in llm.engine.kv.layer_groups)
     native = llm.engine.runner.native
     if backend == "native":
         assert native.steps > 0 and llm.stats()["steps"]["native"] == native.steps
@@ -107,7 +107,7 @@ def test_native_multi_step_decodes_every_layer_group(tmp_path, arch):
     prompts = [prompt(n) for n in PROMPT_LENS]
     refs = reference(path, prompts, 24)
     llm = LLM(str(path), block_size=4, num_kv_blocks=128, dtype="float32", num_scheduler_steps=8)
-    assert len(llm.engine.kv_groups) > 1
+    assert len(llm.engine.kv.layer_groups) > 1
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in refs]

@@ -20,9 +20,10 @@ from kvserve.config import (KV_CACHE_DTYPES, QUANTIZATIONS, QUANTIZED_KV_CACHE_D
                             parse_dtype)
 from kvserve.distributed import check_tensor_parallel, shard_config
 from kvserve.kv.eviction import Sink
-from kvserve.kv.hybrid import LayerGroup, block_spec, is_hybrid, layer_groups, window_blocks
+from kvserve.kv.groups import LayerGroup, is_hybrid, layer_groups, window_blocks
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.kv.spec import KVSpec
+from kvserve.kv.storage import block_spec
 
 # Published configs of popular open models (config.json fields that size weights and cache).
 MODELS = {

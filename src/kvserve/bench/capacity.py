@@ -43,7 +43,7 @@ from kvserve.bench.common import (_BOS, _EOS, _PAD, add_model_args, describe_sha
 from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv import KVSpec
-from kvserve.kv.manager import cdiv
+from kvserve.kv.blocks import cdiv
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
 

@@ -33,7 +33,7 @@ from kvserve.bench.common import (
     random_prompts,
     write_json,
 )
-from kvserve.kv.manager import cdiv
+from kvserve.kv.blocks import cdiv
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
 

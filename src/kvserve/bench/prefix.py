@@ -24,7 +24,7 @@ from pathlib import Path
 from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
                                   random_prompts, write_json)
 from kvserve.config import ATTENTION_BACKENDS
-from kvserve.kv.manager import cdiv
+from kvserve.kv.blocks import cdiv
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
 

@@ -24,10 +24,12 @@ from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.workers import ForwardedStorage, WorkerArgs, Workers
 from kvserve.kernels import library
-from kvserve.kv import KVCacheManager, KVSpec, KVStorage, NoKVCacheManager, NoKVStorage
-from kvserve.kv.eviction import EvictionPolicy, Sink, parse_eviction
-from kvserve.kv.hybrid import HybridKVCacheManager, HybridKVStorage, LayerGroup, block_spec, is_hybrid, layer_groups
-from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVOffloader, SwapCosts, TierCompat,
+from kvserve.kv import KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache, NoKVStorage
+from kvserve.kv.storage import block_spec
+from kvserve.kv.eviction import EvictionPolicy, parse_eviction
+from kvserve.kv.groups import is_hybrid, layer_groups
+from kvserve.kv.connector import KVConnector, NoConnector
+from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, OffloadingConnector, SwapCosts, TierCompat,
                                 measure_prefill, model_identity, parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.gemm_choice import GemmChoice, choose_gemm
@@ -65,7 +67,7 @@ class LLMEngine:
         self.eviction = parse_eviction(config.eviction)
         if self.eviction is not None:
             self._check_eviction(self.eviction)
-        self.kv_groups = self._kv_groups(config, mcfg)
+        self.layer_groups = self._layer_groups(config, mcfg)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
         self.gemm = self._choose_gemm(config, mcfg, native)
         self._threads: int | None = None                # torch's threads before rank 0 took its share
@@ -76,7 +78,7 @@ class LLMEngine:
             self.shutdown()       # no worker outlives an engine that could not start
             raise
         executors = build_executors(config, self.model, self.storage, self.kv_spec, self.backend, self.device,
-                                    self.scheduler, self._final_only, self.max_model_len, len(self.kv_groups),
+                                    self.scheduler, self._final_only, self.max_model_len, len(self.layer_groups),
                                     self.workers)
         sliding = self._sliding_layers()
         # h2o and snapkv score tokens by the attention of the layers that see the whole context
@@ -141,12 +143,12 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
                                                 config.long_prefill_token_threshold)
         self.cache_config, self.kv, self.storage = self._init_cache(config)
-        self.offload = self._init_offload(config)
+        self.connector = self._init_connector(config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
-                                   config.enable_prefix_caching and config.cache_mode == "paged", self.offload)
+                                   config.enable_prefix_caching and config.cache_mode == "paged", self.connector)
         self._final_only: set[str] = set()              # requests reported only when finished
         if self.workers is not None:
-            self.workers.init_cache(self.model_kv_spec, self.cache_config.num_kv_blocks, self.kv_groups)
+            self.workers.init_cache(self.model_kv_spec, self.cache_config.num_kv_blocks, self.layer_groups)
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel); none is left running. The engine cannot step
@@ -167,12 +169,13 @@ class LLMEngine:
                              f"{limit} positions")
         return config.max_model_len
 
-    def _kv_groups(self, config: EngineConfig, mcfg: ModelConfig) -> list[LayerGroup]:
-        """The layer groups of a hybrid cache (kv/hybrid.py), where some layer's window binds within
-        max_model_len and the cache is paged; [] where one block table serves every layer."""
+    def _layer_groups(self, config: EngineConfig, mcfg: ModelConfig) -> list[LayerGroup]:
+        """The layer groups of the cache (kv/groups.py): a group per window kind where some layer's window binds
+        within max_model_len and the cache is paged (the hybrid cache); else one group of every layer, whose
+        windows the attention applies."""
         groups = layer_groups(mcfg.sliding_windows or (None,) * mcfg.num_layers, self.max_model_len)
         if config.cache_mode != "paged" or config.disable_hybrid_kv_cache_manager or not is_hybrid(groups):
-            return []
+            return [LayerGroup(None, tuple(range(mcfg.num_layers)))]
         return groups
 
     def _sliding_layers(self) -> dict[int, int]:
@@ -203,14 +206,14 @@ class LLMEngine:
         # contiguous: the same pool, with one block holding a whole max_model_len context
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
         # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
-        self.kv_spec = spec = model_spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size,
-                                                             config.kv_cache_dtype, config.kv_cache_dtype_skip_layers)
-        self.model_kv_spec = model_spec    # every layer's pages: what a worker's pool is built from
-        if self.kv_groups:      # a block holds the pages of one group's layers
-            self.kv_spec = spec = block_spec(model_spec, self.kv_groups)
+        self.model_kv_spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size, config.kv_cache_dtype,
+                                               config.kv_cache_dtype_skip_layers)   # every layer's: what workers build
+        groups = self.layer_groups
+        self.kv_spec = spec = block_spec(self.model_kv_spec, groups)       # a block holds one group's pages
         if config.cache_mode == "none":
-            return CacheConfig(cache_mode="none"), NoKVCacheManager(), NoKVStorage(spec.num_layers)
+            return CacheConfig(cache_mode="none"), NoKVCache(self.model_config.num_layers), NoKVStorage(spec.num_layers)
         cache = CacheConfig(block_size, config.num_kv_blocks, config.kv_cache_memory, config.cache_mode)
+        reserved = int(is_hybrid(groups))      # the null block of the sliding groups' tables
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
             memory = cache.kv_cache_memory
@@ -218,25 +221,20 @@ class LLMEngine:
                 memory = self._gpu_kv_memory(config) if self.device.type == "cuda" else DEFAULT_KV_CACHE_MEMORY
             num_blocks = spec.num_blocks_for(memory)
             if cache.kv_cache_memory is None:   # a default need not exceed what could ever be used
-                per_seq = -(-self.max_model_len // block_size)
-                per_seq *= max(1, len(self.kv_groups))     # a table in each layer group
+                per_seq = -(-self.max_model_len // block_size) * len(groups)     # a table in each layer group
                 num_blocks = min(num_blocks, config.max_num_seqs * per_seq)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {block_size} tokens "
                                  f"({spec.bytes_per_block} bytes)")
-        cache.num_kv_blocks = num_blocks
-        if self.kv_groups:
-            if config.num_kv_blocks is not None:    # the null block of the sliding groups' tables, beside those
-                num_blocks += 1                     # asked for (a memory budget holds it)
-                cache.num_kv_blocks = num_blocks
-            kv = HybridKVCacheManager(num_blocks, block_size, self.kv_groups)
-            storage = HybridKVStorage(model_spec, num_blocks, self.device, self.kv_groups)
-            log.info("KV cache: %d layer groups (%s) of %d layers' pages per block", len(self.kv_groups),
-                     ", ".join(f"window {g.sliding_window}" if g.sliding_window else "full" for g in self.kv_groups),
-                     spec.num_layers)
         else:
-            kv = KVCacheManager(num_blocks, block_size)
-            storage = KVStorage(spec, num_blocks, self.device)
+            num_blocks += reserved      # beside those asked for (a memory budget holds it)
+        cache.num_kv_blocks = num_blocks
+        kv = KVCacheManager(num_blocks, block_size, groups)
+        storage = KVStorage(self.model_kv_spec, num_blocks, self.device, groups)
+        if len(groups) > 1:
+            log.info("KV cache: %d layer groups (%s) of %d layers' pages per block", len(groups),
+                     ", ".join(f"window {g.sliding_window}" if g.sliding_window else "full" for g in groups),
+                     spec.num_layers)
         size = config.tensor_parallel_size
         ranks = f" per rank, {size * storage.nbytes / 2**20:.1f} MiB over {size} ranks" if size > 1 else ""
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %s, %.1f MiB%s); maximum concurrency at "
@@ -244,12 +242,13 @@ class LLMEngine:
                  storage.nbytes / 2**20, ranks, self.max_model_len, num_blocks / -(-self.max_model_len // block_size))
         return cache, kv, storage
 
-    def _init_offload(self, config: EngineConfig) -> KVOffloader | None:
+    def _init_connector(self, config: EngineConfig) -> KVConnector:
         """The second tier of kv_offload, fed by the pool's evictions; closed (the pool's cached blocks
         written to it, its writer stopped) by close(), when the engine is collected, or at exit."""
         spec = parse_kv_offload(config.kv_offload)
+        self._close_connector = lambda: None
         if spec is None:
-            return None
+            return NoConnector()
         size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
         kv_spec = self.kv_spec
         if spec.kind == "cpu":
@@ -261,18 +260,20 @@ class LLMEngine:
             compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
                                 kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
                                 kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
-                                layer_groups=tuple((g.sliding_window, g.layers) for g in self.kv_groups))
+                                layer_groups=tuple((g.sliding_window, g.layers) for g in self.layer_groups
+                                                   if len(self.layer_groups) > 1))
             tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
-        offload = KVOffloader(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks, self.device)
+        offload = OffloadingConnector(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,
+                                      self.device)
         offload.preemption_mode = config.preemption_mode
         if config.preemption_mode is None:
             offload.swap_costs = self._measure_swap_costs(offload)
         self.kv.pool.on_evict = offload.save
-        self._close_offload = weakref.finalize(self, offload.close)
+        self._close_connector = weakref.finalize(self, offload.close)
         log.info("KV offload: %s, %.2f GiB", config.kv_offload, size / 2**30)
         return offload
 
-    def _measure_swap_costs(self, offload: KVOffloader) -> SwapCosts:
+    def _measure_swap_costs(self, offload: OffloadingConnector) -> SwapCosts:
         """What a preempted sequence costs to recompute (prefills of the model, without a cache) and to swap
         (blocks of the pool through the tier), timed now, before any request."""
         def prefill(num_tokens: int) -> None:
@@ -292,8 +293,7 @@ class LLMEngine:
         the requests of those not started compute their blocks instead), the pool's cached blocks go to the
         tier (a disk tier keeps them for the next engine) and its writer stops; the tier takes no block
         after (it still serves what it holds, read at once)."""
-        if self.offload is not None:
-            self._close_offload()
+        self._close_connector()
 
     def _gpu_kv_memory(self, config: EngineConfig) -> int:
         """On a GPU with no size given: the KV pool's bytes, from one step of the largest batch."""
@@ -311,13 +311,7 @@ class LLMEngine:
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of the blocks that running sequences hold."""
-        kv = self.kv
-        if self.kv_groups:
-            held = {b for s in self.scheduler.running if s.seq_id in kv.block_tables
-                    for t in kv.group_tables(s.seq_id) for b in t} - {kv.null_block}
-        else:
-            held = {b for s in self.scheduler.running for b in kv.block_tables.get(s.seq_id, [])}
-        return len(held) * self.kv_spec.bytes_per_block
+        return self.kv.blocks_held([s.seq_id for s in self.scheduler.running]) * self.kv_spec.bytes_per_block
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -407,34 +401,25 @@ class LLMEngine:
         total = prompt_len + max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        held, blocks = total, 0
-        if isinstance(policy, Sink):
-            # the cache holds the sink blocks and the window, and a prompt chunk on top while it is computed
-            bs, cfg = self.kv.block_size, self.scheduler_config
-            chunk = min(prompt_len, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
-            held = min(total, policy.max_cache_tokens(bs) + chunk)
-            # the unrotated originals, pinned: in each full-attention layer group of a hybrid cache
-            full_groups = sum(g.sliding_window is None for g in self.kv_groups) if self.kv_groups else 1
-            blocks = policy.sink_blocks(bs) * full_groups
+        cfg, bs = self.scheduler_config, self.kv.block_size
+        chunk = cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
+        held, pinned = total, 0
+        if policy is not None and policy.bounds_context:
+            prompt_chunk = min(prompt_len, chunk)
+            held, pinned = policy.max_tokens_held(total, prompt_chunk, bs), policy.pinned_blocks(bs)
             if held > self.max_model_len:
-                raise ValueError(f"{policy.spec()} with prompt chunks of {chunk} tokens holds up to {held} tokens, "
-                                 f"more than max_model_len ({self.max_model_len}); use a smaller window or "
+                raise ValueError(f"{policy.spec()} with prompt chunks of {prompt_chunk} tokens holds up to {held} "
+                                 f"tokens, more than max_model_len ({self.max_model_len}); use a smaller window or "
                                  f"long_prefill_token_threshold")
         elif total > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
                              f"exceeds max_model_len ({self.max_model_len})")
-        pool = self.kv.num_blocks
-        if self.kv_groups:      # each group's blocks (a sliding one's window and a chunk); the null block is no one's
-            cfg = self.scheduler_config
-            blocks += self.kv.max_blocks_held(held, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
-            pool -= 1
-        else:
-            blocks += self.kv.blocks_for(held)
+        blocks, pool = self.kv.max_blocks_held(held, chunk, pinned), self.kv.num_usable_blocks
         if blocks > pool:
             hint = ("; a smaller long_prefill_token_threshold lowers what the sliding-window layer groups hold while "
-                    "a prompt chunk is written" if self.kv_groups else "")
+                    "a prompt chunk is written" if self.kv.max_blocks_held(held, 1, pinned) < blocks else "")
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
-                             f"{blocks} KV blocks of {self.kv.block_size} tokens; the whole pool has {pool}{hint}")
+                             f"{blocks} KV blocks of {bs} tokens; the whole pool has {pool}{hint}")
         if n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
 
@@ -551,8 +536,7 @@ class LLMEngine:
             delta = self.detokenize(seq)
             if p.stop and delta and self._stop_string(seq, len(delta)):
                 return None
-        # a sink cache holds a bounded window: only max_tokens ends such a sequence
-        bounded = isinstance(seq.eviction, Sink)
+        bounded = seq.eviction is not None and seq.eviction.bounds_context
         if seq.num_output_tokens >= seq.max_tokens or (seq.num_tokens >= self.max_model_len and not bounded):
             self._finish(seq, "length")
 
@@ -602,23 +586,10 @@ class LLMEngine:
         return RequestOutput(request_id, seq.prompt, seq.prompt_token_ids, completions, finished,
                              seq.num_cached_tokens, metrics, seq.prompt_logprobs)
 
-    def _group_stats(self) -> list[dict]:
-        """Each layer group of the cache: its window (None: full attention), its layers, and the blocks its
-        sequences' tables hold (one group of every layer where the cache is not hybrid)."""
-        kv = self.kv
-        if not self.kv_groups:
-            layers = list(range(self.model_config.num_layers))
-            return [{"sliding_window": None, "layers": layers, "blocks_in_use": kv.num_blocks - kv.num_free_blocks}]
-        return [{"sliding_window": g.sliding_window, "layers": list(g.layers), "blocks_in_use": n}
-                for g, n in zip(self.kv_groups, kv.blocks_per_group())]
-
     def stats(self) -> dict:
-        kv = self.kv
         return {
             "cache_mode": self.cache_config.cache_mode,
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_free": kv.num_free_blocks,
-            "kv_block_size": kv.block_size,
+            **self.kv.stats(),
             "kv_cache_dtype": self.kv_spec.kv_cache_dtype,
             "kv_bytes_per_token": self.kv_spec.bytes_per_token,
             "kv_cache_bytes": self.storage.nbytes,
@@ -630,10 +601,9 @@ class LLMEngine:
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
-            "kv_groups": self._group_stats(),
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_offload": self.config.kv_offload,
-            **(self.offload.stats() if self.offload is not None else {}),
+            **self.connector.stats(),
             "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
         }

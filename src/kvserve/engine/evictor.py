@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from kvserve.engine.sequence import Sequence
 from kvserve.kv.blocks import NoFreeBlocksError
 from kvserve.kv.eviction import H2O, Sink, SnapKV
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.interface import KVCache
 from kvserve.kv.storage import KVStorage
 from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import apply_rope_
@@ -55,7 +55,7 @@ class Evictor:
     """`whole_blocks`: h2o and snapkv evict a multiple of the block size (a model with sliding windows that bind:
     its sliding groups' blocks shift by whole table entries)."""
 
-    def __init__(self, kv: KVCacheManager, storage: KVStorage, model: CausalLM, whole_blocks: bool = False):
+    def __init__(self, kv: KVCache, storage: KVStorage, model: CausalLM, whole_blocks: bool = False):
         self.kv, self.storage, self.model = kv, storage, model
         self.whole_blocks = whole_blocks
         self.num_evicted_tokens = 0

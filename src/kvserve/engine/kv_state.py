@@ -23,8 +23,8 @@ import numpy as np
 
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sequence import Sequence
+from kvserve.kv import KVCache
 from kvserve.kv.eviction import Sink
-from kvserve.kv.hybrid import HybridKVCacheManager
 
 STATES = {"free": ".", "cached": "c", "used": "u", "shared": "s"}
 
@@ -83,16 +83,11 @@ def _counts(ref_counts: list[int]) -> bytes | array:
         return array("q", ref_counts)
 
 
-def _sequence(seq: Sequence, status: str, kv) -> SequenceState:
+def _sequence(seq: Sequence, status: str, kv: KVCache) -> SequenceState:
+    tables = [list(t) for t in kv.group_tables(seq.seq_id)] if kv.holds(seq.seq_id) else [[]]
     return SequenceState(seq.request_id, seq.seq_id, status, seq.num_prompt_tokens, seq.num_tokens,
                          seq.num_computed_tokens, seq.num_cached_tokens, seq.num_evicted_tokens,
-                         list(kv.block_tables.get(seq.seq_id, ())), list(getattr(kv, "pinned", {}).get(seq.seq_id, ())),
-                         [list(m.block_tables.get(seq.seq_id, ())) for m in _group_managers(kv)[1:]])
-
-
-def _group_managers(kv) -> list:
-    """Each layer group's manager (its block tables and pinned blocks): kv itself unless the cache is hybrid."""
-    return list(kv.groups) if isinstance(kv, HybridKVCacheManager) else [kv]
+                         tables[0], list(kv.pinned.get(seq.seq_id, ())), tables[1:])
 
 
 def block_states(snap: KVSnapshot) -> np.ndarray:
@@ -159,10 +154,9 @@ def block_detail(engine: LLMEngine, block_id: int, show_content: bool = False, c
     owners, owner_seqs, token_ids = [], [], list(key.token_ids) if key is not None else None
     scheduler = engine.scheduler
     seqs = [*scheduler.running, *scheduler.waiting, *(load.seq for load in scheduler.loading.values())]
-    groups = list(enumerate(_group_managers(kv)))
-    for seq in seqs:
-        tables = [(g, False, m.block_tables.get(seq.seq_id, ())) for g, m in groups]
-        for group, pinned, table in tables + [(g, True, m.pinned.get(seq.seq_id, ())) for g, m in groups]:
+    for seq in (s for s in seqs if kv.holds(s.seq_id)):
+        tables = [(g, False, t) for g, t in enumerate(kv.group_tables(seq.seq_id))]
+        for group, pinned, table in tables + [(g, True, t) for g, t in enumerate(kv.group_pinned(seq.seq_id))]:
             for index in (i for i, b in enumerate(table) if b == block_id):
                 owners.append({"request_id": seq.request_id, "seq_id": seq.seq_id, "group": group, "index": index,
                                "pinned": pinned})

@@ -12,8 +12,7 @@ from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.executor import CudaGraphs, Executor, NativeStep, Step, StepInputs, StepOutput
 from kvserve.engine.native_decode import NativeDecode
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.kv import KVCacheManager, KVStorage, NoKVCacheManager, NoKVStorage
-from kvserve.kv.hybrid import HybridKVCacheManager
+from kvserve.kv import KVCache, KVStorage, NoKVStorage
 from kvserve.model.decoder import CausalLM
 
 
@@ -29,7 +28,7 @@ class ModelRunner:
     block tables place the step's tokens in `storage`. `mass_layers`: the layers whose attention mass scores the
     cached tokens for h2o and snapkv (AttentionBatch.mass_layers; None: every layer)."""
 
-    def __init__(self, model: CausalLM, storage: KVStorage | NoKVStorage, kv: KVCacheManager | NoKVCacheManager,
+    def __init__(self, model: CausalLM, storage: KVStorage | NoKVStorage, kv: KVCache,
                  backend, device: torch.device, executors: list[Executor], mass_layers: frozenset[int] | None = None):
         self.model = model
         self.mass_layers = mass_layers
@@ -101,20 +100,16 @@ class ModelRunner:
             mass_requests=mass_requests,
             mass_layers=self.mass_layers,
         )
-        if group_tables and len(group_tables) > 1:
-            batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
-                            for t in group_tables[1:]]
-            batch.layer_group = self.storage.layer_group
+        # each layer group's batch but the first's (this one): its slots and block tables
+        batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
+                        for t in group_tables[1:]]
+        batch.layer_group = self.storage.layer_group
         return StepInputs(index_tensor(input_ids, dev), positions, batch, index_tensor(logits_indices, dev),
                           sample_rows, index_tensor(prompt_indices, dev), prompt_spans)
 
-    def _group_tables(self, sched: SchedulerOutput) -> list[list[list[int]]] | None:
-        """The step's block tables [group][sequence]: one group but in a hybrid cache; None without a cache."""
-        if self.kv.recomputes:
-            return None
-        if isinstance(self.kv, HybridKVCacheManager):
-            return [list(tables) for tables in zip(*(self.kv.group_tables(s.seq_id) for s in sched.seqs))]
-        return [[self.kv.block_tables[s.seq_id] for s in sched.seqs]]
+    def _group_tables(self, sched: SchedulerOutput) -> list[list[list[int]]]:
+        """The step's block tables [layer group][sequence] (none where the engine keeps no cache)."""
+        return [list(tables) for tables in zip(*(self.kv.group_tables(s.seq_id) for s in sched.seqs))]
 
     def _group_batch(self, batch: AttentionBatch, tables: list[list[int]], starts: list[int],
                      cache_starts: list[int], q_lens: list[int], num_tokens: int) -> AttentionBatch:

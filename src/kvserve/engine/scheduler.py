@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
-from kvserve.kv.blocks import BlockKey
-from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.nocache import NoKVCacheManager
-from kvserve.kv.offload import KVOffloader
+from kvserve.kv import NO_HIT, BlockKey, BlockToLoad, KVCache
+from kvserve.kv.connector import KVConnector, NoConnector
 
 
 @dataclass
@@ -38,26 +36,27 @@ class TierLoad:
     of `blocks`."""
 
     seq: Sequence
-    keys: list[BlockKey]                            # the prefix's blocks
-    blocks: list[tuple[int, int, int, BlockKey]]    # (layer group, table entry, fresh block, key) to load
-    future: Future                # -> the leading ones read and checked (KVOffloader.start_read)
+    keys: list[BlockKey]                  # the prefix's blocks
+    blocks: list[BlockToLoad]             # those the tier holds, each in a fresh block of the pool
+    future: Future                # -> the leading ones read and checked (KVConnector.start_load)
     num_missed: int               # full blocks after the prefix, found in neither the pool nor the tier
     first_query: bool             # the sequence's first prefix lookup: its hits count in num_cached_tokens
     swap_in: bool                 # the resumption of a sequence swapped out
 
 
 class Scheduler:
-    """Holds the waiting queue and the running list, over the engine's KV cache manager (NoKVCacheManager
-    where the engine keeps no cache); with `offload`, a prefix lookup goes on in the second tier past
-    the pool's hits, and a sequence with blocks there waits in `loading` while they are read: the running
-    ones step meanwhile, and it joins them once its blocks are in the pool."""
+    """Holds the waiting queue and the running list, over the engine's KV cache (NoKVCache where the engine
+    keeps none); a prefix lookup goes on in the second tier (`connector`) past the pool's hits, and a sequence
+    with blocks there waits in `loading` while they are read: the running ones step meanwhile, and it joins
+    them once its blocks are in the pool."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | NoKVCacheManager, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False, offload: KVOffloader | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCache, watermark: float = 0.01,
+                 enable_prefix_caching: bool = False, connector: KVConnector | None = None):
         self.config = config
         self.kv = kv
         self.prefix_caching = enable_prefix_caching
-        self.offload = offload if enable_prefix_caching else None
+        # without prefix caching nothing is looked up, in the pool or the tier
+        self.connector = connector if enable_prefix_caching and connector is not None else NoConnector()
         self.watermark_blocks = int(watermark * kv.num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -81,7 +80,7 @@ class Scheduler:
             out = self._schedule()
             if not out.empty or not self.loading:
                 return out
-            self.offload.wait_for_read(load.future for load in self.loading.values())
+            self.connector.wait_for_load(load.future for load in self.loading.values())
 
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -167,16 +166,14 @@ class Scheduler:
         chunk is scheduled once they are (_finish_loads)."""
         kv, bs = self.kv, self.kv.block_size
         keys = self._prefix_keys(seq)
-        in_tier = self.offload.holds if self.offload else None
-        hits = kv.cached_prefix(keys, in_tier) if keys else []
-        num_hit = kv.num_hit_blocks(hits)          # a hybrid cache's hits are per layer group
+        hit = kv.lookup(keys, self.connector.holds) if keys else NO_HIT
+        num_hit = hit.num_blocks
         n = self._num_new_tokens(seq, num_hit * bs, budget)
         reserve = self.watermark_blocks if self.running or self.loading else 0
-        if not n or kv.num_admit_blocks(hits, num_hit * bs + n) + reserve > kv.num_free_blocks:
+        if not n or kv.num_admit_blocks(hit, num_hit * bs + n) + reserve > kv.num_free_blocks:
             return 0
-        kv.share_prefix(seq.seq_id, hits)
-        blocks = kv.tier_blocks(seq.seq_id, hits, keys) if self.offload else []
-        num_pool_hit = num_hit - len({j for _, j, _, _ in blocks})     # prefix blocks none of whose pages loads
+        blocks = kv.share_prefix(seq.seq_id, hit)
+        num_pool_hit = num_hit - len({b.index for b in blocks})     # prefix blocks none of whose pages loads
         # counted once: recomputation after preemption is no hit; a cache that keeps nothing is not looked up
         first_query = not seq.prefix_queried and not kv.recomputes
         if first_query:
@@ -188,22 +185,14 @@ class Scheduler:
         seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, num_hit * bs
         if blocks:
             seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
-            future = self.offload.start_read([key for *_, key in blocks])
+            future = self.connector.start_load(blocks)
             self.loading[seq.seq_id] = TierLoad(seq, keys[:num_hit], blocks, future, len(keys) - num_hit,
                                                 first_query, swap_in)
             return n
-        self._count_tier(swap_in, 0, 0, len(keys) - num_hit)
+        self.connector.count_admission(swap_in, 0, 0, (len(keys) - num_hit) * bs)
         out.block_copies += kv.allocate(seq.seq_id, num_hit * bs, n)
         self._cache_full_blocks(seq, num_hit * bs + n)
         return n
-
-    def _count_tier(self, swap_in: bool, num_loaded: int, num_hit: int, num_missed: int) -> None:
-        """Count an admission's blocks from the tier: those a resumption read back, or the prefix blocks the
-        tier served and the full blocks past the hit found in neither the pool nor the tier."""
-        if swap_in:
-            self.offload.count_swap_in(num_loaded)
-        elif self.offload and (num_hit or num_missed):
-            self.offload.count(num_hit * self.kv.block_size, num_missed * self.kv.block_size)
 
     def _finish_loads(self) -> None:
         """Each sequence whose tier reads are done joins the running ones, in the order they were admitted."""
@@ -216,17 +205,17 @@ class Scheduler:
         starts from the longest prefix it has whole (kv.usable_prefix), the blocks after it return to the
         pool, and their tokens are computed."""
         seq, kv, bs = load.seq, self.kv, self.kv.block_size
-        data = self.offload.read_result(load.future)
-        self.offload.load([block for _, _, block, _ in load.blocks[:len(data)]], data)
-        missing = [(g, j) for g, j, _, _ in load.blocks[len(data):]]
+        num_loaded = self.connector.finish_load(load.future, load.blocks)
+        missing = [(b.group, b.index) for b in load.blocks[num_loaded:]]
         num_hit = kv.usable_prefix(seq.seq_id, len(load.keys), missing)
         kv.truncate(seq.seq_id, num_hit)
         kv.cache_blocks(seq.seq_id, 0, load.keys[:num_hit])     # the pool's hits are indexed already
         seq.num_indexed_blocks, seq.num_computed_tokens = num_hit, num_hit * bs
         if load.first_query:
             seq.num_cached_tokens = num_hit * bs
-        num_tier_hit = len({j for _, j, _, _ in load.blocks[:len(data)] if j < num_hit})
-        self._count_tier(load.swap_in, len(data), num_tier_hit, len(load.keys) - num_hit + load.num_missed)
+        num_tier_hit = len({b.index for b in load.blocks[:num_loaded] if b.index < num_hit})
+        num_missed = len(load.keys) - num_hit + load.num_missed
+        self.connector.count_admission(load.swap_in, num_loaded, num_tier_hit * bs, num_missed * bs)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -260,7 +249,7 @@ class Scheduler:
             if seq.num_evicted_tokens:
                 continue
             computed = seq.num_computed_tokens // bs
-            if seq.num_indexed_blocks > computed and seq.seq_id in self.kv.block_tables:
+            if seq.num_indexed_blocks > computed and self.kv.holds(seq.seq_id):
                 self.kv.uncache_blocks(seq.seq_id, computed, seq.block_keys[computed:seq.num_indexed_blocks])
                 seq.num_indexed_blocks = computed
 
@@ -295,23 +284,23 @@ class Scheduler:
         self.running.append(child)
 
     def _should_swap(self, seq: Sequence) -> bool:
-        """Whether preempting `seq` swaps its full blocks out to the second tier (KVOffloader.should_swap)
+        """Whether preempting `seq` swaps its full blocks out to the second tier (KVConnector.should_swap)
         rather than leaving them to be recomputed. Never for a sequence that evicted tokens: its blocks no
         longer hold what their keys name."""
-        if self.offload is None or seq.num_evicted_tokens:
+        if seq.num_evicted_tokens:
             return False
         keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
-        return self.offload.should_swap([key for _, key in self.kv.keyed_blocks(seq.seq_id, keys)])
+        return self.connector.should_swap([key for _, key in self.kv.keyed_blocks(seq.seq_id, keys)])
 
     def preempt(self, seq: Sequence, swap: bool = False) -> None:
         """Free a running sequence's blocks and requeue it at the front: to be recomputed, or with `swap`,
         after its full blocks are written to the second tier, to read them back when it resumes."""
         if swap:
             keys = seq.full_block_keys(self.kv.block_size, seq.num_computed_tokens)
-            self.offload.swap_out(self.kv.keyed_blocks(seq.seq_id, keys))
+            self.connector.swap_out(self.kv.keyed_blocks(seq.seq_id, keys))
             seq.num_swapped_blocks = len(keys)
-        elif self.offload is not None:
-            self.offload.count_recompute()
+        else:
+            self.connector.count_recompute()
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.reset_cache_state()
@@ -326,7 +315,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
-            self.offload.cancel_read(self.loading.pop(seq.seq_id).future)
+            self.connector.cancel_load(self.loading.pop(seq.seq_id).future)
         self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from kvserve.config import ModelConfig
 from kvserve.distributed import COLLECTIVE_TIMEOUT, TensorParallel, init_group, pin_cpu_threads
 from kvserve.kv import KVSpec, KVStorage, NoKVStorage
-from kvserve.kv.hybrid import HybridKVStorage, LayerGroup
+from kvserve.kv.groups import LayerGroup
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0        # seconds a worker may take to load its shard
@@ -240,14 +240,13 @@ class Workers:
             conns.append(ours)
         return procs, conns
 
-    def init_cache(self, spec: KVSpec, num_blocks: int | None, kv_groups: list[LayerGroup] | None = None) -> None:
-        """Have every worker build its KV pool: `spec` is the shard's (its KV heads; every layer's, as
-        HybridKVStorage takes it), num_blocks rank 0's (None: no cache), kv_groups the layer groups of rank 0's
-        hybrid cache (empty: one block table for every layer), each layer reading the pages of its place in its
-        group as on rank 0. Returns once all are ready to run steps (whose batches carry each group's slots and
-        block tables)."""
+    def init_cache(self, spec: KVSpec, num_blocks: int | None, layer_groups: list[LayerGroup] | None = None) -> None:
+        """Have every worker build its KV pool: `spec` is the shard's (its KV heads; every layer's, as KVStorage
+        takes it), num_blocks rank 0's (None: no cache), layer_groups those of rank 0's cache (None: one group of
+        every layer), each layer reading the pages of its place in its group as on rank 0. Returns once all are
+        ready to run steps (whose batches carry each group's slots and block tables)."""
         for conn in self.conns:
-            conn.send_bytes(_dumps(("cache", spec, num_blocks, list(kv_groups or []))))
+            conn.send_bytes(_dumps(("cache", spec, num_blocks, layer_groups)))
         self._expect("ready", START_TIMEOUT)
 
     def _expect(self, what: str, timeout: float) -> None:
@@ -399,13 +398,8 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         gemm_kernels(args.dtype)        # the OS grants AMX's tile state to each process that asks (as rank 0 did)
     GemmChoice(args.weight_format, "rank 0's", args.amx_from).apply(model)
     backend = get_backend(args.attention_backend, device)
-    kind, spec, num_blocks, kv_groups = _loads(conn.recv_bytes(), device)
-    if num_blocks is None:
-        storage = NoKVStorage(spec.num_layers)
-    elif kv_groups:
-        storage = HybridKVStorage(spec, num_blocks, device, kv_groups)
-    else:
-        storage = KVStorage(spec, num_blocks, device)
+    kind, spec, num_blocks, layer_groups = _loads(conn.recv_bytes(), device)
+    storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device, layer_groups)
     native = NativeDecode(model, storage) if args.native else None
     steps = ShmChannel(size - 1, channel) if channel is not None else None
     conn.send_bytes(_dumps(("ready", None)))

@@ -7,6 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised when the pool has fewer free blocks than asked for."""
 
@@ -116,6 +120,24 @@ class BlockPool:
         """Forget that a block holds `key` (its K/V were never computed)."""
         if self.keys[block_id] == key:
             self._evict(block_id)
+
+    def check_invariants(self, owners: dict[int, int]) -> None:
+        """RuntimeError naming the first broken rule, given each owned block's owner count: every reference count is
+        its owners, the free queue holds each unowned block once and no owned one, and the prefix index maps each
+        indexed hash to the block whose key it is."""
+        for b in range(self.num_blocks):
+            if self.ref_counts[b] != owners.get(b, 0):
+                raise RuntimeError(f"block {b}: reference count {self.ref_counts[b]}, {owners.get(b, 0)} owners")
+        owned = {b for b, n in owners.items() if n}
+        if owned & self._free.keys():
+            raise RuntimeError(f"owned blocks in the free queue: {sorted(owned & self._free.keys())}")
+        if len(self._free) + len(owned) != self.num_blocks:
+            raise RuntimeError(f"{len(self._free)} free and {len(owned)} owned blocks, of {self.num_blocks}: leaked")
+        for block_hash, b in self._cached.items():
+            if self.keys[b] is None or self.keys[b].hash != block_hash:
+                raise RuntimeError(f"the prefix index maps a hash to block {b}, which holds another key")
+        if sum(key is not None for key in self.keys) != len(self._cached):
+            raise RuntimeError("a block holds a key the prefix index does not map to it")
 
     def _evict(self, block_id: int) -> None:
         key = self.keys[block_id]

@@ -28,10 +28,21 @@ class EvictionPolicy:
     needs_scores: ClassVar[bool] = False   # the attention mass each cached token receives
     mass_reduce: ClassVar[str] = "sum"      # how a token's mass combines over queries: "sum" or "max"
     recent_option: ClassVar[str] = ""       # the option counting the most recent tokens, always kept
+    # its cache holds a bounded window: only max_tokens ends a sequence, which may run past max_model_len
+    bounds_context: ClassVar[bool] = False
 
     def max_cache_tokens(self, block_size: int) -> int | None:
         """The most tokens the cache of one sequence ever holds (None: unbounded)."""
         return None
+
+    def max_tokens_held(self, num_tokens: int, chunk: int, block_size: int) -> int:
+        """The most tokens a sequence of num_tokens tokens holds in its cache, its prompt written in chunks of
+        at most `chunk` tokens: all of them, unless the policy bounds its cache."""
+        return num_tokens
+
+    def pinned_blocks(self, block_size: int) -> int:
+        """Blocks it keeps outside a sequence's table, in each layer group that keeps every token."""
+        return 0
 
     def spec(self) -> str:
         return f"{self.name}:" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -44,6 +55,7 @@ class Sink(EvictionPolicy):
 
     name: ClassVar[str] = "sink"
     recent_option: ClassVar[str] = "window"
+    bounds_context: ClassVar[bool] = True
     sinks: int = 4
     window: int = 1020
 
@@ -56,6 +68,14 @@ class Sink(EvictionPolicy):
     def max_cache_tokens(self, block_size: int) -> int:
         # the sink blocks, the window, and the blocks it straddles (at most one partial at each end)
         return (self.sink_blocks(block_size) + math.ceil(self.window / block_size) + 1) * block_size
+
+    def max_tokens_held(self, num_tokens: int, chunk: int, block_size: int) -> int:
+        """The sink blocks and the window, and a prompt chunk on top while it is computed."""
+        return min(num_tokens, self.max_cache_tokens(block_size) + chunk)
+
+    def pinned_blocks(self, block_size: int) -> int:
+        """The unrotated originals of its sink blocks."""
+        return self.sink_blocks(block_size)
 
     def blocks_to_drop(self, num_cached: int, block_size: int) -> range:
         """Blocks of the table (after the sink blocks) whose tokens are all older than the window."""

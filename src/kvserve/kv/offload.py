@@ -42,6 +42,8 @@ import numpy as np
 import torch
 
 from kvserve.kv.blocks import BlockKey, BlockPool
+from kvserve.kv.connector import KVConnector
+from kvserve.kv.interface import BlockToLoad
 
 log = logging.getLogger(__name__)
 
@@ -649,10 +651,10 @@ def measure_prefill(prefill: Callable[[int], None], tokens: int, repeats: int = 
     return max(0.0, t1 / tokens - b * tokens), b
 
 
-class KVOffloader:
+class OffloadingConnector(KVConnector):
     """Binds a tier to an engine's pool and pages: blocks the pool evicts go to the tier (`save`, the
     pool's on_evict hook), blocks a prefix lookup finds there come back into fresh pool blocks (`read`
-    on the reader thread, started by `start_read`, then `load` by the scheduler once it is done)."""
+    on the reader thread, started by `start_load`, then written by `finish_load` once it is done)."""
 
     def __init__(self, tier: Tier, pool: BlockPool, read_blocks: Callable[[list[int]], torch.Tensor],
                  write_blocks: Callable[[list[int], torch.Tensor], None], device: torch.device):
@@ -699,9 +701,10 @@ class KVOffloader:
             out.append(data)
         return out
 
-    def start_read(self, keys: list[BlockKey]) -> Future:
-        """Start `read(keys)` on the reader thread and return at once: its future gives the blocks read
-        (read_result). Once the tier is closed the read is done before it returns."""
+    def start_load(self, blocks: list[BlockToLoad]) -> Future:
+        """Start `read` of the blocks' keys on the reader thread and return at once: its future gives the
+        blocks read (finish_load). Once the tier is closed the read is done before it returns."""
+        keys = [b.key for b in blocks]
         if self._closed:
             future = Future()
             future.set_running_or_notify_cancel()
@@ -711,22 +714,20 @@ class KVOffloader:
         self._reads[future] = len(keys)
         return future
 
-    def read_result(self, future: Future) -> list[torch.Tensor]:
-        """The blocks a done read (start_read) got: none if it was cancelled (the engine closed), so that
-        their tokens are computed instead. (A file that cannot be read or fails its checks ends the
-        blocks read there, in `read`.)"""
+    def finish_load(self, future: Future, blocks: list[BlockToLoad]) -> int:
+        """Write the blocks a done read (start_load) got into their pool blocks: none if it was cancelled (the
+        engine closed), so that their tokens are computed instead. (A file that cannot be read or fails its
+        checks ends the blocks read there, in `read`.)"""
         self._reads.pop(future, None)
-        return [] if future.cancelled() else future.result()
+        data = [] if future.cancelled() else future.result()
+        self.load([b.block for b in blocks[:len(data)]], data)
+        return len(data)
 
-    def cancel_read(self, future: Future) -> None:
-        """Drop a read nobody waits for any more: it does not start if it has not; its blocks are never
-        loaded."""
+    def cancel_load(self, future: Future) -> None:
         future.cancel()
         self._reads.pop(future, None)
 
-    @staticmethod
-    def wait_for_read(futures: Iterable[Future]) -> None:
-        """Block until one of these reads is done (a step with nothing else to run waits for its blocks)."""
+    def wait_for_load(self, futures: Iterable[Future]) -> None:
         wait(list(futures), return_when=FIRST_COMPLETED)
 
     @property
@@ -744,9 +745,13 @@ class KVOffloader:
             self.write_blocks(block_ids, rows.to(self.device))
             self.counters.loads += len(block_ids)
 
-    def count(self, hit_tokens: int, miss_tokens: int) -> None:
-        self.counters.hit_tokens += hit_tokens
-        self.counters.miss_tokens += miss_tokens
+    def count_admission(self, swap_in: bool, num_loaded: int, hit_tokens: int, miss_tokens: int) -> None:
+        if swap_in:
+            self.counters.swap_ins += 1
+            self.counters.swap_in_blocks += num_loaded
+        else:
+            self.counters.hit_tokens += hit_tokens
+            self.counters.miss_tokens += miss_tokens
 
     def measure_transfer(self, num_blocks: int = 8, repeats: int = 3) -> tuple[float, float]:
         """Seconds a block takes to go from the pool into the tier, and back, timed on `num_blocks` of the
@@ -793,10 +798,6 @@ class KVOffloader:
 
     def count_recompute(self) -> None:
         self.counters.recomputes += 1
-
-    def count_swap_in(self, num_loaded: int) -> None:
-        self.counters.swap_ins += 1
-        self.counters.swap_in_blocks += num_loaded
 
     def close(self) -> None:
         """Stop the reader (reads not started are cancelled: their sequences compute those tokens; the one

@@ -1,26 +1,75 @@
-"""KVStorage: the preallocated K and V pages of every layer, full precision or quantized."""
+"""KVStorage: the preallocated K and V pages of every layer, full precision or quantized, over the pool's blocks.
+
+With several layer groups (kv/groups.py), one block of the pool holds the pages of as many layers as the
+largest group: the storage keeps that many page tensors, and layer i's pages are those of its place within
+its group (`slots`). With layers kept in the model's dtype among quantized ones (kv_cache_dtype_skip_layers), a
+block holds enough tensors of each dtype for any group (`block_spec`), each layer taking one of its own dtype.
+A block serves one group at a time, so that copying a block copies every tensor's page.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from kvserve.engine.cpu_memory import zeros
 from kvserve.kernels import fallback, function
+from kvserve.kv.groups import LayerGroup
 from kvserve.kv.quant import QuantizedLayer, codecs, rotate_keys_, take_blocks
 from kvserve.kv.spec import KVSpec
 
 
+def _full_precision_slots(groups: list[LayerGroup], quantized: set[int]) -> int:
+    """Page tensors of a block kept in the model's dtype: those of the group with the most unquantized layers."""
+    return max(sum(layer not in quantized for layer in g.layers) for g in groups)
+
+
+def block_spec(spec: KVSpec, groups: list[LayerGroup]) -> KVSpec:
+    """The spec of one block of the pool (its num_layers: the page tensors a block holds), from the model's.
+
+    A block serves one group at a time, and each of its page tensors must hold its layer's pages in that layer's
+    dtype whatever the group: with kv_cache_dtype_skip_layers, the block holds as many full-precision tensors as
+    any group has unquantized layers, then as many quantized ones as any group has quantized layers (the pool's
+    skip_layers are the leading tensors). Without, as many tensors of one kind as the largest group has layers.
+    Where the two maxima come from different groups, a block is larger than any one group's pages: the page
+    layouts of the two dtypes cannot share bytes, their block axis not leading."""
+    quantized = set(spec.quantized_layers)
+    full = _full_precision_slots(groups, quantized)
+    quant = max(sum(layer in quantized for layer in g.layers) for g in groups)
+    return replace(spec, num_layers=full + quant,
+                   skip_layers=tuple(range(full)) if spec.kv_cache_dtype != "auto" else ())
+
+
+def layer_slots(groups: list[LayerGroup], num_layers: int, quantized: set[int] = frozenset()
+                ) -> tuple[list[int], list[int]]:
+    """For each layer: the page tensor it uses and its group's index. A group's unquantized layers take the
+    block's full-precision tensors in order, its `quantized` ones the quantized tensors after those (block_spec)."""
+    slots, owner = [0] * num_layers, [0] * num_layers
+    first_quantized = _full_precision_slots(groups, quantized)
+    for g, group in enumerate(groups):
+        full = [layer for layer in group.layers if layer not in quantized]
+        quant = [layer for layer in group.layers if layer in quantized]
+        for place, layer in [*enumerate(full), *enumerate(quant, first_quantized)]:
+            slots[layer], owner[layer] = place, g
+    return slots, owner
+
+
 class KVStorage:
-    """Full-precision layers share one tensor [layers, 2, kv_heads, num_blocks, block_size, head_dim];
-    quantized layers (spec.kv_cache_dtype) are QuantizedLayers over the same block ids.
+    """Full-precision page tensors share one tensor [tensors, 2, kv_heads, num_blocks, block_size, head_dim];
+    quantized ones (spec.kv_cache_dtype) are QuantizedLayers over the same block ids.
 
     Heads lead so that gathering a batch's pages yields [kv_heads, seqs, tokens, head_dim] with no
     further copy: the layout the attention matmuls take directly.
+
+    `model_spec` is the model's (every layer, its skip_layers); `spec` becomes the pool's, block_spec's, for the
+    layer groups `groups` (default: one group of every layer).
     """
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device):
-        self.spec = spec
+    def __init__(self, model_spec: KVSpec, num_blocks: int, device: torch.device,
+                 groups: list[LayerGroup] | None = None):
+        groups = groups or [LayerGroup(None, tuple(range(model_spec.num_layers)))]
+        self.spec = spec = block_spec(model_spec, groups)
         self.block_size = bs = spec.block_size
         self.num_blocks = num_blocks
         quantized = set(spec.quantized_layers)
@@ -31,10 +80,12 @@ class KVStorage:
                                       spec.head_dim, spec.dtype, torch.device(device))
                        if i in quantized else next(full) for i in range(spec.num_layers)]
         self.quantized = [layer for layer in self.layers if isinstance(layer, QuantizedLayer)]
+        self.slots, self.layer_group = layer_slots(groups, model_spec.num_layers, set(model_spec.quantized_layers))
 
     def layer(self, i: int) -> torch.Tensor | QuantizedLayer:
-        """Layer i's cache: pages [2, kv_heads, num_blocks, block_size, head_dim], or a QuantizedLayer."""
-        return self.layers[i]
+        """Model layer i's cache: the pages of its place in its group, [2, kv_heads, num_blocks, block_size,
+        head_dim], or a QuantizedLayer."""
+        return self.layers[self.slots[i]]
 
     @property
     def device(self) -> torch.device:
