@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.arg_utils import write_json
 from kvserve.attention import AttentionBatch
-from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
-                                  write_json)
+from kvserve.bench.common import add_model_args, describe_shape, make_checkpoint, model_shape, print_table
 from kvserve.config import ModelConfig, parse_dtype
 from kvserve.kernels import function
 from kvserve.llm import LLM

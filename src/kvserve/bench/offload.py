@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvserve.arg_utils import write_json
 from kvserve.bench.common import (
     add_model_args,
     describe_shape,
@@ -31,7 +32,6 @@ from kvserve.bench.common import (
     model_shape,
     print_table,
     random_prompts,
-    write_json,
 )
 from kvserve.kv.manager import cdiv
 from kvserve.llm import LLM

@@ -19,7 +19,8 @@ import statistics
 
 import torch
 
-from kvserve.bench.common import decode_rate, print_table, random_prompts, write_json
+from kvserve.arg_utils import write_json
+from kvserve.bench.common import decode_rate, print_table, random_prompts
 from kvserve.config import QUANTIZATIONS
 from kvserve.eval.data import held_out_text
 from kvserve.eval.perplexity import perplexity

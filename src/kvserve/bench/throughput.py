@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from kvserve.arg_utils import write_json
 from kvserve.bench import llamacpp
 from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_bytes, linear_params,
                                   linear_step, make_checkpoint, matmul_rate, model_shape, pick_device, print_table,
-                                  process_memory, random_prompts, ReadBandwidth, step_times, sync, write_json)
+                                  process_memory, random_prompts, ReadBandwidth, step_times, sync)
 from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, ModelConfig, parse_dtype
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams

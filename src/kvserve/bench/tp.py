@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kvserve.bench.common import add_model_args, describe_shape, make_checkpoint, model_shape, print_table, \
-    random_prompts, write_json
+from kvserve.arg_utils import write_json
+from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
+                                  random_prompts)
 from kvserve.distributed import pin_cpu_threads
 from kvserve.engine.workers import ShmChannel, StoreConnection, _loads
 from kvserve.llm import LLM

@@ -8,8 +8,8 @@ import time
 import urllib.error
 import urllib.request
 
-from kvserve.bench import MissingDependency
 from kvserve.engine.kv_state import STATES
+from kvserve.extras import MissingDependency
 
 COLORS = {"free": "grey30", "cached": "blue", "used": "green", "shared": "dark_orange"}
 # a terminal cell stands for several blocks where the pool outgrows the screen: it shows the most
