@@ -20,7 +20,8 @@ from kvserve.engine import kv_state
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv import offload as offload_module
 from kvserve.kv.blocks import BlockKey, block_key
-from kvserve.kv.offload import SUFFIX, DiskTier, HostTier, KVOffloader, SwapCosts, measure_prefill, swap_is_cheaper
+from kvserve.kv.offload import (SUFFIX, DiskTier, HostTier, KVOffloader, SwapCosts, measure_prefill,
+                                swap_is_cheaper)
 from kvserve.server.metrics import EngineCollector
 from timings import measured
 from tiny_models import make_checkpoint
@@ -727,7 +728,8 @@ def test_engine_flags(tmp_path):
     kwargs = engine_kwargs(args)
     assert kwargs["kv_offload"] == f"disk:{tmp_path}" and kwargs["kv_offload_size"] == "2GiB"
     assert kwargs["preemption_mode"] is None
-    args = build_parser().parse_args(["generate", "hi", "--kv-offload", f"disk:{tmp_path}", "--preemption-mode", "swap"])
+    args = build_parser().parse_args(["generate", "hi", "--kv-offload", f"disk:{tmp_path}",
+                                      "--preemption-mode", "swap"])
     assert engine_kwargs(args)["preemption_mode"] == "swap"
 
 

@@ -68,9 +68,9 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cache_dtype):
     """Quantized pages (scales sharded with their heads), a prompt reusing a cached prefix, n=3 samples forked
-    from one prompt (copy-on-write block copies), and a pool so small that sequences are preempted: as one rank. A rank's partial sums round
-    differently, and a number that then quantizes to its neighbour moves a logit by more than 1e-4: the sampled
-    tokens' logprobs are compared within 1e-3."""
+    from one prompt (copy-on-write block copies), and a pool so small that sequences are preempted: as one
+    rank. A rank's partial sums round differently, and a number that then quantizes to its neighbour moves a
+    logit by more than 1e-4: the sampled tokens' logprobs are compared within 1e-3."""
     batches = [[list(range(8, 60))], [list(range(8, 60)) + [3, 4, 5], list(range(8, 44)) + [9]]]
     params = SamplingParams(max_tokens=24, temperature=0, n=3, logprobs=2)    # (prompt_logprobs: no prefix reuse)
     kw = dict(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=14, block_size=8, max_num_seqs=4)

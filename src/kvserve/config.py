@@ -400,8 +400,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.quantization is not None:
-            raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size {self.tensor_parallel_size}: "
-                             f"quantized weights run on one rank only")
+            raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size "
+                             f"{self.tensor_parallel_size}: quantized weights run on one rank only")
         if self.tensor_parallel_size > 1 and self.kv_offload is not None:
             raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
                              f"writes rank 0's pool only")

@@ -123,7 +123,8 @@ class TorchDecode(torch.nn.Module):
             qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
             qk = qkv[:, :self.q_size + self.kv_size].view(b, nh + nkv, d)
             if attn.qk_norm:
-                qk = torch.cat((self.norm(qk[:, :nh], attn.q_norm.weight), self.norm(qk[:, nh:], attn.k_norm.weight)), 1)
+                qk = torch.cat((self.norm(qk[:, :nh], attn.q_norm.weight),
+                                self.norm(qk[:, nh:], attn.k_norm.weight)), 1)
             qk = qk * cos + qk.roll(d // 2, -1) * sin
             kv = torch.stack((qk[:, nh:], qkv[:, self.q_size + self.kv_size:].view(b, nkv, d)), 1)
             cache = caches[i]

@@ -82,7 +82,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="bytes, or a size such as 2GiB (instead of --num-kv-blocks)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--quantization", default="none",
-                   help=f"weights: comma-separated of none, {', '.join(QUANTIZATIONS)} (each a column beside the dtype)")
+                   help=f"weights: comma-separated of none, {', '.join(QUANTIZATIONS)} (each a column beside the "
+                        f"dtype)")
     p.add_argument("--llama-cpp", default=True, action=argparse.BooleanOptionalAction,
                    help="run llama.cpp on the same checkpoint (bfloat16, Llama shapes; needs the peers extra): "
                         "BF16 beside full precision, Q8_0 beside int8, Q4_0 beside int4")
@@ -392,7 +393,9 @@ def _gemm(report: dict) -> str:
 
 def _peak_rss(r: dict) -> str:
     memory = r["process_memory"]
-    return "-" if memory is None else " | ".join(f"{memory[side]['peak'] / 1e9:.2f}" for side in ("kvserve", "transformers"))
+    if memory is None:
+        return "-"
+    return " | ".join(f"{memory[side]['peak'] / 1e9:.2f}" for side in ("kvserve", "transformers"))
 
 
 def _rate(tok_s: float | None) -> str:

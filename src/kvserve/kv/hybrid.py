@@ -327,7 +327,8 @@ class HybridKVCacheManager(BlockCounts):
         gone = set(missing) | {(g, j) for g, table in enumerate(self.group_tables(seq_id))
                                for j, b in enumerate(table[:num_blocks]) if b == self.null_block}
         for h in range(num_blocks, 0, -1):
-            if not any((g, j) in gone for g in range(len(self.groups)) for j in range(h - self._window_blocks(g, h), h)):
+            if not any((g, j) in gone for g in range(len(self.groups))
+                       for j in range(h - self._window_blocks(g, h), h)):
                 return h
         return 0
 

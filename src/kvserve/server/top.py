@@ -83,8 +83,8 @@ def cmd_top(args: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.live import Live
     except ImportError as e:
-        raise MissingDependency('kvserve top needs rich, which the core install leaves out: pip install "kvserve[top]"') \
-            from e
+        raise MissingDependency("kvserve top needs rich, which the core install leaves out: "
+                                'pip install "kvserve[top]"') from e
     console = Console()
     if args.interval <= 0:
         raise ValueError(f"--interval must be positive, got {args.interval}")
