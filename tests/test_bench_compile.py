@@ -3,21 +3,17 @@ something else than the native step fails the suite instead of being timed."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
 from kvserve.bench import compile as compile_suite
 from kvserve.cli import main
+from timings import measured
 
 TINY = ["--random-model", "--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads",
         "4", "--num-kv-heads", "2", "--vocab-size", "512"]
 # one batch, one dtype, a short context: the compile dominates the test's time
 SMALL = ["--quick", "--dtypes", "float32", "--batches", "3", "--context", "40", "--steps", "2", "--repeats", "2"]
-
-
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
 def test_bench_compile_json(tmp_path):
@@ -29,15 +25,15 @@ def test_bench_compile_json(tmp_path):
     assert res["shape"]["hidden_size"] == 64 and res["model"].startswith("Llama hidden 64")
     [r] = res["results"]
     assert (r["dtype"], r["batch"]) == ("float32", 3)
-    assert set(r["tok_s"]) == {"native", "compiled", "eager"} and all(_positive(v) for v in r["tok_s"].values())
-    assert all(len(runs) == 2 and all(_positive(s) for s in runs) for runs in r["runs_s"].values())
+    assert set(r["tok_s"]) == {"native", "compiled", "eager"} and all(measured(v) for v in r["tok_s"].values())
+    assert all(len(runs) == 2 and all(measured(s) for s in runs) for runs in r["runs_s"].values())
     for name, runs in r["runs_s"].items():
         assert r["best_tok_s"][name] == pytest.approx(3 / min(runs)) and r["best_tok_s"][name] >= r["tok_s"][name]
     assert r["compiled_over_native"] == pytest.approx(r["tok_s"]["compiled"] / r["tok_s"]["native"])
     assert r["eager_over_native"] == pytest.approx(r["tok_s"]["eager"] / r["tok_s"]["native"])
     # the compiled step computes the native step's logits
     assert r["logits_match"] and r["max_logit_diff_relative"] <= res["logit_tolerance"]["float32"]
-    assert r["top1_agreement"] == 1.0 and _positive(r["first_compiled_call_s"])
+    assert r["top1_agreement"] == 1.0 and measured(r["first_compiled_call_s"])
     wins = r["compiled_over_native"] > 1 and r["tok_s"]["compiled"] > r["tok_s"]["eager"]
     assert res["compiled_wins"] == ([{"dtype": "float32", "batch": 3}] if wins else [])
 

@@ -11,6 +11,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.model import gemm_choice, layers
 from kvserve.model.gemm_choice import DECODE_ROWS, GEMM_ENV, ROWS, Shape, amx_threshold, decide
 from kvserve.model.layers import NEVER, Linear
+from timings import measured
 from tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or not layers.gemm_packs(torch.bfloat16),
@@ -62,7 +63,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypa
     for name in names:
         by_rows = report["seconds"][name]
         assert list(by_rows) == [str(m) for m in ROWS] and all(set(t) == candidates for t in by_rows.values())
-        assert all(s > 0 for t in by_rows.values() for s in t.values())
+        assert all(measured(s) for t in by_rows.values() for s in t.values())
         threshold = amx_threshold({int(m): t for m, t in by_rows.items()})
         assert report["amx_from"][name] == (None if threshold == NEVER else threshold)
     per_row = report["decode_s_per_row"]

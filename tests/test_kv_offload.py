@@ -2,6 +2,7 @@
 this engine and after a restart, and nothing it holds ever changes an output."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -18,8 +19,10 @@ from kvserve.engine import kv_state
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv import offload as offload_module
 from kvserve.kv.blocks import BlockKey, block_key
-from kvserve.kv.offload import SUFFIX, DiskTier, HostTier, OffloadingConnector, SwapCosts, swap_is_cheaper
+from kvserve.kv.offload import (SUFFIX, DiskTier, HostTier, OffloadingConnector, SwapCosts, measure_prefill,
+                                swap_is_cheaper)
 from kvserve.server.metrics import EngineCollector
+from timings import measured
 from tiny_models import make_checkpoint
 
 BS = 4
@@ -413,10 +416,40 @@ def test_swap_or_recompute_by_the_measured_costs():
 def test_an_engine_measures_the_costs_at_start_up_and_counts_each_preemption(ckpt, tmp_path):
     llm = LLM(str(ckpt), block_size=BS, num_kv_blocks=24, kv_offload=f"disk:{tmp_path / 'tier'}")
     costs = llm.engine.connector.swap_costs
-    assert costs.prefill_s_per_token > 0 and costs.write_s_per_block > 0 and costs.read_s_per_block > 0
+    assert isinstance(costs, SwapCosts) and all(measured(c) for c in dataclasses.astuple(costs))
     llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
     stats = llm.stats()
     assert stats["kv_offload_swap_outs"] + stats["kv_offload_recomputes"] == stats["num_preemptions"] > 0
+
+
+class _Clock:
+    """time.perf_counter of a machine on which a prefill takes the seconds it is given, and nothing else any."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_prefill_cost_is_fitted_to_the_fastest_runs(monkeypatch):
+    """A prefill of T tokens that takes a T + b T^2 seconds gives back a and b, whatever a run another job slowed
+    adds; where the longer prefill is not even twice the shorter (noise on a prefill too short for attention
+    to show), the quadratic term is 0 and the cost a token the shorter's."""
+    clock = _Clock()
+    monkeypatch.setattr(offload_module, "time", clock)
+    calls = []
+
+    def prefill(tokens: int) -> None:
+        calls.append(tokens)
+        slowed = 1.0 if len(calls) in (1, 4) else 0.0        # one run of each length shares its cores
+        clock.now += 2e-3 * tokens + 1e-5 * tokens ** 2 + slowed
+
+    a, b = measure_prefill(prefill, 64, repeats=2)
+    assert calls == [64, 64, 128, 128]
+    assert a == pytest.approx(2e-3) and b == pytest.approx(1e-5)
+    a, b = measure_prefill(lambda tokens: setattr(clock, "now", clock.now + (0.5 if tokens == 64 else 0.9)), 64)
+    assert b == 0.0 and a == pytest.approx(0.5 / 64)
 
 
 def test_no_swap_past_the_tier_or_once_it_is_closed(ckpt, tmp_path):
@@ -693,7 +726,8 @@ def test_engine_flags(tmp_path):
     kwargs = engine_kwargs(args)
     assert kwargs["kv_offload"] == f"disk:{tmp_path}" and kwargs["kv_offload_size"] == "2GiB"
     assert kwargs["preemption_mode"] is None
-    args = build_parser().parse_args(["generate", "hi", "--kv-offload", f"disk:{tmp_path}", "--preemption-mode", "swap"])
+    args = build_parser().parse_args(["generate", "hi", "--kv-offload", f"disk:{tmp_path}",
+                                      "--preemption-mode", "swap"])
     assert engine_kwargs(args)["preemption_mode"] == "swap"
 
 

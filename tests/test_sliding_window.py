@@ -195,8 +195,8 @@ def test_eviction_that_would_cut_a_window_is_refused(tmp_path, eviction, option,
     ValueError naming the policy, the window and the option."""
     path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"][1])
     llm = LLM(str(path), block_size=4, num_kv_blocks=64, disable_hybrid_kv_cache_manager=disable)
-    message = f"eviction '{eviction.split(':')[0]}.* sliding-window layers \\(window 8\\): {option} \\(\\d\\) must be " \
-              f"at least 8 tokens"
+    message = (f"eviction '{eviction.split(':')[0]}.* sliding-window layers \\(window 8\\): {option} \\(\\d\\) "
+               f"must be at least 8 tokens")
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request("r", {"prompt_token_ids": prompt(20)}, SamplingParams(max_tokens=4, eviction=eviction))
     assert not llm.engine.requests

@@ -15,6 +15,7 @@ from kvserve.engine.workers import WorkerArgs, Workers
 from kvserve.kv import KVSpec
 from kvserve.planner import num_blocks
 from test_hybrid_kv import SYSTEM, WINDOW, gemma2, gemma3, mistral  # noqa: F401  (the fixtures: tiny checkpoints)
+from timings import measured
 from tiny_models import make_checkpoint
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], list(range(8, 30)), [5, 17, 33, 2, 99, 100, 7, 61, 62]]
@@ -67,9 +68,9 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cache_dtype):
     """Quantized pages (scales sharded with their heads), a prompt reusing a cached prefix, n=3 samples forked
-    from one prompt (copy-on-write block copies), and a pool so small that sequences are preempted: as one rank. A rank's partial sums round
-    differently, and a number that then quantizes to its neighbour moves a logit by more than 1e-4: the sampled
-    tokens' logprobs are compared within 1e-3."""
+    from one prompt (copy-on-write block copies), and a pool so small that sequences are preempted: as one
+    rank. A rank's partial sums round differently, and a number that then quantizes to its neighbour moves a
+    logit by more than 1e-4: the sampled tokens' logprobs are compared within 1e-3."""
     batches = [[list(range(8, 60))], [list(range(8, 60)) + [3, 4, 5], list(range(8, 44)) + [9]]]
     params = SamplingParams(max_tokens=24, temperature=0, n=3, logprobs=2)    # (prompt_logprobs: no prefix reuse)
     kw = dict(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=14, block_size=8, max_num_seqs=4)
@@ -251,14 +252,15 @@ def test_bench_tp_counts_each_steps_collectives(tmp_path):
     for run, executor in (("tp2", "native_tp"), ("tp2_eager", "eager_tp")):
         assert all(r["executors"] == [executor] for r in runs[run].values())
         assert {r["all_reduces_per_step"] for r in runs[run].values()} == {2 * 2 + 1}
-        assert all(r["comm_ms"] > 0 for r in runs[run].values())
+        assert all(measured(r["comm_ms"]) for r in runs[run].values())
     assert all(r["all_reduces_per_step"] == 0 and r["comm_ms"] == 0 for r in runs["tp1"].values())
     # the step message of each batch through every channel, the same bytes each way
     channels = res["channels"]
     assert set(channels) == {"shm", "pipe", "store", "broadcast"}
     for batch in ("1", "2"):
         assert len({c[batch]["bytes"] for c in channels.values()}) == 1
-        assert all(c[batch]["delivered_ms"] > c[batch]["load_ms"] > 0 for c in channels.values())
+        assert all(c[batch]["delivered_ms"] >= c[batch]["load_ms"] and measured(c[batch]["load_ms"])
+                   for c in channels.values())
 
 
 def test_shm_channel_carries_steps_and_sends_larger_ones_and_exit_through_the_pipe():

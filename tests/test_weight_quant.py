@@ -132,7 +132,8 @@ def test_quantized_gate_up_is_swiglu_of_the_dequantized_weight(quantization, dty
     assert lin.load(w.clone(), "gemm", quantization) == "gemm" and lin.quantization == quantization
     lin.amx_from = amx_from
     rnd = (lambda t: t.to(dtype).double()) if dtype == torch.bfloat16 else (lambda t: t)
-    gate, up = rnd(_reference(x, _quantized(w, quantization, dtype, gated=True, kernel=kernel)[2], None)).chunk(2, dim=-1)
+    packed = _quantized(w, quantization, dtype, gated=True, kernel=kernel)[2]
+    gate, up = rnd(_reference(x, packed, None)).chunk(2, dim=-1)
     ref = rnd(rnd(F.silu(gate)) * up)
     tol = 1e-5 * k ** 0.5 if dtype == torch.float32 else 2 ** -6
     assert ((lin(x).double() - ref).abs() <= tol * (ref.abs() + 1)).all()
@@ -189,8 +190,10 @@ def test_greedy_tokens_match_transformers_on_the_dequantized_weights(tmp_path, q
             assert out.outputs[0].token_ids == expected
 
 
-@pytest.mark.parametrize("weights, kwargs", [("int8", dict(kv_cache_dtype="int8")), ("int8", dict(kv_cache_dtype="fp8")),
-                                             ("int8", dict(kv_cache_dtype="int4")), ("int4", dict(kv_cache_dtype="int8")),
+@pytest.mark.parametrize("weights, kwargs", [("int8", dict(kv_cache_dtype="int8")),
+                                             ("int8", dict(kv_cache_dtype="fp8")),
+                                             ("int8", dict(kv_cache_dtype="int4")),
+                                             ("int4", dict(kv_cache_dtype="int8")),
                                              ("int8", dict(eviction="h2o:budget=16,recent=4")),
                                              ("int4", dict(eviction="sink:sinks=4,window=8", num_scheduler_steps=1))],
                          ids=["int8-pages", "fp8-pages", "int4-pages", "int4-weights-int8-pages", "h2o", "int4-sink"])

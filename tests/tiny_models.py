@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.bench.common import make_tokenizer, save_random_model
+from kvserve.model.random_checkpoint import make_tokenizer, save_random_model
 
 VOCAB = 384
 _CORPUS = [

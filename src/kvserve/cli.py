@@ -5,89 +5,16 @@ import argparse
 import os
 import sys
 
-from kvserve.bench import MissingDependency
-from kvserve.config import ATTENTION_BACKENDS, CACHE_MODES, KV_CACHE_DTYPES, QUANTIZATIONS, ServerConfig
+from kvserve.arg_utils import add_engine_args, engine_kwargs
+from kvserve.config import ServerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The LLM(...) options, as flags shared by every subcommand that builds an engine."""
-    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the bundled demo model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="bytes, or a size such as 2GiB")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                   help="most prompt tokens of one sequence per step (chunked prefill)")
-    p.add_argument("--cache-mode", default="paged", choices=CACHE_MODES)
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="store K/V as int8, fp8 or int4 pages (auto: the model's dtype)")
-    p.add_argument("--kv-cache-dtype-skip-layers", type=layer_list, default=(),
-                   help="comma-separated layers kept in the model's dtype, e.g. 0,31")
-    p.add_argument("--eviction", default=None,
-                   help='KV eviction of every request: "sink:sinks=4,window=1020", '
-                        '"h2o:budget=512,recent=64,score=max" or "snapkv:budget=512,window=32"')
-    p.add_argument("--allow-long-max-model-len", action="store_true",
-                   help="accept a --max-model-len past the model's trained positions")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of the GPU for weights, activations and the KV cache (when its size is not given)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="decode op by op: no CUDA graphs on a GPU; on the CPU, no native decode step")
-    p.add_argument("--cpu-allocator-tuning", default=True, action=argparse.BooleanOptionalAction,
-                   help="on the CPU, keep freed memory in the process for the next step's tensors (glibc malloc "
-                        "settings, process-wide)")
-    p.add_argument("--num-scheduler-steps", type=int, default=8,
-                   help="decode steps one native CPU call may run where nobody sees the steps between (offline "
-                        "greedy batches); 1: one a call")
-    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
-                   help="one block table for all layers of a sliding-window model: every layer keeps every token "
-                        "(default: each layer group its own, a sliding group only its window)")
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="weight-only quantization of every linear layer (lm_head too) at load, CPU only: int8 per "
-                        "output channel, int4 in groups of 32")
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer: prompts must be token ids, and outputs have token ids but no text")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks the model and the KV cache are split across: this process and N-1 spawned workers "
-                        "(gloo on the CPU, NCCL on CUDA); --kv-cache-memory is then per rank")
-    p.add_argument("--kv-offload", default=None, metavar="disk:PATH|cpu",
-                   help="a second tier for the blocks the prefix cache evicts: disk:PATH keeps them in files that "
-                        "a restarted engine finds; cpu (CUDA only) in pinned host memory")
-    p.add_argument("--kv-offload-size", default=None, help="the tier's size, e.g. 16GiB (default 16GiB)")
-    p.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"],
-                   help="with --kv-offload, what a preempted sequence's blocks do: swap (written to the tier and "
-                        "read back when it resumes) or recompute; by default, whichever a prefill and a transfer "
-                        "timed at start-up say costs less")
-
-
-def layer_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers such as 0,31, got {text!r}") from None
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ["dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-            "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "cache_mode",
-            "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
-            "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
-            "cpu_allocator_tuning", "skip_tokenizer_init", "tensor_parallel_size",
-            "disable_hybrid_kv_cache_manager", "kv_offload", "kv_offload_size", "preemption_mode", "quantization"]
-    return {k: getattr(args, k) for k in keys}
+from kvserve.extras import MissingDependency
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, stop=args.stop or None)
     engine = llm.engine
@@ -122,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_n_sequences=args.max_n_sequences, max_completion_prompts=args.max_completion_prompts,
                           chat_template=load_chat_template(args.chat_template), enable_docs=args.enable_docs,
                           kv_dashboard=args.kv_dashboard, kv_dashboard_content=args.kv_dashboard_content)
-    app = build_app(EngineConfig(model=args.model, **engine_kwargs(args)), name, config)
+    app = build_app(EngineConfig(**engine_kwargs(args)), name, config)
     uvicorn.Server(uvicorn_config(app, args.host, args.port, config.request_read_timeout, config.max_connections,
                                   args.log_level)).run()
     return 0
@@ -176,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.planner import add_plan_parser
     add_plan_parser(sub)
     from kvserve.eval.cli import add_eval_parser
-    add_eval_parser(sub, add_engine_args, engine_kwargs)
+    add_eval_parser(sub)
+    # the benches' one entry point, imported here alone: no other module depends on them
     from kvserve.bench import add_bench_parser
     add_bench_parser(sub)
     from kvserve.server.top import add_top_parser

@@ -279,52 +279,82 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def option(default: Any, help_text: str, **flag: Any) -> Any:
+    """A field of EngineConfig: its default and its help text, which the `kvserve` command's flag shows, and what
+    the flag needs beyond the field's type (kvserve.arg_utils): its choices (a tuple, or a function returning
+    one), aliases, metavar, or a cli_default where the command's default is not the library's."""
+    return field(default=default, metadata={"help": help_text, **flag})
+
+
+def _preemption_modes() -> tuple[str, ...]:
+    from kvserve.kv.offload import PREEMPTION_MODES    # kvserve.kv imports this module
+
+    return PREEMPTION_MODES
+
+
 @dataclass
 class EngineConfig:
     """Everything LLM(...) accepts, validated; the model itself is resolved by the engine."""
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int | None = None
-    cache_mode: str = "paged"
-    attention_backend: str = "auto"
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
-    kv_cache_dtype_skip_layers: tuple[int, ...] = ()
-    eviction: str | dict | None = None      # the default policy of requests (kvserve.kv.eviction)
-    allow_long_max_model_len: bool = False  # max_model_len past the model's trained positions
-    gpu_memory_utilization: float = 0.9     # share of the GPU for weights, activations and the KV pool
-    enforce_eager: bool = False             # decode op by op: no CUDA graphs, no native CPU decode step
-    # decode steps one native CPU call may run where nobody sees the steps between (offline greedy batches)
-    num_scheduler_steps: int = 8
-    # on the CPU, have glibc's malloc keep freed memory for reuse instead of returning it (process-wide,
-    # so a library leaves it off unless asked; the `kvserve` command turns it on)
-    cpu_allocator_tuning: bool = False
-    # load no tokenizer: prompts are token ids, outputs token ids with no text (vLLM's skip_tokenizer_init)
-    skip_tokenizer_init: bool = False
-    # ranks the model and the KV pool are split across (vLLM's): rank 0 is this process, the others spawned workers
-    tensor_parallel_size: int = 1
-    # one block table for every layer even where some attend within a sliding window (vLLM's flag): every
-    # layer keeps every token, as a cache of full-attention layers does
-    disable_hybrid_kv_cache_manager: bool = False
-    # a second tier for blocks the prefix cache evicts: "disk:PATH" (kept across restarts), or "cpu" (pinned
-    # host memory, for a CUDA pool); kv_offload_size bounds it (default 16 GiB)
-    kv_offload: str | None = None
-    kv_offload_size: int | str | None = None
-    # what a preemption does with a tier: "swap" the sequence's blocks out to it and back, "recompute" them,
-    # or None: whichever of the two costs less, from a prefill and a transfer timed at start-up (vLLM's name)
-    preemption_mode: str | None = None
-    # weight-only quantization of every linear layer, lm_head included, at load (QUANTIZATIONS; None: none):
-    # int8 per output channel, int4 in groups of 32 k with a scale and a minimum each
-    quantization: str | None = None
+    model: str | None = option(None, "checkpoint directory or hub id (default: the bundled demo model)")
+    dtype: str = option("auto", "the weights' and activations' dtype (auto: the checkpoint's; float16 runs as float32 "
+                                "on the CPU)", choices=("auto", "float32", "bfloat16", "float16"))
+    device: str | None = option(None, "cpu or cuda (default: cuda when present)")
+    seed: int = option(0, "seed of the sampling of requests that give no seed of their own")
+    max_model_len: int | None = option(None, "most tokens of a sequence, prompt and output (default: the model's "
+                                             "trained positions)")
+    block_size: int = option(16, "tokens of a KV cache block")
+    num_kv_blocks: int | None = option(None, "blocks of the KV pool (default: as many as --kv-cache-memory holds)")
+    kv_cache_memory: int | str | None = option(None, "the KV pool's size: bytes, or a size such as 2GiB (default: on "
+                                                     "the CPU 2GiB, at most what --max-num-seqs sequences of "
+                                                     "--max-model-len use; on a GPU, --gpu-memory-utilization's share)")
+    max_num_seqs: int = option(256, "most sequences of one step")
+    max_num_batched_tokens: int | None = option(None, "most tokens of one step (default: 8192, or --max-model-len "
+                                                      "where longer)")
+    long_prefill_token_threshold: int | None = option(None, "most prompt tokens of one sequence per step (chunked "
+                                                            "prefill)")
+    cache_mode: str = option("paged", "paged: blocks taken on demand; contiguous: one max-length block a sequence; "
+                                      "none: no cache, a sequence is computed whole each step", choices=CACHE_MODES)
+    attention_backend: str = option("auto", "the attention kernels (auto: triton on CUDA, native on the CPU)",
+                                    choices=ATTENTION_BACKENDS)
+    enable_prefix_caching: bool = option(True, "reuse the computed full blocks of earlier prompts, keyed by their "
+                                               "tokens")
+    kv_cache_dtype: str = option("auto", "store K/V as int8, fp8 or int4 pages (auto: the model's dtype)",
+                                 choices=KV_CACHE_DTYPES)
+    kv_cache_dtype_skip_layers: tuple[int, ...] = option((), "comma-separated layers kept in the model's dtype, "
+                                                             "e.g. 0,31")
+    eviction: str | dict | None = option(None, 'KV eviction of every request that asks for none of its own: '
+                                               '"sink:sinks=4,window=1020", '
+                                               '"h2o:budget=512,recent=64,score=max" or "snapkv:budget=512,window=32"')
+    allow_long_max_model_len: bool = option(False, "accept a --max-model-len past the model's trained positions")
+    gpu_memory_utilization: float = option(0.9, "share of the GPU for weights, activations and the KV cache (when "
+                                                "its size is not given)")
+    enforce_eager: bool = option(False, "decode op by op: no CUDA graphs on a GPU; on the CPU, no native decode step")
+    num_scheduler_steps: int = option(8, "decode steps one native CPU call may run where nobody sees the steps "
+                                         "between (offline greedy batches); 1: one a call")
+    cpu_allocator_tuning: bool = option(False, "on the CPU, keep freed memory in the process for the next step's "
+                                               "tensors (glibc malloc settings, process-wide: so LLM(...) leaves "
+                                               "them alone unless asked, and the command sets them)",
+                                        cli_default=True)
+    skip_tokenizer_init: bool = option(False, "load no tokenizer: prompts must be token ids, and outputs have token "
+                                              "ids but no text (vLLM's skip_tokenizer_init)")
+    tensor_parallel_size: int = option(1, "ranks the model and the KV cache are split across: this process and N-1 "
+                                          "spawned workers (gloo on the CPU, NCCL on CUDA); --kv-cache-memory is "
+                                          "then per rank", aliases=("-tp",))
+    disable_hybrid_kv_cache_manager: bool = option(False, "one block table for all layers of a sliding-window model: "
+                                                          "every layer keeps every token (default: each layer group "
+                                                          "its own, a sliding group only its window)")
+    kv_offload: str | None = option(None, "a second tier for the blocks the prefix cache evicts: disk:PATH keeps them "
+                                          "in files that a restarted engine finds; cpu (CUDA only) in pinned host "
+                                          "memory", metavar="disk:PATH|cpu")
+    kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB)")
+    preemption_mode: str | None = option(None, "with --kv-offload, what a preempted sequence's blocks do: swap "
+                                               "(written to the tier and read back when it resumes) or recompute; "
+                                               "by default, whichever a prefill and a transfer timed at start-up "
+                                               "say costs less", choices=_preemption_modes)
+    quantization: str | None = option(None, "weight-only quantization of every linear layer (lm_head too) at load, "
+                                            "CPU only: int8 per output channel, int4 in groups of 32 with a scale "
+                                            "and a minimum each", choices=QUANTIZATIONS)
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -370,8 +400,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.quantization is not None:
-            raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size {self.tensor_parallel_size}: "
-                             f"quantized weights run on one rank only")
+            raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size "
+                             f"{self.tensor_parallel_size}: quantized weights run on one rank only")
         if self.tensor_parallel_size > 1 and self.kv_offload is not None:
             raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
                              f"writes rank 0's pool only")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.cli import layer_list
+from kvserve.arg_utils import layer_list
 from kvserve.config import (KV_CACHE_DTYPES, QUANTIZATIONS, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes,
                             parse_dtype)
 from kvserve.distributed import check_tensor_parallel, shard_config
@@ -63,7 +63,7 @@ MODELS = {
 }
 # Nominal memory of common cards, GiB.
 GPUS = {"h100": 80, "h200": 141, "a100-40": 40, "a100-80": 80, "l4": 24, "l40s": 48, "rtx-4090": 24, "rtx-3090": 24}
-# The request-length mix of `kvserve bench capacity`: log-normal prompt and output lengths.
+# The capacity bench's request-length mix: log-normal prompt and output lengths.
 MIX = dict(prompt_median=160, output_median=340, sigma=1.0, samples=100_000, seed=0)
 
 
@@ -374,7 +374,7 @@ def _block_formula(group: dict, cfg: ModelConfig, spec: KVSpec) -> str:
 
 
 def _plot(args, memory: int, kw: dict) -> None:
-    from kvserve.bench import pyplot
+    from kvserve.extras import pyplot
 
     plt = pyplot("kvserve plan --plot")
     contexts = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)

@@ -1,36 +1,14 @@
 """`kvserve bench SUITE`: each suite measures one claim, ours beside a reference, and prints a number.
 
 The benches' own dependencies (matplotlib for figures, aiohttp for `bench serve`'s clients) are the
-`bench` extra, imported only where used, so that the core install needs neither.
+`bench` extra, imported only where used (kvserve.extras), so that the core install needs neither. The
+command registers the suites through add_bench_parser alone; no other module of kvserve imports this package.
 """
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
-BENCH_EXTRA = "pip install 'kvserve[bench]'"
-
-
-class MissingDependency(ImportError):
-    """A module of the `bench` extra is not installed; the message names the install command."""
-
-
-def optional_import(name: str, needed_for: str) -> ModuleType:
-    """Import and return `name`, a module of the `bench` extra; raise MissingDependency saying what
-    needs it and how to install it when it is absent."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise MissingDependency(f"{needed_for} needs {name}, which the core install leaves out: {BENCH_EXTRA}") from e
-
-
-def pyplot(needed_for: str = "drawing figures") -> ModuleType:
-    """matplotlib.pyplot on the Agg backend (files only, no display); MissingDependency without matplotlib."""
-    optional_import("matplotlib", needed_for).use("Agg")
-    return importlib.import_module("matplotlib.pyplot")
-
 
 def add_bench_parser(sub) -> None:
+    """The `bench` subcommand and its suites, on the command's subparsers."""
     from kvserve.bench import (attention, capacity, decode, eviction, offload, prefix, quant, report, serve,
                                throughput, tp)
     from kvserve.bench import compile as compile_

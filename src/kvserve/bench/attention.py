@@ -18,13 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from kvserve.arg_utils import write_json
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.flash import FlashBackend
 from kvserve.attention.gather import gather_context
 from kvserve.attention.native import NativeBackend
 from kvserve.attention.textbook import TextbookBackend
-from kvserve.bench import pyplot
-from kvserve.bench.common import print_table, write_json
+from kvserve.bench.common import print_table
+from kvserve.extras import pyplot
 
 NAME = "attention"
 PREFILL_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)

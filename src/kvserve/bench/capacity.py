@@ -37,14 +37,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.bench.common import (_BOS, _EOS, _PAD, add_model_args, describe_shape, make_checkpoint, make_tokenizer,
-                                  model_shape, print_table, random_prompts, save_random_model, step_times,
-                                  write_json)
+from kvserve.arg_utils import write_json
+from kvserve.bench.common import (_BOS, _EOS, _PAD, add_model_args, describe_shape, make_checkpoint, model_shape,
+                                  print_table, random_prompts, step_times)
 from kvserve.config import ATTENTION_BACKENDS, ModelConfig, parse_dtype
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv import KVSpec
 from kvserve.kv.blocks import cdiv
 from kvserve.llm import LLM
+from kvserve.model.random_checkpoint import make_tokenizer, save_random_model
 from kvserve.sampling import SamplingParams
 
 NAME = "capacity"

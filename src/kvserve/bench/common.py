@@ -19,6 +19,7 @@ from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
 from kvserve.kernels import COMPUTE_DTYPES, library
 from kvserve.model.layers import NEVER, Linear, gemm, gemm_kernels, gemm_pack, onednn_linear, onednn_pack
+from kvserve.model.random_checkpoint import make_tokenizer, save_random_model
 from kvserve.sampling import SamplingParams
 
 # bench flag -> LlamaConfig field
@@ -67,47 +68,6 @@ def describe_shape(shape: dict) -> str:
             "intermediate {intermediate_size}, vocab {vocab_size}").format(
         arch=shape.get("architecture", "llama").capitalize(), **shape)
     return text + (", tied embeddings" if shape.get("tie_word_embeddings") else "")
-
-
-def make_tokenizer(corpus: list[str] | None = None, vocab_size: int = 300, total: int | None = None):
-    """A byte-level BPE trained on a few lines: enough for random-weight models fed token ids. `total`: the
-    ids past the trained ones, up to it, are placeholder words (" w301"), so that every id a model of that
-    vocabulary emits decodes to text, as with a real checkpoint's tokenizer (else its random outputs are
-    mostly ids the tokenizer does not know, whose text never completes)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = corpus or ["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
-                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    if total is not None:
-        fast.add_tokens([f" w{i}" for i in range(len(fast), total)])
-    return fast
-
-
-def save_random_model(path: Path, config, dtype: torch.dtype = torch.float32, seed: int = 0,
-                      tokenizer=None) -> Path:
-    """Save a model of a transformers `config` with seeded random weights, and a tokenizer, as a checkpoint.
-    Biases and norm scales are random too (transformers starts them at 0 and 1), so that a path that
-    skips one gives other numbers."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.to(dtype).save_pretrained(path)
-    (tokenizer or make_tokenizer()).save_pretrained(path)
-    return Path(path)
 
 
 def make_checkpoint(path: Path, shape: dict, max_positions: int,
@@ -333,12 +293,6 @@ def linear_params(cfg: ModelConfig) -> tuple[int, int]:
     attn = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
     return cfg.num_layers * (attn + mlp), cfg.hidden_size * cfg.vocab_size
-
-
-def write_json(path: str | None, data: dict) -> None:
-    if path:
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
-        print(f"wrote {path}")
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.arg_utils import write_json
 from kvserve.attention import AttentionBatch
-from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
-                                  write_json)
+from kvserve.bench.common import add_model_args, describe_shape, make_checkpoint, model_shape, print_table
 from kvserve.config import ModelConfig, parse_dtype
 from kvserve.kernels import function
 from kvserve.llm import LLM
@@ -123,7 +123,8 @@ class TorchDecode(torch.nn.Module):
             qkv = F.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
             qk = qkv[:, :self.q_size + self.kv_size].view(b, nh + nkv, d)
             if attn.qk_norm:
-                qk = torch.cat((self.norm(qk[:, :nh], attn.q_norm.weight), self.norm(qk[:, nh:], attn.k_norm.weight)), 1)
+                qk = torch.cat((self.norm(qk[:, :nh], attn.q_norm.weight),
+                                self.norm(qk[:, nh:], attn.k_norm.weight)), 1)
             qk = qk * cos + qk.roll(d // 2, -1) * sin
             kv = torch.stack((qk[:, nh:], qkv[:, self.q_size + self.kv_size:].view(b, nkv, d)), 1)
             cache = caches[i]

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.arg_utils import write_json
 from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
-                                  random_prompts, step_times, write_json)
+                                  random_prompts, step_times)
 from kvserve.config import ATTENTION_BACKENDS
 from kvserve.llm import LLM
 

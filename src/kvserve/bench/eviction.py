@@ -17,7 +17,8 @@ import argparse
 import math
 import statistics
 
-from kvserve.bench.common import decode_rate, print_table, random_prompts, write_json
+from kvserve.arg_utils import write_json
+from kvserve.bench.common import decode_rate, print_table, random_prompts
 from kvserve.eval.data import held_out_text
 from kvserve.eval.retrieval import passkey_accuracy
 from kvserve.llm import LLM

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvserve.arg_utils import write_json
 from kvserve.bench.common import (
     add_model_args,
     describe_shape,
@@ -31,7 +32,6 @@ from kvserve.bench.common import (
     model_shape,
     print_table,
     random_prompts,
-    write_json,
 )
 from kvserve.kv.blocks import cdiv
 from kvserve.llm import LLM
@@ -137,7 +137,8 @@ def report(res: dict) -> None:
         ["mean TTFT ms", *(f"{r['mean_ttft_s'] * 1e3:.1f}" for r in modes), ""],
         ["p50 | p99 TTFT ms", *(f"{r['p50_ttft_s'] * 1e3:.1f} | {r['p99_ttft_s'] * 1e3:.1f}" for r in modes), ""],
         ["total s (questions)", *(f"{r['total_s']:.2f}" for r in modes), ""],
-        ["prompt tokens from pool | tier", *(f"{r['pool_hit_rate']:.0%} | {r['tier_hit_rate']:.0%}" for r in modes), ""],
+        ["prompt tokens from pool | tier",
+         *(f"{r['pool_hit_rate']:.0%} | {r['tier_hit_rate']:.0%}" for r in modes), ""],
         ["mean TTFT vs prefix_cache", *(f"{res['prefix_cache']['mean_ttft_s'] / r['mean_ttft_s']:.1f}x" for r in modes),
          f"disk_tier >= {TARGET_SPEEDUP:.0f}x ({met})"],
         ["mean TTFT vs disk_tier", *(f"{r['mean_ttft_s'] / res['disk_tier']['mean_ttft_s']:.2f}" for r in modes),

@@ -21,8 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvserve.arg_utils import write_json
 from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
-                                  random_prompts, write_json)
+                                  random_prompts)
 from kvserve.config import ATTENTION_BACKENDS
 from kvserve.kv.blocks import cdiv
 from kvserve.llm import LLM

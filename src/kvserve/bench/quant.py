@@ -19,7 +19,8 @@ import statistics
 
 import torch
 
-from kvserve.bench.common import decode_rate, print_table, random_prompts, write_json
+from kvserve.arg_utils import write_json
+from kvserve.bench.common import decode_rate, print_table, random_prompts
 from kvserve.config import QUANTIZATIONS
 from kvserve.eval.data import held_out_text
 from kvserve.eval.perplexity import perplexity
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     ids = ref.get_tokenizer().encode(held_out_text(), add_special_tokens=False)[:n_tokens]
     print(f"quant{' --weights' if weights else ''}: {ref.engine.model_path.name}, {ref.engine.dtype}, block size "
           f"{args.block_size}; {len(ids)} held-out tokens in windows of {context}, one token a step; passkey "
-          f"{lengths} x {len(DEPTHS)} depths x {trials}; decode {args.decode_batch} x {args.decode_prompt}-token prompts")
+          f"{lengths} x {len(DEPTHS)} depths x {trials}; decode {args.decode_batch} x {args.decode_prompt}-token "
+          f"prompts")
     rows, agreement = {}, Agreement()
     for name, llm in llms.items():
         spec, cfg = llm.engine.kv_spec, llm.engine.model_config

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from kvserve.bench import pyplot
-from kvserve.bench.common import write_json
+from kvserve.arg_utils import write_json
+from kvserve.extras import pyplot
 
 NAME = "all"
 SUITES = ("decode", "throughput", "prefix", "offload", "capacity", "attention", "serve", "quant", "eviction")

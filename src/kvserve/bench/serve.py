@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvserve.bench import optional_import
-from kvserve.bench.common import print_table, random_prompts, write_json
+from kvserve.arg_utils import write_json
+from kvserve.bench.common import print_table, random_prompts
+from kvserve.extras import optional_import
 
 if TYPE_CHECKING:   # imported where used (the bench extra): every kvserve command builds this module's parser
     import aiohttp

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from kvserve.arg_utils import write_json
 from kvserve.bench import llamacpp
 from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_bytes, linear_params,
                                   linear_step, make_checkpoint, matmul_rate, model_shape, pick_device, print_table,
-                                  process_memory, random_prompts, ReadBandwidth, step_times, sync, write_json)
+                                  process_memory, random_prompts, ReadBandwidth, step_times, sync)
 from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, ModelConfig, parse_dtype
 from kvserve.llm import LLM
 from kvserve.sampling import SamplingParams
@@ -81,7 +82,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="bytes, or a size such as 2GiB (instead of --num-kv-blocks)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     p.add_argument("--quantization", default="none",
-                   help=f"weights: comma-separated of none, {', '.join(QUANTIZATIONS)} (each a column beside the dtype)")
+                   help=f"weights: comma-separated of none, {', '.join(QUANTIZATIONS)} (each a column beside the "
+                        f"dtype)")
     p.add_argument("--llama-cpp", default=True, action=argparse.BooleanOptionalAction,
                    help="run llama.cpp on the same checkpoint (bfloat16, Llama shapes; needs the peers extra): "
                         "BF16 beside full precision, Q8_0 beside int8, Q4_0 beside int4")
@@ -391,7 +393,9 @@ def _gemm(report: dict) -> str:
 
 def _peak_rss(r: dict) -> str:
     memory = r["process_memory"]
-    return "-" if memory is None else " | ".join(f"{memory[side]['peak'] / 1e9:.2f}" for side in ("kvserve", "transformers"))
+    if memory is None:
+        return "-"
+    return " | ".join(f"{memory[side]['peak'] / 1e9:.2f}" for side in ("kvserve", "transformers"))
 
 
 def _rate(tok_s: float | None) -> str:

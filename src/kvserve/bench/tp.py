@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kvserve.bench.common import add_model_args, describe_shape, make_checkpoint, model_shape, print_table, \
-    random_prompts, write_json
+from kvserve.arg_utils import write_json
+from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
+                                  random_prompts)
 from kvserve.distributed import pin_cpu_threads
 from kvserve.engine.workers import ShmChannel, StoreConnection, _loads
 from kvserve.llm import LLM
@@ -148,8 +149,9 @@ def _channel_reader(port: int, conn, rounds: list[tuple[str, int]]) -> None:
         data = recv[channel]()
         start = time.perf_counter()
         _loads(data[8:], torch.device("cpu"))
-        delays.append(time.perf_counter() - struct.unpack_from("d", data)[0])
-        loads.append(time.perf_counter() - start)
+        end = time.perf_counter()           # one end: the load is part of the delay (one clock for both ranks)
+        delays.append(end - struct.unpack_from("d", data)[0])
+        loads.append(end - start)
         conn.send(None)
     conn.send((delays, loads))
 

@@ -34,7 +34,7 @@ import torch
 
 from kvserve.attention import AttentionBatch
 from kvserve.attention.native import NativeBackend
-from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.native_decode import DTYPES, NativeDecode
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -274,8 +274,9 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
     ModelConfig reads, Gemma 2/3 and partial RoPE included, over a hybrid cache's layer groups too: the C step
     reads each layer's group's block table) whose attention the native backend runs over a full-precision paged
     or contiguous cache, and the kernels built. What falls back to op by op, and why: float16 (the kernels
-    compute in float32 or bfloat16); another attention backend; a cache whose dtype is not the model's (kv_cache_dtype other than "auto": the
-    C step writes its K/V as the model computes them, and quantized pages' writes are planned in Python);
+    compute in float32 or bfloat16); another attention backend; a cache whose dtype is not the model's
+    (kv_cache_dtype other than "auto": the C step writes its K/V as the model computes them, and quantized
+    pages' writes are planned in Python);
     cache_mode "none" (no pages to write). Of the steps of an engine that has them, NativeStep.supports and
     NativeMultiStep.supports say which run natively (decodes only, for their logits). (Asked before the model
     loads, whose weights are then held as the C step reads them where the GEMM choice allows:

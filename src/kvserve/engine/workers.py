@@ -3,10 +3,10 @@ the model on its shard of the KV pool, steered by rank 0 (the engine's process) 
 
 Rank 0 owns the scheduler, the block manager and sampling. For each step it sends every worker what the
 step's forward needs (its inputs and the copy-on-write block copies); then all ranks run the forward
-together, their collectives meeting (kvserve.distributed). A message is torch.save'd, so that a worker on another CUDA device loads the tensors onto its own. The
-steps go through one shared-memory buffer that every worker reads (ShmChannel: `kvserve bench tp` measures
-it against the pipes and a torch.distributed broadcast); everything else, and a step too large for the
-buffer, through the pipes.
+together, their collectives meeting (kvserve.distributed). A message is torch.save'd, so that a worker on
+another CUDA device loads the tensors onto its own. The steps go through one shared-memory buffer that every
+worker reads (ShmChannel: `kvserve bench tp` measures it against the pipes and a torch.distributed broadcast);
+everything else, and a step too large for the buffer, through the pipes.
 
 A worker that fails says why over its pipe, then exits; a worker that dies closes its connections, which
 fails rank 0's next collective at once: either way rank 0 raises a WorkerFailure naming the rank (never a

@@ -5,10 +5,10 @@ import argparse
 import math
 from pathlib import Path
 
-from kvserve.bench.common import write_json
+from kvserve.arg_utils import add_engine_args, engine_kwargs, write_json
 
 
-def add_eval_parser(sub, add_engine_args, engine_kwargs) -> None:
+def add_eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="measure quality through the engine's KV cache")
     tasks = e.add_subparsers(dest="task", required=True)
     p = tasks.add_parser("perplexity", help="perplexity of a text streamed through the cache")
@@ -36,7 +36,7 @@ def run_perplexity(args: argparse.Namespace, kwargs: dict) -> int:
     from kvserve.llm import LLM
 
     kwargs["long_prefill_token_threshold"] = args.chunk
-    llm = LLM(args.model, **kwargs)
+    llm = LLM(**kwargs)
     text = Path(args.text).read_text() if args.text else held_out_text()
     ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:args.limit_tokens]
     context = args.context or llm.engine.max_model_len - 1   # a window is a prompt, and one token is sampled
@@ -60,7 +60,7 @@ def run_passkey(args: argparse.Namespace, kwargs: dict) -> int:
     from kvserve.eval.retrieval import passkey_accuracy
     from kvserve.llm import LLM
 
-    llm = LLM(args.model, **kwargs)
+    llm = LLM(**kwargs)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     cells = passkey_accuracy(llm, lengths, depths, args.trials, args.seed)

@@ -326,7 +326,8 @@ class QuantizedLayer:
     def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantize K and V [tokens, 2, KVH, D] into their slots (block * BS + offset), each token on its own."""
         _, kvh, nb, bs, _ = self.shape
-        numbers, scales = self.k_codec.encode(kv.permute(1, 2, 0, 3).float())    # [2, KVH, n, D / pack], [2, KVH, n, ...]
+        # [2, KVH, n, D / pack], [2, KVH, n, ...]
+        numbers, scales = self.k_codec.encode(kv.permute(1, 2, 0, 3).float())
         self.pages.view(2, kvh, nb * bs, -1).index_copy_(2, slots, numbers)
         rows = self.meta[0][0, 0].numel() // bs      # scales a token has: int4's scale and minimum, else one
         # where they are in a head's meta [num_blocks, rows, BS] seen flat: row by row, as encode stacks them

@@ -23,7 +23,6 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

@@ -69,9 +69,9 @@ class Linear(nn.Linear):
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
         if weight_format != "gemm" or w.device.type != "cpu" or not gemm_packs(w.dtype):
-            raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: a CPU with AVX-512 "
-                             f"(F, BW, VL; for bfloat16 also BF16), a C compiler and a float32 or bfloat16 model; got a "
-                             f"{w.dtype} weight on {w.device.type} packed as {weight_format!r}")
+            raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: a CPU with "
+                             f"AVX-512 (F, BW, VL; for bfloat16 also BF16), a C compiler and a float32 or bfloat16 "
+                             f"model; got a {w.dtype} weight on {w.device.type} packed as {weight_format!r}")
         if quantization == "int8":
             q, self.scales = quantize_int8(w)
         else:

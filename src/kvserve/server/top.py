@@ -8,8 +8,8 @@ import time
 import urllib.error
 import urllib.request
 
-from kvserve.bench import MissingDependency
 from kvserve.engine.kv_state import STATES
+from kvserve.extras import MissingDependency
 
 COLORS = {"free": "grey30", "cached": "blue", "used": "green", "shared": "dark_orange"}
 # a terminal cell stands for several blocks where the pool outgrows the screen: it shows the most
@@ -83,8 +83,8 @@ def cmd_top(args: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.live import Live
     except ImportError as e:
-        raise MissingDependency('kvserve top needs rich, which the core install leaves out: pip install "kvserve[top]"') \
-            from e
+        raise MissingDependency("kvserve top needs rich, which the core install leaves out: "
+                                'pip install "kvserve[top]"') from e
     console = Console()
     if args.interval <= 0:
         raise ValueError(f"--interval must be positive, got {args.interval}")

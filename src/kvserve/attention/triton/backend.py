@@ -17,7 +17,8 @@ class TritonBackend(AttentionBackend):
     every sequence, decodes included, attends causally to its own tokens of the step only.
 
     A quantized layer (QuantizedLayer) is read by the same paged kernels, which decode its pages
-    tile by tile; fresh prefills still attend to the step's own exact K/V. Writes go through AttentionBackend.store (torch ops).
+    tile by tile; fresh prefills still attend to the step's own exact K/V. Writes go through
+    AttentionBackend.store (torch ops).
 
     Tile sizes are parameters so that tests can force many tiles and partitions on small inputs.
     """
