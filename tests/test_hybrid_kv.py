@@ -1,4 +1,4 @@
-"""The hybrid KV cache (kv/hybrid.py): layer groups, a sliding group's blocks bounded by its window, prefix hits
+"""The hybrid KV cache (kv/groups.py): layer groups, a sliding group's blocks bounded by its window, prefix hits
 that need only a sliding group's last window, no leak under prefix hits, forks and preemption, and eviction (sink,
 h2o, snapkv) in the full-attention groups while each sliding group keeps its window."""
 from __future__ import annotations

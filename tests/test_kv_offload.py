@@ -17,10 +17,11 @@ from kvserve.cli import build_parser, engine_kwargs
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_state
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
-from kvserve.kv import offload as offload_module
 from kvserve.kv.blocks import BlockKey, block_key
-from kvserve.kv.offload import (SUFFIX, DiskTier, HostTier, OffloadingConnector, SwapCosts, measure_prefill,
-                                swap_is_cheaper)
+from kvserve.kv.tiers import (SUFFIX, DiskTier, HostTier, OffloadingConnector, SwapCosts, measure_prefill,
+                              swap_is_cheaper)
+from kvserve.kv.tiers import disk as disk_module
+from kvserve.kv.tiers import offloading as offloading_module
 from kvserve.server.metrics import EngineCollector
 from timings import measured
 from tiny_models import make_checkpoint
@@ -385,7 +386,7 @@ def test_swap_reads_back_what_recompute_computes_again(ckpt, tmp_path, monkeypat
     swap waits for the writer) and computes again only the tokens of its last block, if part full (the
     tier keeps full blocks): at most BS - 1 tokens a preemption more than a pool that never preempts,
     for the same outputs."""
-    monkeypatch.setattr(offload_module, "WRITE_QUEUE_BYTES", 1)
+    monkeypatch.setattr(disk_module, "WRITE_QUEUE_BYTES", 1)
     computed, outs, stats = {}, {}, {}
     for name, mode, blocks in (("swap", "swap", 24), ("recompute", "recompute", 24), ("never", "recompute", 64)):
         llm = tiered(ckpt, tmp_path / name, num_kv_blocks=blocks, preemption_mode=mode)
@@ -437,7 +438,7 @@ def test_the_prefill_cost_is_fitted_to_the_fastest_runs(monkeypatch):
     adds; where the longer prefill is not even twice the shorter (noise on a prefill too short for attention
     to show), the quadratic term is 0 and the cost a token the shorter's."""
     clock = _Clock()
-    monkeypatch.setattr(offload_module, "time", clock)
+    monkeypatch.setattr(offloading_module, "time", clock)
     calls = []
 
     def prefill(tokens: int) -> None:
@@ -575,7 +576,7 @@ def test_a_full_write_queue_skips_blocks_and_never_blocks_a_step(ckpt, tmp_path,
         store(self, key, data)
 
     monkeypatch.setattr(DiskTier, "_store", stalled)
-    monkeypatch.setattr(offload_module, "WRITE_QUEUE_BYTES", 1)      # a queue of one block
+    monkeypatch.setattr(disk_module, "WRITE_QUEUE_BYTES", 1)      # a queue of one block
     llm = tiered(ckpt, tmp_path / "tier")
     outs = llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
     stats = llm.stats()

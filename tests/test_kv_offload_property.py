@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
-from kvserve.kv.offload import SUFFIX, DiskTier, OffloadingConnector
+from kvserve.kv.tiers import SUFFIX, DiskTier, OffloadingConnector
 from tiny_models import make_checkpoint
 
 BS = 4

@@ -97,7 +97,7 @@ def test_eviction_policies_choose_as_one_rank(tmp_path, kv_heads):
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["native_tp", "eager_tp"])
 @pytest.mark.parametrize("model", ["gemma3", "gemma2", "mistral"])
 def test_hybrid_cache_two_ranks_give_one_ranks_tokens_and_logits(request, model, enforce_eager):
-    """The hybrid cache (a block table per layer group, kv/hybrid.py) on two ranks: each worker's pool keeps the
+    """The hybrid cache (a block table per layer group, kv/groups.py) on two ranks: each worker's pool keeps the
     groups' pages as rank 0's, and each step carries every group's slots and block tables (read by the C step on every
     rank where native_tp decodes, op by op otherwise). Prompts and generations well past the window (8), in chunks
     that cut across windows and blocks, batched with shorter ones, one of them under `sink` (its rotations made on

@@ -287,7 +287,7 @@ def option(default: Any, help_text: str, **flag: Any) -> Any:
 
 
 def _preemption_modes() -> tuple[str, ...]:
-    from kvserve.kv.offload import PREEMPTION_MODES    # kvserve.kv imports this module
+    from kvserve.kv.tiers import PREEMPTION_MODES    # kvserve.kv imports this module
 
     return PREEMPTION_MODES
 
@@ -358,7 +358,7 @@ class EngineConfig:
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
-        from kvserve.kv.offload import PREEMPTION_MODES, parse_kv_offload
+        from kvserve.kv.tiers import PREEMPTION_MODES, parse_kv_offload
 
         parse_eviction(self.eviction)
         parse_kv_offload(self.kv_offload)

@@ -37,7 +37,7 @@ class AttentionBatch:
     # layers attend within a sliding window (their attention says nothing of the tokens before it)
     mass_layers: frozenset[int] | None = None
     scratch: dict = field(default_factory=dict)  # what backends derive once per step, shared by layers
-    # a hybrid cache (kv/hybrid.py): the batch of each layer group but the first (this one), with the group's
+    # a hybrid cache (kv/groups.py): the batch of each layer group but the first (this one), with the group's
     # slots and block tables, and each layer's group
     groups: list[AttentionBatch] = field(default_factory=list)
     layer_group: list[int] = field(default_factory=list)

@@ -318,7 +318,7 @@ static void all_reduce(const Model *m, void *rows, int64_t count, int gdt, int *
 }
 
 /* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
- * token each at `positions`, attending over their pages. A hybrid cache (kv/hybrid.py) has a block table
+ * token each at `positions`, attending over their pages. A hybrid cache (kv/groups.py) has a block table
  * per layer group: layer l writes its K/V at slots[g][t] and reads block_tables[g] ([n][table_widths[g]])
  * of its group g = l->group (one group: g = 0 for every layer). RoPE's cos and sin: the tables of every
  * layer but those with local_rope, which read local_cos and local_sin. 0, or -1 where memory ran out (the

@@ -28,9 +28,9 @@ from kvserve.kv import KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache,
 from kvserve.kv.storage import block_spec
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
 from kvserve.kv.groups import is_hybrid, layer_groups
-from kvserve.kv.connector import KVConnector, NoConnector
-from kvserve.kv.offload import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, OffloadingConnector, SwapCosts, TierCompat,
-                                measure_prefill, model_identity, parse_kv_offload)
+from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVConnector, NoConnector,
+                              OffloadingConnector, SwapCosts, TierCompat, measure_prefill, model_identity,
+                              parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.gemm_choice import GemmChoice, choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model

@@ -15,7 +15,7 @@ compute as without eviction. Where such windows bind, h2o and snapkv score token
 full-attention layers alone (a sliding layer's says nothing of the tokens before its window) and evict
 whole blocks' worth of tokens (`whole_blocks`), with one block table for every layer or one per group alike.
 
-With the hybrid KV cache (kv/hybrid.py), sink evicts and pins in the full-attention layer groups; a
+With the hybrid KV cache (kv/groups.py), sink evicts and pins in the full-attention layer groups; a
 sliding group's entries it drops are the null block already (they left the group's window first), so
 every group's table keeps holding the same cached tokens at the same entries. h2o and snapkv compact the
 full-attention groups; a sliding group drops as many leading entries as whole blocks were evicted (the

@@ -147,7 +147,7 @@ class NativeDecode:
         tp, cfg = model.tp, model.shard_config         # (the whole model's config without tensor parallelism)
         self.reduce = None if tp is None else _RankReduce(tp)
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
-        # a hybrid cache's layer groups (kv/hybrid.py), each with its own block tables; else one
+        # a hybrid cache's layer groups (kv/groups.py), each with its own block tables; else one
         owner = getattr(storage, "layer_group", None) or [0] * cfg.num_layers
         layers = []
         for index, layer in enumerate(model.model.layers):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv import NO_HIT, BlockKey, BlockToLoad, KVCache
-from kvserve.kv.connector import KVConnector, NoConnector
+from kvserve.kv.tiers import KVConnector, NoConnector
 
 
 @dataclass
