@@ -83,7 +83,7 @@ def family(request, tmp_path_factory):
 def test_family_matches_transformers_past_its_window(family, backend):
     """Prompts of 40, 17 and 5 tokens and 10 new ones (a window of 8), batched, the long prompt in chunks of 12,
     decodes beside chunks: greedy tokens equal and every logit within 1e-4. Each sliding layer group keeps only
-    its window's blocks (kv/hybrid.py). With the native backend, every family's decode steps run in the C step
+    its window's blocks (kv/groups.py). With the native backend, every family's decode steps run in the C step
     (over each layer's window, and each layer group's block table: Qwen2's mix of full and sliding layers has
     two, Gemma's too), Gemma's soft caps, norms, GeGLU and Gemma 3's RoPE table of the sliding layers included."""
     path, prompts, refs = family
