@@ -42,16 +42,16 @@ def make_case(q_lens: list[int], ctx_lens: list[int], num_decodes: int, num_head
 
 def quantize_case(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
                   kv_cache_dtype: str, block_size: int, device: str | torch.device = "cpu"):
-    """The case's pages as a QuantizedLayer on `device`, every token quantized. Returns (layer, pages):
+    """The case's pages as QuantizedPages on `device`, every token quantized. Returns (layer, pages):
     `pages` (on the CPU) is the plain tensor of what the layer stands for (dequantized blocks), the
     textbook's input. The step's own k, v [T, KVH, D] are overwritten in place with the values the
     layer holds for them.
     """
-    from kvserve.kv.quant import QuantizedLayer, codecs
+    from kvserve.kv.pages import PageFormat, QuantizedPages
 
     _, kvh, nb, bs, d = kv_cache.shape
-    layer = QuantizedLayer(codecs(kv_cache_dtype), kvh, nb, bs, d, kv_cache.dtype, torch.device(device))
-    layer.quantize(torch.arange(nb, device=device), kv_cache.to(device))
+    layer = QuantizedPages(PageFormat.of(kv_cache_dtype, kv_cache.dtype), kvh, nb, bs, d, torch.device(device))
+    layer.write_pages(torch.arange(nb, device=device), kv_cache.to(device))
     pages = layer.gather(torch.arange(nb, device=device)).cpu()
     flat = pages.view(2, kvh, -1, d)
     start = 0

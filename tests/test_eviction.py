@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvserve import LLM, SamplingParams
 from kvserve.attention import mass
 from kvserve.kv.eviction import H2O, Sink, SnapKV, parse_eviction
+from kvserve.kv.pages import FullPages
 from tiny_models import hf_model, make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -119,7 +120,7 @@ def test_attention_mass_is_the_textbook_softmax_reduced(monkeypatch, reduce, kv_
     q = torch.randn(2 + count, kv_heads * group, d, generator=g)     # two other rows' tokens come first
     batch = SimpleNamespace(mass_requests=[(1, 2, count, reduce)], context_lens_list=[3, ctx],
                             block_tables=torch.tensor([[1, 2, 4], *table.tolist()]), mass={})
-    mass.accumulate_attention_mass(q, kv_cache, batch, scale=0.3, logits_soft_cap=cap)
+    mass.accumulate_attention_mass(q, FullPages(kv_cache), batch, scale=0.3, logits_soft_cap=cap)
     keys = kv_cache[0][:, table[0]].flatten(1, 2)[:, :ctx]                         # [KVH, ctx, D]
     queries = q[2:].view(count, kv_heads, group, d)
     scores = torch.einsum("nhgd,hld->hgnl", queries, keys) * 0.3

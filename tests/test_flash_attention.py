@@ -9,6 +9,7 @@ from kvserve.attention.flash import FlashBackend
 from kvserve.attention.native import NativeBackend
 from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
+from kvserve.kv.pages import FullPages
 
 CASES = [
     # q_lens, ctx_lens, num_decodes: decodes first, then prefills (fresh, or over a cached prefix)
@@ -30,8 +31,8 @@ def test_backend_matches_textbook(backend, case, shape, dtype, tol):
     q_lens, ctx_lens, nd = case
     h, kvh, d = shape
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, nd, h, kvh, d, dtype=dtype, block_size=5)
-    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, d ** -0.5)
-    out = backend.forward(q, k, v, kv_cache, batch, d ** -0.5)
+    ref = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, d ** -0.5)
+    out = backend.forward(q, k, v, FullPages(kv_cache), batch, d ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
@@ -45,9 +46,9 @@ def test_no_cache_prefill_matches_textbook(backend):
 def test_textbook_is_causal():
     """The oracle itself: a query never sees later keys, and its output moves when an earlier key does."""
     q, k, v, kv, batch = make_case([6], [6], 0, 2, 2, 64)
-    out = TextbookBackend().forward(q, k, v, kv, batch, 0.125)
+    out = TextbookBackend().forward(q, k, v, FullPages(kv), batch, 0.125)
     kv2 = kv.clone()
     kv2.view(2, 2, -1, 64)[:, :, batch.block_tables[0, 1] * 4 + 1] += 1.0   # position 5 (block 1, offset 1)
-    moved = TextbookBackend().forward(q, k, v, kv2, batch, 0.125)
+    moved = TextbookBackend().forward(q, k, v, FullPages(kv2), batch, 0.125)
     torch.testing.assert_close(moved[:5], out[:5])
     assert not torch.allclose(moved[5], out[5])

@@ -16,9 +16,7 @@ from kvserve.kv.blocks import block_key
 from kvserve.kv.eviction import Sink
 from kvserve.kv import KVCacheManager, LayerGroup, layer_groups
 from kvserve.kv.storage import block_spec, layer_slots
-from kvserve.kv.quant import QuantizedLayer
 from kvserve.kv.spec import KVSpec
-from kvserve.kv.storage import read_pages
 
 WINDOW = 8
 
@@ -341,7 +339,7 @@ def test_skip_layers_per_group(request, model, skip, backend, kv_cache_dtype):
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     engine, stats = llm.engine, llm.stats()
     assert len(engine.kv.layer_groups) > 1 and outs[0] == outs[1]
-    assert [isinstance(engine.storage.layer(i), QuantizedLayer) for i in range(engine.model_config.num_layers)] \
+    assert [engine.storage.layer(i).format.quantized for i in range(engine.model_config.num_layers)] \
         == [i not in skip for i in range(engine.model_config.num_layers)]
     assert stats["kv_cache_bytes"] == stats["kv_blocks_total"] * engine.kv_spec.bytes_per_block <= budget
     assert stats["kv_blocks_total"] == budget // engine.kv_spec.bytes_per_block
@@ -429,7 +427,7 @@ def window_pages(engine, seq, layer: int) -> torch.Tensor:
     """Layer's K/V [2, KVH, WINDOW, D] at the sequence's last WINDOW cache slots, through the table the layer reads."""
     kv, n = engine.kv, seq.num_tokens_in_cache
     table = kv.group_tables(seq.seq_id)[engine.storage.layer_group[layer]]
-    pages = read_pages(engine.storage.layer(layer), torch.tensor(table)).flatten(2, 3)
+    pages = engine.storage.layer(layer).gather(torch.tensor(table)).flatten(2, 3)
     return pages[:, :, n - WINDOW:n]
 
 

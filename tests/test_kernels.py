@@ -14,10 +14,10 @@ from kvserve import LLM, SamplingParams, kernels
 from kvserve.attention import native
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.engine.native_decode import _Layer, _Model, _Proj
-from kvserve.kv import storage
-from kvserve.kv.storage import KVStorage
+from kvserve.kv import pages
 from kvserve.model import layers
 from kvserve.sampling import argmax
+from kvserve.kv.pages import FullPages
 from tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -102,9 +102,10 @@ def test_attention_out_of_memory_raises_memory_error(out_of_memory, dtype):
     # head_dim 72: not the keys-in-lanes decode, which takes no memory (below)
     q, k, v, kv_cache, batch = make_case([1, 1, 20], [9, 30, 20], 2, 8, 2, 72, block_size=4, dtype=dtype)
     with pytest.raises(MemoryError, match="paged_decode: out of memory"):
-        native.paged_decode(q[:2], kv_cache, batch.block_tables[:2], batch.context_lens[:2], 0.125)
+        native.paged_decode(q[:2], FullPages(kv_cache), batch.block_tables[:2], batch.context_lens[:2], 0.125)
     with pytest.raises(MemoryError, match="paged_prefill: out of memory"):
-        native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, torch.tensor([0, 1, 2, 22]), 0.125)
+        native.paged_prefill(q, FullPages(kv_cache), batch.block_tables, batch.context_lens,
+                             torch.tensor([0, 1, 2, 22]), 0.125)
 
 
 def test_keys_in_lanes_decode_takes_no_memory(out_of_memory):
@@ -115,8 +116,8 @@ def test_keys_in_lanes_decode_takes_no_memory(out_of_memory):
     if not kernels.typed(out_of_memory, "keys_in_lanes")(kernels.DTYPE_KINDS[torch.bfloat16], 64, 4, 1):
         pytest.skip("this build of the kernels has no keys-in-lanes decode (no AVX-512 BW)")
     q, k, v, kv_cache, batch = make_case([1, 1], [9, 70], 2, 8, 2, 64, block_size=4, dtype=torch.bfloat16)
-    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, 0.125)
-    out = native.paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, 0.125)
+    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), FullPages(kv_cache.float()), batch, 0.125)
+    out = native.paged_decode(q, FullPages(kv_cache), batch.block_tables, batch.context_lens, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
@@ -160,9 +161,9 @@ def test_store_kv_copies_tokens_whose_heads_are_apart_into_rows_it_writes(monkey
     """An eviction's gathered tokens are not views of qkv rows: the C loop still writes them."""
     kv = torch.randn(3, 2, 2, 8).transpose(2, 3).contiguous().transpose(2, 3)     # heads not adjacent
     cache = torch.zeros(2, 2, 4, 4, 8)
-    ran, typed = [], storage.function
-    monkeypatch.setattr(storage, "function", lambda name: lambda *args: ran.append(name) or typed(name)(*args))
-    KVStorage.write(cache, kv, torch.tensor([0, 5, 9]))
+    ran, typed = [], pages.function
+    monkeypatch.setattr(pages, "function", lambda name: lambda *args: ran.append(name) or typed(name)(*args))
+    FullPages(cache).write_tokens(kv, torch.tensor([0, 5, 9]))
     assert ran == ["store_kv"]
     assert torch.equal(cache.view(2, 2, 16, 8)[:, :, [0, 5, 9]], kv.permute(1, 2, 0, 3))
 
@@ -172,7 +173,7 @@ def test_store_kv_falls_back_to_torch_or_raises_in_strict_mode(monkeypatch):
     cache = torch.zeros(2, 2, 4, 4, 16)[..., :8]     # pages whose rows are apart
     monkeypatch.setenv(kernels.STRICT_ENV, "1")
     with pytest.raises(RuntimeError, match="store_kv did not run: the pages are not contiguous"):
-        KVStorage.write(cache, kv, torch.tensor([0, 5, 9]))
+        FullPages(cache).write_tokens(kv, torch.tensor([0, 5, 9]))
     monkeypatch.setenv(kernels.STRICT_ENV, "0")
-    KVStorage.write(cache, kv, torch.tensor([0, 5, 9]))
+    FullPages(cache).write_tokens(kv, torch.tensor([0, 5, 9]))
     assert torch.equal(cache.reshape(2, 2, 16, 8)[:, :, [0, 5, 9]], kv.permute(1, 2, 0, 3))

@@ -16,6 +16,7 @@ from kvserve.engine.evictor import KeyRotation
 from kvserve.kv.quant import FP8_MAX, Fp8PerToken, Int4, codecs, rotate_keys_
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
+from kvserve.kv.pages import FullPages
 from tiny_models import make_checkpoint
 
 DTYPES = ["int8", "fp8", "int4"]
@@ -146,7 +147,7 @@ def test_int4_layers_store_the_keys_rotated(ckpt):
     full, int4 = (LLM(str(ckpt), block_size=4, num_kv_blocks=16, kv_cache_dtype=dt) for dt in ("auto", "int4"))
     for llm in (full, int4):
         llm.generate([prompt], once, use_tqdm=False)
-    k, v = full.engine.storage.layer(0)           # layer 0's K and V do not depend on the cache
+    k, v = full.engine.storage.layer(0).pages     # layer 0's K and V do not depend on the cache
     layer = int4.engine.storage.layer(0)
     got_k, got_v = layer.gather(torch.arange(16))
     want = rotated(k)
@@ -215,7 +216,7 @@ def test_storage_quantizes_each_token_as_it_is_written(kv_cache_dtype):
     kv = KVCacheManager(48, bs)
     storage = KVStorage(spec, 48, torch.device("cpu"))
     layer = storage.layer(0)
-    assert isinstance(storage.layer(1), torch.Tensor)
+    assert not storage.layer(1).format.quantized
     codec = codecs(kv_cache_dtype)
     lens, truth = {0: 0, 1: 0, 2: 0}, {}
     g = torch.Generator().manual_seed(0)
@@ -277,11 +278,11 @@ def test_attention_over_quantized_pages_equals_attention_over_their_values(backe
     q_lens, ctx_lens, nd = [1, 1, 7, 13], [40, 3, 20, 13], 2
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, nd, h, kvh, d, block_size=5)
     layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, 5)
-    ref = TextbookBackend().forward(q, k, v, pages, batch, d ** -0.5)
+    ref = TextbookBackend().forward(q, k, v, FullPages(pages), batch, d ** -0.5)
     out = backend.forward(q, k, v, layer, batch, d ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # and the quantization did change something: the exact pages give another answer
-    exact = TextbookBackend().forward(q, k, v, kv_cache, batch, d ** -0.5)
+    exact = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, d ** -0.5)
     assert not torch.allclose(exact, ref, atol=1e-5)
 
 
@@ -296,7 +297,7 @@ def test_half_precision_decode_over_quantized_pages_matches_the_dequantized_page
     q_lens, ctx_lens = [1, 1, 1], [40, 3, 21]
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, 3, 8, 2, 64, block_size=5, dtype=dtype)
     layer, pages = quantize_case(kv_cache, k, v, batch, kv_cache_dtype, 5)
-    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), pages.float(), batch, 0.125)
+    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), FullPages(pages.float()), batch, 0.125)
     out = backend.forward(q, k, v, layer, batch, 0.125)
     tol = 3e-2 if dtype == torch.bfloat16 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -424,7 +425,7 @@ def test_fp8_pages_of_large_values_attend_like_their_values(backend):
     kv_cache *= 1e6 / kv_cache.abs().max()
     layer, pages = quantize_case(kv_cache, k, v, batch, "fp8", 4)
     q /= 1e6       # keep the scores where a softmax tells tokens apart
-    ref = TextbookBackend().forward(q, k, v, pages, batch, 0.125)
+    ref = TextbookBackend().forward(q, k, v, FullPages(pages), batch, 0.125)
     out = backend.forward(q, k, v, layer, batch, 0.125)
     assert out.isfinite().all()
     torch.testing.assert_close(out, ref, atol=1e-5 * 1e6, rtol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.kernels import STRICT_ENV, library
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.pages import FullPages
 from kvserve.model import layers
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -74,15 +74,15 @@ def test_store_kv_writes_what_index_copy_writes(dtype, monkeypatch):
     kv = qkv[:, 4 * d:].view(tokens, 2, kvh, d)               # K/V of each token: a view of its qkv row
     slots = torch.randperm(nb * bs, generator=g)[:tokens]
     cache, ref = torch.zeros(2, kvh, nb, bs, d, dtype=dtype), torch.zeros(2, kvh, nb, bs, d, dtype=dtype)
-    KVStorage.write(cache, kv, slots)
+    FullPages(cache).write_tokens(kv, slots)
     monkeypatch.setenv(STRICT_ENV, "0")
-    monkeypatch.setattr("kvserve.kv.storage.function", lambda *args: None)
-    KVStorage.write(ref, kv, slots)
+    monkeypatch.setattr("kvserve.kv.pages.function", lambda *args: None)
+    FullPages(ref).write_tokens(kv, slots)
     assert torch.equal(cache, ref) and ref.abs().sum() > 0
 
 
 def test_store_kv_skips_a_padding_slot():
     kv = torch.randn(2, 2, 1, 8)
     cache = torch.zeros(2, 1, 3, 4, 8)
-    KVStorage.write(cache, kv, torch.tensor([-1, 5]))
+    FullPages(cache).write_tokens(kv, torch.tensor([-1, 5]))
     assert torch.equal(cache.view(2, 1, 12, 8)[:, 0, 5], kv[1, :, 0]) and cache.abs().sum() == kv[1].abs().sum()

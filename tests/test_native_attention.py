@@ -16,6 +16,7 @@ from kvserve.attention import native
 from kvserve.attention.native import NativeBackend, paged_decode
 from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
+from kvserve.kv.pages import FullPages
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -23,7 +24,7 @@ def test_the_kernel_builds_and_reads_every_kind_of_page():
     assert native.kernel() is not None
     q, k, v, kv_cache, batch = make_case([1, 1], [9, 30], 2, 4, 2, 64, block_size=4)
     args = (batch.block_tables, batch.context_lens, 0.125)
-    assert paged_decode(q, kv_cache, *args) is not None
+    assert paged_decode(q, FullPages(kv_cache), *args) is not None
     for kind in ("int8", "fp8", "int4"):
         layer, _ = quantize_case(kv_cache, k, v, batch, kind, 4)
         assert paged_decode(q, layer, *args) is not None
@@ -36,8 +37,8 @@ def test_without_the_kernels_attention_is_sdpas(monkeypatch, q_lens):
     monkeypatch.setattr(native, "prefill_kernel", lambda: None)
     q, k, v, kv_cache, batch = make_case(q_lens, [9, 30, 5][:len(q_lens)], 2, 4, 2, 64, block_size=4)
     backend = NativeBackend()
-    torch.testing.assert_close(backend.forward(q, k, v, kv_cache, batch, 0.125),
-                               SdpaBackend().forward(q, k, v, kv_cache, batch, 0.125))
+    torch.testing.assert_close(backend.forward(q, k, v, FullPages(kv_cache), batch, 0.125),
+                               SdpaBackend().forward(q, k, v, FullPages(kv_cache), batch, 0.125))
     assert not backend.calls
 
 
@@ -49,7 +50,7 @@ def test_strict_mode_raises_where_the_kernel_does_not_run(monkeypatch, q_lens, k
     q, k, v, kv_cache, batch = make_case(q_lens, [9, 30, 5][:len(q_lens)], 2, 4, 2, 64, block_size=4)
     strided = torch.cat((kv_cache, kv_cache), -1)[..., :64]
     with pytest.raises(RuntimeError, match=f"{kernel} did not run: it does not read this cache"):
-        NativeBackend().forward(q, k, v, strided, batch, 0.125)
+        NativeBackend().forward(q, k, v, FullPages(strided), batch, 0.125)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -70,8 +71,9 @@ def test_decode_in_blocks_of_sixteen_keys_and_a_rest(block_size, heads, kv_heads
     ctx = [1, 15, 16, 17, 40, 75]
     q, k, v, kv_cache, batch = make_case([1] * len(ctx), ctx, len(ctx), heads, kv_heads, head_dim,
                                          block_size=block_size, dtype=dtype)
-    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5)
-    out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
+    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), FullPages(kv_cache.float()), batch,
+                                    head_dim ** -0.5)
+    out = paged_decode(q, FullPages(kv_cache), batch.block_tables, batch.context_lens, head_dim ** -0.5)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
@@ -92,9 +94,10 @@ def test_decode_over_bfloat16_pages_scores_keys_in_lanes(heads, kv_heads, head_d
     if q_dtype == torch.float32:
         q = q.float() + torch.randn(q.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
     for window, cap in ((None, None), (50, None), (None, 3.0), (20, 1.5)):
-        ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5,
-                                        window, cap)
-        out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5, window, cap)
+        ref = TextbookBackend().forward(q.float(), k.float(), v.float(), FullPages(kv_cache.float()), batch,
+                                        head_dim ** -0.5, window, cap)
+        out = paged_decode(q, FullPages(kv_cache), batch.block_tables, batch.context_lens, head_dim ** -0.5, window,
+                           cap)
         assert out.dtype == q_dtype
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -110,9 +113,10 @@ def test_prefill_in_causal_tiles_matches_the_textbook(heads, kv_heads, head_dim,
     q_lens, ctx = [1, 1, 37, 16, 5, 50], [20, 33, 37, 16, 61, 90]
     q, k, v, kv_cache, batch = make_case(q_lens, ctx, 2, heads, kv_heads, head_dim, block_size=block_size,
                                          dtype=dtype)
-    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), kv_cache.float(), batch, head_dim ** -0.5)
+    ref = TextbookBackend().forward(q.float(), k.float(), v.float(), FullPages(kv_cache.float()), batch,
+                                    head_dim ** -0.5)
     backend = NativeBackend()
-    out = backend.forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
+    out = backend.forward(q, k, v, FullPages(kv_cache), batch, head_dim ** -0.5)
     assert out.dtype == dtype and backend.calls == {"paged_prefill": 1}
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
@@ -121,9 +125,10 @@ def test_float32_queries_over_bfloat16_pages_are_not_rounded():
     """Queries that are not bfloat16 numbers are scored as they are, not in bfloat16 pairs."""
     q, k, v, kv_cache, batch = make_case([1, 1, 9], [30, 17, 40], 2, 8, 2, 64, block_size=16, dtype=torch.bfloat16)
     q = q.float() + torch.randn(q.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
-    ref = TextbookBackend().forward(q, k.float(), v.float(), kv_cache.float(), batch, 64 ** -0.5)
+    ref = TextbookBackend().forward(q, k.float(), v.float(), FullPages(kv_cache.float()), batch, 64 ** -0.5)
     backend = NativeBackend()
-    torch.testing.assert_close(backend.forward(q, k, v, kv_cache, batch, 64 ** -0.5), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(backend.forward(q, k, v, FullPages(kv_cache), batch, 64 ** -0.5), ref, atol=1e-5,
+                               rtol=1e-5)
     assert backend.calls == {"paged_prefill": 1}
 
 
@@ -134,8 +139,8 @@ def test_prefill_rows_that_see_no_key_are_zero_not_nan(tokens):
     and of 16 or more (rows in lanes)."""
     q, k, v, kv_cache, batch = make_case([tokens], [tokens], 0, 4, 2, 24, block_size=4)
     batch.context_lens = torch.tensor([tokens - 2])      # tokens 0 and 1 see nothing; token r sees r - 1
-    out = native.paged_prefill(q, kv_cache, batch.block_tables, batch.context_lens, torch.tensor([0, tokens]),
-                               24 ** -0.5)
+    out = native.paged_prefill(q, FullPages(kv_cache), batch.block_tables, batch.context_lens,
+                               torch.tensor([0, tokens]), 24 ** -0.5)
     assert not out.isnan().any() and not out[:2].any() and out[2:].abs().sum(-1).all()
 
 
@@ -143,9 +148,10 @@ def test_a_block_as_long_as_a_whole_context_decodes():
     # cache_mode "contiguous" makes one block of max_model_len tokens: its rows must not live on a
     # thread's stack (32768 x 128 floats are 16 MiB, past the usual 8 MiB)
     q, k, v, kv_cache, batch = make_case([1, 1], [20000, 32768], 2, 4, 2, 128, block_size=32768)
-    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, 128 ** -0.5)
+    ref = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, 128 ** -0.5)
     backend = NativeBackend()
-    torch.testing.assert_close(backend.forward(q, k, v, kv_cache, batch, 128 ** -0.5), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(backend.forward(q, k, v, FullPages(kv_cache), batch, 128 ** -0.5), ref, atol=1e-5,
+                               rtol=1e-5)
     assert backend.calls == {"paged_decode": 1}
 
 
@@ -163,11 +169,11 @@ def test_the_portable_fallbacks_compute_the_same(tmp_path, monkeypatch):
         monkeypatch.setattr(native, getter, lambda portable=kernels.typed(library, name): portable)
     for heads, kv_heads, head_dim in [(4, 4, 64), (8, 2, 80), (4, 1, 24)]:
         q, k, v, kv_cache, batch = make_case([1, 1, 1], [9, 30, 17], 3, heads, kv_heads, head_dim, block_size=4)
-        ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5)
-        out = paged_decode(q, kv_cache, batch.block_tables, batch.context_lens, head_dim ** -0.5)
+        ref = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, head_dim ** -0.5)
+        out = paged_decode(q, FullPages(kv_cache), batch.block_tables, batch.context_lens, head_dim ** -0.5)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         q, k, v, kv_cache, batch = make_case([1, 9, 21], [9, 30, 21], 1, heads, kv_heads, head_dim, block_size=4)
         for limits in ((None, None), (5, 1.5)):       # (sliding window, soft cap)
-            ref = TextbookBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5, *limits)
-            torch.testing.assert_close(NativeBackend().forward(q, k, v, kv_cache, batch, head_dim ** -0.5, *limits),
-                                       ref, atol=1e-5, rtol=1e-5)
+            ref = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, head_dim ** -0.5, *limits)
+            out = NativeBackend().forward(q, k, v, FullPages(kv_cache), batch, head_dim ** -0.5, *limits)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -10,6 +10,7 @@ from triton_setup import DEVICE, SMALL_TILES, TOL  # noqa: I001  (first: it sets
 from attention_cases import make_case, quantize_case
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.attention.triton import TritonBackend
+from kvserve.kv.pages import FullPages
 
 CASES = {
     # q_lens, ctx_lens, num_decodes: contexts past two partitions of 32 keys (SMALL_TILES), and shorter
@@ -37,11 +38,12 @@ def _on_device(batch):
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_textbook_within_windows_and_caps(case, window, cap):
     q, k, v, kv_cache, batch = _case(case)
-    ref = TextbookBackend().forward(q, k, v, kv_cache, batch, 0.25, window, cap)
-    full = TextbookBackend().forward(q, k, v, kv_cache, batch, 0.25)
+    ref = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, 0.25, window, cap)
+    full = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, 0.25)
     assert (full - ref).abs().max() > 1e-2                # the limits matter here
-    dev = [t.to(DEVICE) for t in (q, k, v, kv_cache)]
-    out = TritonBackend(**SMALL_TILES).forward(*dev, _on_device(batch), 0.25, sliding_window=window,
+    dev = [t.to(DEVICE) for t in (q, k, v)]
+    out = TritonBackend(**SMALL_TILES).forward(*dev, FullPages(kv_cache.to(DEVICE)), _on_device(batch), 0.25,
+                                               sliding_window=window,
                                                logits_soft_cap=cap)
     torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])
 
@@ -59,7 +61,7 @@ def test_triton_no_cache_prefill_within_windows(window, cap):
 def test_triton_quantized_pages_within_windows(case):
     q, k, v, kv_cache, batch = _case(case)
     layer, pages = quantize_case(kv_cache, k, v, batch, "int8", 4, DEVICE)
-    ref = TextbookBackend().forward(q, k, v, pages, batch, 0.25, 20, 1.5)
+    ref = TextbookBackend().forward(q, k, v, FullPages(pages), batch, 0.25, 20, 1.5)
     out = TritonBackend(**SMALL_TILES).forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), layer, _on_device(batch),
                                                0.25, sliding_window=20, logits_soft_cap=1.5)
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)

@@ -21,7 +21,7 @@ from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.gather import gather_context
 from kvserve.attention.textbook import TextbookBackend, attend
 from kvserve.attention.triton import TritonBackend, kernels, store_kv
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.pages import FullPages
 
 
 class Step:
@@ -47,13 +47,13 @@ class Step:
         if cache:
             tables = _shuffled_tables(ctx_lens, page_size, gen)
             num_blocks = max(max(t) for t in tables) + 3
-            self.kv_cache = rand(2, kv_heads, num_blocks, page_size, head_dim)
+            self.kv_cache = FullPages(rand(2, kv_heads, num_blocks, page_size, head_dim))
             width = max(len(t) for t in tables)
             block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
             slots = [t[p // page_size] * page_size + p % page_size
                      for t, q, c in zip(tables, q_lens, ctx_lens) for p in range(c - q, c)]
             slot_mapping = torch.tensor(slots, device=DEVICE)
-            KVStorage.write(self.kv_cache, kv, slot_mapping)
+            self.kv_cache.write_tokens(kv, slot_mapping)
         self.batch = AttentionBatch(
             num_decodes=num_decodes, slot_mapping=slot_mapping, block_tables=block_tables,
             context_lens=torch.tensor(ctx_lens, device=DEVICE), query_lens=q_lens, context_lens_list=ctx_lens,
@@ -117,7 +117,7 @@ def test_store_kv_matches_kvstorage_write(dtype, head_dim, kv_heads, page_size):
     cache = torch.randn(2, kv_heads, num_blocks, page_size, head_dim, generator=gen).to(dtype).to(DEVICE)
     slots = torch.randperm(num_blocks * page_size, generator=gen)[:tokens].to(DEVICE)
     expected = cache.clone()
-    KVStorage.write(expected, kv.contiguous(), slots)
+    FullPages(expected).write_tokens(kv.contiguous(), slots)
     store_kv(cache, kv[:, 0], kv[:, 1], slots)
     assert torch.equal(cache, expected)
 
@@ -127,7 +127,7 @@ def test_store_kv_skips_negative_slots():
     cache = torch.zeros(2, 2, 2, 4, 64, device=DEVICE)
     store_kv(cache, kv[:, 0], kv[:, 1], torch.tensor([5, -1, 0], device=DEVICE))
     expected = torch.zeros_like(cache)
-    KVStorage.write(expected, kv[[0, 2]], torch.tensor([5, 0], device=DEVICE))
+    FullPages(expected).write_tokens(kv[[0, 2]], torch.tensor([5, 0], device=DEVICE))
     assert torch.equal(cache, expected)
 
 
@@ -162,7 +162,7 @@ def test_prefill_fresh_prompts_over_the_paged_cache():
     out = torch.empty_like(step.q)
     q_starts = torch.tensor([0, 17, 22], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([17, 5, 33], dtype=torch.int32, device=DEVICE)
-    kernels.prefill_attention(step.q, step.kv_cache[0], step.kv_cache[1], out, q_starts, lens, lens,
+    kernels.prefill_attention(step.q, *step.kv_cache.data, out, q_starts, lens, lens,
                               step.batch.block_tables, 33, step.scale, block_m=16, block_n=16)
     torch.testing.assert_close(out, step.run(TextbookBackend()), **TOL[torch.float32])
 

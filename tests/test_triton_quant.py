@@ -1,5 +1,5 @@
 """The Triton kernels over quantized pages (kv_cache_dtype int8, fp8, int4) against the textbook
-over the plain pages the QuantizedLayer stands for (its blocks dequantized, the last one of most
+over the plain pages the QuantizedPages stand for (its blocks dequantized, the last one of most
 sequences part full).
 
 Without CUDA the kernels run in Triton's interpreter, with small tiles (see test_triton_attention)
@@ -20,6 +20,7 @@ from triton_setup import DEVICE, SMALL_TILES, TOL  # noqa: I001  (first: it sets
 from attention_cases import make_case, quantize_case
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.attention.triton import TritonBackend
+from kvserve.kv.pages import FullPages
 
 # ((query_len, context_len) per sequence, number of decodes). 40: two decode partitions of 32.
 MIXED = ([(1, 40), (1, 3), (1, 21), (7, 20), (13, 13), (9, 31)], 3)   # prefixes and a fresh prompt
@@ -27,7 +28,7 @@ FRESH = ([(1, 33), (1, 9), (17, 17), (6, 6)], 2)                      # no prefi
 
 
 def quantized_step(case, heads, kv_heads, head_dim, kv_cache_dtype, block_size, dtype=torch.float32, seed=0):
-    """q, k, v, the QuantizedLayer, the plain pages it stands for, and the batch."""
+    """q, k, v, the QuantizedPages, the plain pages it stands for, and the batch."""
     seqs, num_decodes = case
     q_lens, ctx_lens = [n for n, _ in seqs], [c for _, c in seqs]
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, num_decodes, heads, kv_heads, head_dim,
@@ -43,7 +44,7 @@ def check(step) -> None:
     q, k, v, layer, pages, batch = step
     scale = q.shape[-1] ** -0.5
     out = TritonBackend(**SMALL_TILES).forward(q, k, v, layer, batch, scale)
-    ref = TextbookBackend().forward(q, k, v, pages, batch, scale)
+    ref = TextbookBackend().forward(q, k, v, FullPages(pages), batch, scale)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
 
 
@@ -74,9 +75,9 @@ def test_quantization_is_visible():
     seqs, num_decodes = MIXED
     q_lens, ctx_lens = [n for n, _ in seqs], [c for _, c in seqs]
     q, k, v, kv_cache, batch = make_case(q_lens, ctx_lens, num_decodes, 4, 2, 64, block_size=5)
-    exact = TextbookBackend().forward(q, k, v, kv_cache, batch, 0.125)
+    exact = TextbookBackend().forward(q, k, v, FullPages(kv_cache), batch, 0.125)
     _, pages = quantize_case(kv_cache, k, v, batch, "int8", 5)
-    assert not torch.allclose(TextbookBackend().forward(q, k, v, pages, batch, 0.125), exact, atol=1e-4)
+    assert not torch.allclose(TextbookBackend().forward(q, k, v, FullPages(pages), batch, 0.125), exact, atol=1e-4)
 
 
 # The interpreter checks no types: compile the quantized kernels for Hopper (sm_90) in a fresh

@@ -5,8 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.kv.quant import QuantizedLayer
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.pages import LayerPages
 
 
 @dataclass
@@ -58,22 +57,14 @@ class AttentionBackend:
     name = ""
     supports_cuda_graphs = False   # its decode launches depend on decode_context_bound only, with no host sync
 
-    def store(self, kv_cache: torch.Tensor | QuantizedLayer, kv: torch.Tensor, batch: AttentionBatch) -> None:
-        """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] into a layer's cache."""
-        if isinstance(kv_cache, QuantizedLayer):
-            kv_cache.write_tokens(kv, batch.slot_mapping)
-        else:
-            self.store_pages(kv_cache, kv, batch.slot_mapping)
+    def store(self, kv_cache: LayerPages, kv: torch.Tensor, batch: AttentionBatch) -> None:
+        """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] into a layer's pages."""
+        kv_cache.write_tokens(kv, batch.slot_mapping)
 
-    @staticmethod
-    def store_pages(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Full-precision pages: each token at its slot."""
-        KVStorage.write(kv_cache, kv, slot_mapping)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerPages | None,
                 batch: AttentionBatch, scale: float, sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
-        """q [T, H, D] and the step's k, v [T, KVH, D] -> [T, H, D], over the pages when kv_cache is given.
+        """q [T, H, D] and the step's k, v [T, KVH, D] -> [T, H, D], over a layer's pages when kv_cache is given.
 
         A layer's own attention: with a sliding_window W, the query at position p attends to the positions
         (p - W, p] only (the last W of its context); with logits_soft_cap c, its scores s (scaled) become

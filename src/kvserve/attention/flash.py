@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch, soft_cap
-from kvserve.kv.storage import read_pages
+from kvserve.kv.pages import LayerPages
 
 Q_TILE = 512
 K_TILE = 512
@@ -148,13 +148,13 @@ class _KVSource:
         return self._read(start, end)
 
 
-def _paged_source(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> _KVSource:
+def _paged_source(kv_cache: LayerPages, block_tables: torch.Tensor) -> _KVSource:
     """Tiles gathered page by page: a tile's pages only, never a whole context."""
     block_size = kv_cache.shape[3]
 
     def read(start: int, end: int):
         first, last = start // block_size, -(-end // block_size)
-        pages = read_pages(kv_cache, block_tables[:, first:last])               # [2, KVH, B, n, BS, D]
+        pages = kv_cache.gather(block_tables[:, first:last])               # [2, KVH, B, n, BS, D]
         kv = pages.flatten(3, 4)[:, :, :, start - first * block_size:end - first * block_size]
         return kv[0].transpose(0, 1).float(), kv[1].transpose(0, 1).float()
 

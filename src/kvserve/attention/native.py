@@ -15,10 +15,10 @@ import torch
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
 from kvserve.attention.sdpa import SdpaBackend
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
-from kvserve.kv.quant import Fp8PerToken, Int4, Int8PerToken, QuantizedLayer
+from kvserve.kv.pages import LayerPages
 
-# quantized row kinds, as the kernel numbers them (full-precision ones: DTYPE_KINDS)
-CODEC_KINDS = {Int8PerToken: 3, Fp8PerToken: 4, Int4: 5}
+# quantized page formats, as the kernel numbers them (full-precision ones: DTYPE_KINDS)
+QUANTIZED_KINDS = {"int8": 3, "fp8": 4, "int4": 5}
 
 
 def kernel():
@@ -32,15 +32,18 @@ def prefill_kernel():
     return function("paged_prefill")
 
 
-def _cache_args(kv_cache: torch.Tensor | QuantizedLayer) -> tuple | None:
+def page_kind(kv_cache: LayerPages) -> int | None:
+    """The kernels' number of a layer's page format (None: one they do not read)."""
+    fmt = kv_cache.format
+    return QUANTIZED_KINDS.get(fmt.name) if fmt.quantized else DTYPE_KINDS.get(fmt.dtype)
+
+
+def _cache_args(kv_cache: LayerPages) -> tuple | None:
     """The cache as the kernels take it: pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta
     (addresses; None for the scales a full-precision cache lacks). None where the kernels do not read this
     cache."""
     _, kvh, nb, bs, d = kv_cache.shape
-    if isinstance(kv_cache, QuantizedLayer):
-        kind, tensors = CODEC_KINDS.get(type(kv_cache.k_codec)), (kv_cache.pages, *kv_cache.meta)
-    else:
-        kind, tensors = DTYPE_KINDS.get(kv_cache.dtype), (kv_cache,)     # no scales
+    kind, tensors = page_kind(kv_cache), kv_cache.tensors
     if kind is None or not all(t.is_contiguous() for t in tensors):
         return None
     pages, k_meta, v_meta = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
@@ -57,7 +60,7 @@ def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor
     cache = _cache_args(kv_cache) if fn is not None else None
     if cache is None:
         fallback(name, "the kernels are not built" if fn is None else
-                 f"it does not read this cache ({type(kv_cache).__name__} of {kv_cache.dtype}, or not contiguous)")
+                 f"it does not read this cache ({kv_cache.format.name} pages, or not contiguous)")
         return None
     d, dtype = q.shape[-1], q.dtype
     if q.dtype not in COMPUTE_DTYPES or q.stride(2) != 1 or q.stride(1) != d:
@@ -70,7 +73,7 @@ def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor
     return out.to(dtype)
 
 
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
+def paged_decode(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                  logits_soft_cap: float | None = None) -> torch.Tensor | None:
     """Attention of one query per sequence, q [B, H, D], over its pages (AttentionBackend.forward's window and
@@ -79,7 +82,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block
                    logits_soft_cap)
 
 
-def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor | QuantizedLayer, block_tables: torch.Tensor,
+def paged_prefill(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, query_starts: torch.Tensor, scale: float,
                   sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor | None:
     """Causal attention of every query token, q [T, H, D] (tokens [query_starts[s], query_starts[s + 1])

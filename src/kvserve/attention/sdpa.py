@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch, soft_cap
 from kvserve.attention.gather import gather_context
-from kvserve.kv.quant import QuantizedLayer, merge_channels, split_channels
+from kvserve.kv.pages import QuantizedPages
+from kvserve.kv.quant import merge_channels, split_channels
 
 
 def _pad(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -54,7 +55,7 @@ class SdpaBackend(AttentionBackend):
         nd, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
         qg = q.view(nd, num_kv_heads, -1, head_dim).transpose(0, 1).reshape(num_kv_heads * nd, -1, head_dim)
-        if isinstance(kv_cache, QuantizedLayer):
+        if kv_cache.format.quantized:      # decoded as it is read
             out = _decode_scaled(qg, kv_cache, batch, scale, window, cap)
         else:
             tables, max_len, bias = _decode_meta(batch, block_size, num_kv_heads, q.dtype, window)
@@ -115,13 +116,13 @@ def _attend(q, k, v, mask: torch.Tensor, scale: float, cap: float | None) -> tor
     return (scores.softmax(-1).to(q.dtype) @ v).to(q.dtype)
 
 
-def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatch, scale: float,
+def _decode_scaled(qg: torch.Tensor, layer: QuantizedPages, batch: AttentionBatch, scale: float,
                    window: int | None, cap: float | None) -> torch.Tensor:
     """Decode over quantized pages without scaling their numbers: the keys' scales go to the scores
     (their minimums, times the sum of the query, too) and the values' to the probabilities."""
     tables, max_len, bias = _decode_meta(batch, layer.shape[3], layer.shape[1], torch.float32, window)
     pages, k_affine, v_affine = layer.gather_affine(tables)
-    if layer.splits_channels:
+    if layer.format.splits_channels:
         qg = split_channels(qg)
     k, v = pages.flatten(3, 4).flatten(1, 2)                              # [KVH*B, L, D] each
     raw = torch.bmm(qg, k.transpose(1, 2)).float().mul_(_per_token(k_affine.scale))
@@ -132,7 +133,7 @@ def _decode_scaled(qg: torch.Tensor, layer: QuantizedLayer, batch: AttentionBatc
     out = torch.bmm((probs * _per_token(v_affine.scale)).to(qg.dtype), v)
     if v_affine.offset is not None:
         out += (probs * _per_token(v_affine.offset)).sum(-1, keepdim=True).to(out.dtype)
-    return merge_channels(out) if layer.splits_channels else out
+    return merge_channels(out) if layer.format.splits_channels else out
 
 
 def _per_token(t: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from kvserve.attention.native import NativeBackend
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.bench.common import print_table
 from kvserve.extras import pyplot
+from kvserve.kv.pages import FullPages
 
 NAME = "attention"
 PREFILL_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -53,7 +54,8 @@ def paged_case(batch: int, length: int, q_len: int, args, device) -> tuple:
     dtype = getattr(torch, args.dtype)
     per_seq = -(-length // BLOCK_SIZE)
     pages = torch.randperm(batch * per_seq, device=device)
-    kv_cache = torch.randn(2, args.kv_heads, batch * per_seq, BLOCK_SIZE, args.head_dim, dtype=dtype, device=device)
+    kv_cache = FullPages(torch.randn(2, args.kv_heads, batch * per_seq, BLOCK_SIZE, args.head_dim, dtype=dtype,
+                                     device=device))
     tables = pages.view(batch, per_seq)
     q = torch.randn(batch * q_len, args.heads, args.head_dim, dtype=dtype, device=device)
     attn = AttentionBatch(num_decodes=batch if q_len == 1 else 0, slot_mapping=None, block_tables=tables,

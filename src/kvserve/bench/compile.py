@@ -167,7 +167,7 @@ def measure(path: Path, dtype: str, batch: int, w: Workload) -> dict:
     if native is None:
         raise RuntimeError(f"the engine built no native C step for {path} in {dtype}: nothing to compare with")
     for layer in storage.layers:     # a cache of random K/V: attention reads the whole context
-        layer.normal_(generator=torch.Generator().manual_seed(0))
+        layer.pages.normal_(generator=torch.Generator().manual_seed(0))
     torch_dtype = parse_dtype(dtype)
     plain = load_model(path, ModelConfig.from_path(path), torch_dtype, torch.device("cpu"), w.context + 1,
                        weight_format="plain")
@@ -184,7 +184,7 @@ def measure(path: Path, dtype: str, batch: int, w: Workload) -> dict:
     # recompile limit run the step uncompiled
     torch._dynamo.reset()
     compiled = torch.compile(step, dynamic=False, fullgraph=True)
-    args = (input_ids, positions, slots, tables, context_lens, storage.layers)
+    args = (input_ids, positions, slots, tables, context_lens, [layer.pages for layer in storage.layers])
     runners = {"native": lambda: native.run(input_ids, positions, attn_batch),
                "compiled": lambda: compiled(*args), "eager": lambda: step(*args)}
     ours = runners["native"]()

@@ -154,7 +154,7 @@ class NativeDecode:
             attn, mlp = layer.self_attn, layer.mlp
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                      attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
-                     storage.layer(index)]
+                     storage.layer(index).pages]
             gemma = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] \
                 if layer.gemma_norms else [None, None]
             layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),

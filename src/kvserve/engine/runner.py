@@ -84,7 +84,7 @@ class ModelRunner:
         group_tables = self._group_tables(sched)
         tables = group_tables[0] if group_tables else None
         positions, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, len(input_ids), tables)
-        kv_quantized = isinstance(self.storage, KVStorage) and bool(self.storage.quantized)
+        kv_quantized = bool(self.storage.quantized)
         nd = sched.num_decodes
         batch = AttentionBatch(
             num_decodes=nd,

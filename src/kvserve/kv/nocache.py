@@ -103,6 +103,7 @@ class NoKVStorage:
 
     nbytes = 0
     layer_group: list[int] = []
+    quantized: list = []               # no quantized pages
 
     def __init__(self, num_layers: int):
         self.layers: list[None] = [None] * num_layers

@@ -1,4 +1,4 @@
-"""Quantized KV pages: the codecs of `kv_cache_dtype` and the layer cache that holds their pages.
+"""Quantized KV pages: the codecs of `kv_cache_dtype` (kv/pages.py holds their pages).
 
 A codec turns full-precision pages [kv_heads, n, block_size, head_dim] of K or of V into stored
 numbers and their scales ("meta"), both with the block axis second so that a block table indexes
@@ -288,61 +288,3 @@ def codecs(kv_cache_dtype: str) -> tuple[Codec, Codec] | None:
         return Int4(), Int4()
     raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(QUANTIZED_KV_CACHE_DTYPES)}, "
                      f"got {kv_cache_dtype!r}")
-
-
-class QuantizedLayer:
-    """One layer's quantized pages and their scales; each token is quantized as it is written."""
-
-    def __init__(self, codecs: tuple[Codec, Codec], num_kv_heads: int, num_blocks: int, block_size: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.k_codec, self.v_codec = k_codec, v_codec = codecs
-        assert type(k_codec) is type(v_codec)        # K and V numbers share one tensor and decode alike
-        # K and V numbers in one tensor, so that a gather indexes both at once; data[0], data[1] view it
-        self.pages = torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim // k_codec.pack,
-                                 dtype=k_codec.storage_dtype, device=device)
-        self.data = list(self.pages)
-        self.meta = [torch.zeros(num_kv_heads, num_blocks, *c.meta_shape(block_size, head_dim),
-                                 dtype=c.meta_dtype, device=device) for c in codecs]
-        self.dtype = dtype
-        self.shape = (2, num_kv_heads, num_blocks, block_size, head_dim)   # of the pages it stands for
-        self.splits_channels = k_codec.splits_channels
-        self.rotates_keys = k_codec.rotates_keys     # its keys are stored as rotate_keys_ turns them
-
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype, dequantized
-        (only these blocks)."""
-        numbers = take_blocks(self.pages, ids, 2)
-        return torch.stack([codec.decode(numbers[i], take_blocks(meta, ids, 1), self.dtype)
-                            for i, (codec, meta) in enumerate(zip((self.k_codec, self.v_codec), self.meta))])
-
-    def gather_affine(self, ids: torch.Tensor) -> tuple[torch.Tensor, Affine, Affine]:
-        """Blocks `ids` as numbers [2, KVH, *ids.shape, BS, D] in the model's dtype (channels as
-        `splits_channels` says) and the K and V scales that make them gather(ids)."""
-        bs = self.shape[3]
-        k_affine = self.k_codec.affine(take_blocks(self.meta[0], ids, 1), bs)
-        v_affine = self.v_codec.affine(take_blocks(self.meta[1], ids, 1), bs)
-        return self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype), k_affine, v_affine
-
-    def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Quantize K and V [tokens, 2, KVH, D] into their slots (block * BS + offset), each token on its own."""
-        _, kvh, nb, bs, _ = self.shape
-        # [2, KVH, n, D / pack], [2, KVH, n, ...]
-        numbers, scales = self.k_codec.encode(kv.permute(1, 2, 0, 3).float())
-        self.pages.view(2, kvh, nb * bs, -1).index_copy_(2, slots, numbers)
-        rows = self.meta[0][0, 0].numel() // bs      # scales a token has: int4's scale and minimum, else one
-        # where they are in a head's meta [num_blocks, rows, BS] seen flat: row by row, as encode stacks them
-        at = (slots // bs * rows * bs + slots % bs) + bs * torch.arange(rows, device=slots.device)[:, None]
-        for meta, scale in zip(self.meta, scales):
-            meta.view(kvh, -1).index_copy_(1, at.flatten(), scale.reshape(kvh, -1))
-
-    def quantize(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
-        """Encode full pages [2, KVH, n, BS, D] into blocks `blocks`."""
-        for i, codec in enumerate((self.k_codec, self.v_codec)):
-            q, meta = codec.encode(pages[i].float())
-            self.data[i].index_copy_(1, blocks, q)
-            self.meta[i].index_copy_(1, blocks, meta)
-
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        self.pages[:, :, dst] = self.pages[:, :, src]
-        for t in self.meta:
-            t[:, dst] = t[:, src]

@@ -11,7 +11,8 @@ from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
 from kvserve.distributed import TensorParallel, shard_config
 from kvserve.kv.nocache import NoKVStorage
-from kvserve.kv.quant import QuantizedLayer, rotate_keys_
+from kvserve.kv.pages import LayerPages
+from kvserve.kv.quant import rotate_keys_
 from kvserve.kv.storage import KVStorage
 from kvserve.model.layers import (Embedding, GateUpLinear, GeluGateUpLinear, GemmaRMSNorm, Linear, RMSNorm,
                                   RotaryEmbedding, apply_rope_)
@@ -42,7 +43,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch, backend,
-                kv_cache: torch.Tensor | None) -> torch.Tensor:
+                kv_cache: LayerPages | None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         tokens, nh, nkv, hd = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         # q, k and v stay views of qkv: rope rotates q and k in place, and k, v go to the cache
@@ -52,7 +53,7 @@ class Attention(nn.Module):
             qk[:, :nh] = self.q_norm(qk[:, :nh])
             qk[:, nh:] = self.k_norm(qk[:, nh:])
         apply_rope_(qk if self.rotary_dim == hd else qk[..., :self.rotary_dim], *rope)
-        if isinstance(kv_cache, QuantizedLayer) and kv_cache.rotates_keys:
+        if kv_cache is not None and kv_cache.format.rotates_keys:
             # the cache stores its keys rotated: the queries turn alike, and every backend (and the
             # attention mass) sees the scores unchanged, the step's own fresh keys included
             rotate_keys_(qk)

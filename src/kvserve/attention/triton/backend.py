@@ -7,7 +7,7 @@ import torch
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
 from kvserve.attention.triton.kernels import decode_attention, decode_workspace, prefill_attention, store_kv
-from kvserve.kv.quant import QuantizedLayer
+from kvserve.kv.pages import LayerPages, QuantizedPages
 
 
 class TritonBackend(AttentionBackend):
@@ -16,9 +16,9 @@ class TritonBackend(AttentionBackend):
     just stored, read without the block-table indirection). cache_mode "none" (kv_cache None):
     every sequence, decodes included, attends causally to its own tokens of the step only.
 
-    A quantized layer (QuantizedLayer) is read by the same paged kernels, which decode its pages
-    tile by tile; fresh prefills still attend to the step's own exact K/V. Writes go through
-    AttentionBackend.store (torch ops).
+    Quantized pages (QuantizedPages) are read by the same paged kernels, which decode them tile by tile;
+    fresh prefills still attend to the step's own exact K/V. Their writes go through the pages' own
+    write_tokens (torch ops); full-precision pages are written by a kernel of its own.
 
     Tile sizes are parameters so that tests can force many tiles and partitions on small inputs.
     """
@@ -33,24 +33,24 @@ class TritonBackend(AttentionBackend):
         self.decode_block_n = decode_block_n
         self.partition_size = partition_size
 
-    @staticmethod
-    def store_pages(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write the step's K and V [tokens, 2, kv_heads, head_dim] into a layer's pages at slot_mapping."""
-        store_kv(kv_cache, kv[:, 0], kv[:, 1], slot_mapping)
+    def store(self, kv_cache: LayerPages, kv: torch.Tensor, batch: AttentionBatch) -> None:
+        if kv_cache.format.quantized:
+            return super().store(kv_cache, kv, batch)
+        store_kv(kv_cache.pages, kv[:, 0], kv[:, 1], batch.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | QuantizedLayer | None, batch: AttentionBatch, scale: float,
+                kv_cache: LayerPages | None, batch: AttentionBatch, scale: float,
                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] (the step's tokens), kv_cache [2, KVH, blocks, page, D]
-        or a QuantizedLayer already holding them (or None) -> [T, H, D]; within the sliding window and
+        (LayerPages) already holding them (or None) -> [T, H, D]; within the sliding window and
         soft-capped, where given."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         limits = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
         if kv_cache is None:
             self._prefill(q, k, v, out, batch, 0, None, scale, limits)
             return out
-        quant = kv_cache if isinstance(kv_cache, QuantizedLayer) else None
-        k_pages, v_pages = kv_cache.data if quant is not None else (kv_cache[0], kv_cache[1])
+        quant = kv_cache if kv_cache.format.quantized else None
+        k_pages, v_pages = kv_cache.data
         nd = batch.num_decodes
         if nd:
             self._decode(q[:nd], k_pages, v_pages, quant, out[:nd], batch, scale, limits)
@@ -63,14 +63,14 @@ class TritonBackend(AttentionBackend):
         return out
 
     def _prefill(self, q, k, v, out, batch: AttentionBatch, first: int, block_tables: torch.Tensor | None,
-                 scale: float, limits: dict, quant: QuantizedLayer | None = None) -> None:
+                 scale: float, limits: dict, quant: QuantizedPages | None = None) -> None:
         """Sequences first.. of the batch; block_tables None: k, v are the step's own [T, KVH, D].
         quant: k, v are the quantized layer's stored numbers."""
         q_starts, q_lens, ctx_lens, max_q_len = _prefill_meta(batch, first, paged=block_tables is not None)
         prefill_attention(q, k, v, out, q_starts, q_lens, ctx_lens, block_tables, max_q_len, scale,
                           block_m=self.prefill_block_m, block_n=self.prefill_block_n, quant=quant, **limits)
 
-    def _decode(self, q, k_pages, v_pages, quant: QuantizedLayer | None, out, batch: AttentionBatch,
+    def _decode(self, q, k_pages, v_pages, quant: QuantizedPages | None, out, batch: AttentionBatch,
                 scale: float, limits: dict) -> None:
         nd, num_heads, head_dim = q.shape
         ctx_lens, max_ctx = _decode_meta(batch)

@@ -16,7 +16,7 @@ SOFT_CAP) become c * tanh(s / c) before the softmax.
 head_dim need not be a power of two (80, 96): tiles span the next power of two and the extra
 lanes are masked to zero, which adds nothing to q·k and yields nothing in the output.
 
-Quantized pages (a kvserve.kv.quant.QuantizedLayer: int8, fp8, int4) are read by the same kernels
+Quantized pages (a kvserve.kv.pages.QuantizedPages: int8, fp8, int4) are read by the same kernels
 compiled with KV_QUANT > 0: each K or V tile is loaded as stored numbers and scales and decoded in
 registers (_load_tile); nothing is dequantized ahead of the kernel. KV_QUANT = 0 compiles the full-precision path alone.
 """
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kv.quant import Fp8PerToken, Int4, Int8PerToken, QuantizedLayer
+from kvserve.kv.pages import QuantizedPages
 
 LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16.
@@ -64,7 +64,7 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write K and V [tokens, kv_heads, head_dim] into kv_cache [2, kv_heads, blocks, page, head_dim]
-    at slot_mapping (slot = page_id * page_size + offset): the same result as KVStorage.write.
+    at slot_mapping (slot = page_id * page_size + offset): the same result as FullPages.write_tokens.
     Negative slots are skipped."""
     tokens, num_kv_heads, head_dim = k.shape
     if tokens == 0:
@@ -210,16 +210,16 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _INTERPRETED
 
 
-# KV_QUANT of each kv_cache_dtype's codecs (K's, V's); 0 is full precision.
-_KV_QUANT = {(Int8PerToken, Int8PerToken): 1, (Fp8PerToken, Fp8PerToken): 2, (Int4, Int4): 3}
+# KV_QUANT of each quantized page format; 0 is full precision.
+_KV_QUANT = {"int8": 1, "fp8": 2, "int4": 3}
 
 
-def _quantized_args(layer: QuantizedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _quantized_args(layer: QuantizedPages, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """KV_QUANT, the pointers (K scales, V scales) and their strides per head that the kernels take for a
     quantized layer."""
-    kv_quant = _KV_QUANT.get((type(layer.k_codec), type(layer.v_codec)))
+    kv_quant = _KV_QUANT.get(layer.format.name)
     if kv_quant is None:
-        raise ValueError(f"no kernel reads K codec {layer.k_codec!r} with V codec {layer.v_codec!r}")
+        raise ValueError(f"no kernel reads {layer.format.name} pages")
     if k is not layer.data[0] or v is not layer.data[1]:
         raise ValueError("k and v must be the quantized layer's data[0] and data[1]")
     k_meta, v_meta = layer.meta
@@ -257,7 +257,7 @@ def _prefill_quant_kernel(q_ptr, k_ptr, v_ptr, out_ptr,
     context_len - query_len + i, so a cached prefix (chunked prefill, prefix caching) is attended in
     full and only the new tokens are causal among themselves.
 
-    KV_QUANT > 0 (paged only): k_ptr, v_ptr are a QuantizedLayer's stored numbers, k_meta_ptr,
+    KV_QUANT > 0 (paged only): k_ptr, v_ptr are a QuantizedPages' stored numbers, k_meta_ptr,
     v_meta_ptr its scales (see _load_tile). KV_QUANT 0 reads neither."""
     tile, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
@@ -353,7 +353,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
                       q_starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor,
                       block_tables: torch.Tensor | None, max_q_len: int, scale: float,
                       block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                      quant: QuantizedLayer | None = None, sliding_window: int | None = None,
+                      quant: QuantizedPages | None = None, sliding_window: int | None = None,
                       logits_soft_cap: float | None = None) -> None:
     """Causal attention of each sequence's queries, written into out [T, H, D]; within the last
     sliding_window positions and with soft-capped scores, where given.
@@ -362,7 +362,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     Paged (block_tables [seqs, max_blocks] given): k, v are a layer's K and V pages
     [KVH, blocks, page_size, D] and sequence s attends to its ctx_lens[s] cached tokens.
     Flat (block_tables None): k, v are the step's own [T, KVH, D] and ctx_lens must equal q_lens.
-    Quantized pages (paged only): quant is the QuantizedLayer and k, v its quant.data[0], quant.data[1]."""
+    Quantized pages (paged only): quant is the QuantizedPages and k, v its quant.data[0], quant.data[1]."""
     tokens, num_heads, head_dim = q.shape
     num_seqs = q_lens.shape[0]
     if tokens == 0 or num_seqs == 0:
@@ -426,7 +426,7 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
     the partition's normalized output and its base-2 log-sum-exp. Partitions cover the sequence's keys
     from its window's first (with a window), else from 0.
 
-    KV_QUANT > 0: k_ptr, v_ptr are a QuantizedLayer's stored numbers, read with its scales as in
+    KV_QUANT > 0: k_ptr, v_ptr are a QuantizedPages' stored numbers, read with its scales as in
     _prefill_quant_kernel. KV_QUANT 0 reads none of those."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(ctx_len_ptr + seq)
@@ -553,13 +553,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      ctx_lens: torch.Tensor, block_tables: torch.Tensor, max_ctx_len: int, scale: float,
                      partition_size: int = 512, block_n: int = 64,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     num_warps: int = 4, quant: QuantizedLayer | None = None, sliding_window: int | None = None,
+                     num_warps: int = 4, quant: QuantizedPages | None = None, sliding_window: int | None = None,
                      logits_soft_cap: float | None = None) -> None:
     """One query per sequence, q [seqs, H, D], against its ctx_lens[s] cached tokens (the query's
     own included; the last sliding_window of them where given, soft-capped where given) in k_cache,
     v_cache [KVH, blocks, page_size, D]; written into out [seqs, H, D]. The workspace may have room for
     more partitions than this call uses.
-    Quantized pages: quant is the QuantizedLayer and k_cache, v_cache its quant.data[0], quant.data[1].
+    Quantized pages: quant is the QuantizedPages and k_cache, v_cache its quant.data[0], quant.data[1].
 
     The context is cut into partitions of partition_size keys computed by separate programs (so a
     few long sequences still fill the GPU), then merged by log-sum-exp."""
