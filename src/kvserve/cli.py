@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks the model and the KV cache are split across: this process and N-1 spawned workers "
                         "(gloo on the CPU, NCCL on CUDA); --kv-cache-memory is then per rank")
+    p.add_argument("--step-timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds a tensor-parallel step may take before its ranks are taken to hang, killed, and the "
+                        "engine restarted (serve) as for a dead rank (default: max(120, 20 x the slowest step seen))")
     p.add_argument("--kv-offload", default=None, metavar="disk:PATH|cpu",
                    help="a second tier for the blocks the prefix cache evicts: disk:PATH keeps them in files that "
                         "a restarted engine finds; cpu (CUDA only) in pinned host memory")
@@ -80,7 +83,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "attention_backend", "enable_prefix_caching", "kv_cache_dtype", "kv_cache_dtype_skip_layers", "eviction",
             "allow_long_max_model_len", "gpu_memory_utilization", "enforce_eager", "num_scheduler_steps",
             "cpu_allocator_tuning", "skip_tokenizer_init", "tensor_parallel_size",
-            "disable_hybrid_kv_cache_manager", "kv_offload", "kv_offload_size", "preemption_mode", "quantization"]
+            "disable_hybrid_kv_cache_manager", "kv_offload", "kv_offload_size", "preemption_mode", "quantization",
+            "step_timeout"]
     return {k: getattr(args, k) for k in keys}
 
 
@@ -187,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "tensor_parallel_size", 1) > 1:
-        from kvserve.engine.workers import torchrun_env, torchrun_worker
+        from kvserve.parallel.torchrun import torchrun_env, torchrun_worker
 
         if (torchrun_env() or (0,))[0] > 0:
             torchrun_worker()      # torchrun's other ranks hold the shards of rank 0's engine
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `kvserve` command."""
     code = main()
-    from kvserve.engine.workers import torchrun_env
+    from kvserve.parallel.torchrun import torchrun_env
 
     if torchrun_env() is not None:
         # a rank torchrun started ends here, before the interpreter's teardown: gloo's threads, still held by

@@ -325,6 +325,10 @@ class EngineConfig:
     # weight-only quantization of every linear layer, lm_head included, at load (QUANTIZATIONS; None: none):
     # int8 per output channel, int4 in groups of 32 k with a scale and a minimum each
     quantization: str | None = None
+    # seconds a tensor-parallel step may take before its ranks are taken to hang: they are killed and the engine
+    # fails as for a dead rank (a server starts a new one); None: max(120 s, 20 x the slowest step seen, and
+    # 20 x the slowest time per token seen for the step's tokens)
+    step_timeout: float | None = None
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -369,9 +373,8 @@ class EngineConfig:
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.quantization is not None:
-            raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size {self.tensor_parallel_size}: "
-                             f"quantized weights run on one rank only")
+        if self.step_timeout is not None and not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be a positive number of seconds (or None), got {self.step_timeout}")
         if self.tensor_parallel_size > 1 and self.kv_offload is not None:
             raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
                              f"writes rank 0's pool only")

@@ -9,7 +9,7 @@ and its runner runs each step on the first of them that supports it, in this ord
   cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
   eager               the model op by op, by its attention backend: any step
   native_tp           native on every rank of a tensor-parallel engine (tensor_parallel_size > 1) on the
-                      CPU: rank 0 sends the step to the other ranks (engine/workers.py), then each runs its
+                      CPU: rank 0 sends the step to the other ranks (parallel/workers.py), then each runs its
                       shard's C step, which stops for the all-reduces between the layers' halves
   eager_tp            eager on every rank of a tensor-parallel engine: any step
 
@@ -217,20 +217,6 @@ class Eager:
         return _logits(self.model, hidden, inputs)
 
 
-def _on_every_rank(workers, step: Step, native: bool, run: Callable[[], StepOutput]) -> StepOutput:
-    """The step sent to the workers (to run by the C step where `native`, else op by op), then rank 0's shard of it
-    by `run`. A failed step whose cause is a worker (dead, or failed) raises its WorkerFailure instead of the
-    collective's error."""
-    try:
-        workers.send_step(step.sched.block_copies, step.inputs, native)
-        return run()
-    except (RuntimeError, OSError) as e:
-        cause = workers.failure(e)
-        if cause is not None and cause is not e:
-            raise cause from e
-        raise
-
-
 class TensorParallelNative(NativeStep):
     """NativeStep on every rank: the step goes to the workers first, then each rank runs its shard's C step, whose
     team stops at each all-reduce between the layers' halves to meet the other ranks'; the logits are gathered
@@ -240,10 +226,10 @@ class TensorParallelNative(NativeStep):
 
     def __init__(self, native: NativeDecode, workers):
         super().__init__(native)
-        self.workers = workers                     # engine.workers.Workers
+        self.workers = workers                     # parallel.workers.Workers
 
     def run(self, step: Step) -> StepOutput:
-        return _on_every_rank(self.workers, step, True, lambda: NativeStep.run(self, step))
+        return self.workers.run_step(step.sched.block_copies, step.inputs, True, lambda: NativeStep.run(self, step))
 
 
 class TensorParallelEager(Eager):
@@ -254,10 +240,10 @@ class TensorParallelEager(Eager):
 
     def __init__(self, model: CausalLM, backend, storage: KVStorage | NoKVStorage, workers):
         super().__init__(model, backend, storage)
-        self.workers = workers                     # engine.workers.Workers
+        self.workers = workers                     # parallel.workers.Workers
 
     def run(self, step: Step) -> StepOutput:
-        return _on_every_rank(self.workers, step, False, lambda: self._run(step))
+        return self.workers.run_step(step.sched.block_copies, step.inputs, False, lambda: self._run(step))
 
     def _run(self, step: Step) -> StepOutput:
         inputs = step.inputs
