@@ -233,7 +233,7 @@ def test_a_worker_that_fails_to_start_says_why(tmp_path, tiny_llama):
     assert not _alive(workers.pids[0])
 
 
-def test_shapes_that_do_not_split_are_refused(tiny_llama):
+def test_shapes_that_do_not_split_are_refused(tmp_path, tiny_llama):
     cfg = ModelConfig.from_path(tiny_llama)          # 4 heads, 2 KV heads, intermediate 128
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads"):
         check_tensor_parallel(cfg, 3)
@@ -251,6 +251,8 @@ def test_shapes_that_do_not_split_are_refused(tiny_llama):
     check_tensor_parallel(odd, 2, "int8")
     check_tensor_parallel(odd, 1, "int4")
     check_tensor_parallel(cfg, 2, "int4")           # 64 o_proj inputs, 128 down_proj inputs: 32 and 64 a rank
+    with pytest.raises(ValueError, match="down_proj's 96 inputs"):     # before any worker starts
+        LLM(str(make_checkpoint(tmp_path, "llama", intermediate_size=96)), tensor_parallel_size=2, quantization="int4")
 
 
 def _raw(path) -> dict:

@@ -99,7 +99,6 @@ class LLMEngine:
         size = config.tensor_parallel_size
         if size == 1:
             return None
-        check_tensor_parallel(mcfg, size, config.quantization)
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None:
             raise ValueError(f"tensor_parallel_size {size} on CUDA needs kv_cache_memory (per rank) or "
                              f"num_kv_blocks: the KV pool is not sized by profiling one rank's step")
@@ -116,8 +115,11 @@ class LLMEngine:
     def _choose_gemm(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> GemmChoice:
         """How the linear layers multiply (model/gemm_choice.py). Under tensor parallelism with the native step or
         quantized weights (csrc/gemm.c's alone), chosen as for one rank, on a rank's shapes and share of the cores;
-        else unmeasured: oneDNN's packing on the CPU (torch's GEMMs on CUDA) on every rank."""
+        else unmeasured: oneDNN's packing on the CPU (torch's GEMMs on CUDA) on every rank. A model that does not
+        split across the ranks is refused first (check_tensor_parallel)."""
         size = config.tensor_parallel_size
+        if size > 1:
+            check_tensor_parallel(mcfg, size, config.quantization)
         if size > 1 and (native or config.quantization is not None):
             threads = torch.get_num_threads()
             torch.set_num_threads(_rank_threads(size))        # as each rank will multiply

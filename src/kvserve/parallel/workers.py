@@ -183,15 +183,15 @@ class Workers:
         try:
             self._send_step(block_copies, inputs, native)
             out = run()
-        except (RuntimeError, OSError) as e:
-            cause = self.failure(e)
+        except Exception as e:          # any: the workers began the step, so the ranks are out of step
+            cause = self._failure(e)
             if cause is e:
                 raise
             raise cause from e
         finally:
             self.watchdog.disarm()
         if self.watchdog.hung_after is not None:       # its bound passed as the step ended: the workers are killed
-            raise self.failure(None)
+            raise self._failure(None)
         self.bound.observe(time.monotonic() - start, num_tokens)
         return out
 
@@ -205,7 +205,7 @@ class Workers:
         for conn in self.conns:
             conn.send_bytes(data)
 
-    def failure(self, error: BaseException | None) -> WorkerFailure:
+    def _failure(self, error: BaseException | None) -> WorkerFailure:
         """Why a step failed (`error`, rank 0's; None where it did not fail but ran past its bound): the bound passed
         (the workers killed), else a worker that died or failed (given a moment to exit: a collective fails when a
         rank dies), else rank 0's error itself."""
