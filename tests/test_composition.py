@@ -41,8 +41,6 @@ FEATURES = {
 }
 # pairs an engine refuses, and what its error says
 REFUSED: dict[frozenset, str] = {
-    frozenset({"tp2", "int8_weights"}): "quantization",
-    frozenset({"tp2", "int4_weights"}): "quantization",
     frozenset({"tp2", "disk_tier"}): "kv_offload",
 }
 # two values of one option (int8 and int4 weights, or pages) are no pair

@@ -2,6 +2,7 @@
 the LLM."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -10,9 +11,14 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig, ModelConfig
-from kvserve.distributed import check_tensor_parallel
-from kvserve.engine.workers import WorkerArgs, Workers
+from kvserve.parallel.sharding import check_tensor_parallel
+from kvserve.parallel.worker import WorkerArgs
+from kvserve.parallel.workers import Workers
 from kvserve.kv import KVSpec
+from kvserve.model.layers import gemm_packs
+from kvserve.model.loader import load_model
+from kvserve.parallel.group import TensorParallel
+from kvserve.parallel.watchdog import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, StepBound
 from kvserve.planner import num_blocks
 from test_hybrid_kv import SYSTEM, WINDOW, gemma2, gemma3, mistral  # noqa: F401  (the fixtures: tiny checkpoints)
 from timings import measured
@@ -63,6 +69,52 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
     # each rank's pool holds its KV heads: half the bytes of one rank's, unless its one KV head is replicated
     replicated = overrides.get("num_key_value_heads") == 1
     assert two[2]["kv_cache_bytes"] * (1 if replicated else 2) == one[2]["kv_cache_bytes"]
+
+
+@pytest.mark.skipif(not gemm_packs(torch.float32), reason="quantized weights run on csrc/gemm.c, which does not here")
+@pytest.mark.parametrize("arch,overrides,quantization,enforce_eager", [
+    ("llama", {}, "int8", False),
+    ("llama", {}, "int4", True),
+    ("qwen2", {"tie_word_embeddings": True}, "int8", True),      # q/k/v biases, the table read from lm_head's rows
+    ("qwen2", {"tie_word_embeddings": True}, "int4", False),
+], ids=["llama-int8-native_tp", "llama-int4-eager_tp", "qwen2-int8-eager_tp", "qwen2-int4-native_tp"])
+def test_quantized_weights_on_two_ranks_give_one_ranks_tokens(tmp_path, arch, overrides, quantization, enforce_eager):
+    """Each rank quantizes its shard to the numbers one rank holds (int8: a row-parallel layer's scales are its whole
+    rows'; int4: no group straddles two ranks), so two ranks give one rank's tokens and logits, by the C step on
+    every rank (native_tp) or op by op (eager_tp). Each pair of the four cases' settings is covered once."""
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, prompt_logprobs=1)
+    kw = dict(quantization=quantization, enforce_eager=enforce_eager)
+    one, two = _run(path, 1, params, **kw), _run(path, 2, params, **kw)
+    _assert_same(one, two)
+    steps = two[2]["steps"]
+    assert steps["eager_tp"] > 0 and (steps.get("native_tp", 0) == 0) == enforce_eager
+    assert two[2]["gemm"]["weight_format"] == "gemm"
+
+
+def test_each_rank_holds_its_part_of_every_weight(tmp_path):
+    """The parallel layers cut their shards from the checkpoint (Phi-3's: q/k/v and gate/up fused in one tensor
+    each; one KV head, replicated on both ranks; an odd vocabulary, the last rank's rows padded with zeros): joined,
+    the two ranks' shards are one rank's weights."""
+    path = make_checkpoint(tmp_path, "phi3", num_key_value_heads=1, vocab_size=385)
+    cfg = ModelConfig.from_path(path)
+    whole, *ranks = (load_model(path, cfg, torch.float32, torch.device("cpu"), 64, tp=tp)
+                     for tp in (None, TensorParallel(0, 2, None), TensorParallel(1, 2, None)))
+    q = cfg.q_size
+    for layer, *shards in zip(whole.model.layers, *(r.model.layers for r in ranks)):
+        qkv = [s.self_attn.qkv_proj.weight for s in shards]
+        assert torch.equal(torch.cat([w[:q // 2] for w in qkv]), layer.self_attn.qkv_proj.weight[:q])
+        for w in qkv:       # the one KV head, k then v, on each rank
+            assert torch.equal(w[q // 2:], layer.self_attn.qkv_proj.weight[q:])
+        gate_up = [s.mlp.gate_up_proj.weight.chunk(2) for s in shards]
+        assert torch.equal(torch.cat([g for g, _ in gate_up] + [u for _, u in gate_up]), layer.mlp.gate_up_proj.weight)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            parts = [s.get_submodule(name).weight for s in shards]
+            assert torch.equal(torch.cat(parts, dim=1), layer.get_submodule(name).weight)
+    vocab = cfg.vocab_size
+    for name in ("model.embed_tokens", "lm_head"):
+        rows = torch.cat([r.get_submodule(name).weight for r in ranks])
+        assert torch.equal(rows[:vocab], whole.get_submodule(name).weight) and not rows[vocab:].any()
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
@@ -145,7 +197,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_dead_worker_fails_the_step_and_shutdown_leaves_no_process(tiny_llama):
-    llm = LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32", kv_cache_memory="1MiB")
+    """A killed worker fails the next step at once, naming it. Rank 0's collectives wait past the step's bound
+    (step_timeout): a rank that hangs is caught by the bound (test_a_hung_worker_...), not by their timeout."""
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32", kv_cache_memory="1MiB", step_timeout=300)
     pids = llm.engine.workers.pids
     try:
         # kv_cache_memory is per rank: kvserve plan's arithmetic gives the same pool
@@ -153,6 +207,7 @@ def test_a_dead_worker_fails_the_step_and_shutdown_leaves_no_process(tiny_llama)
             == 2 * num_blocks(str(tiny_llama), "1MiB", 16, "float32", "auto", 1)
         assert len(pids) == 1 and _alive(pids[0])
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.engine.workers.tp.group.options._timeout.total_seconds() > 300     # gloo's own, rank 0's
         os.kill(pids[0], signal.SIGKILL)
         with pytest.raises(RuntimeError, match="worker rank 1 .* died"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -179,7 +234,7 @@ def test_a_worker_that_fails_to_start_says_why(tmp_path, tiny_llama):
     assert not _alive(workers.pids[0])
 
 
-def test_shapes_that_do_not_split_are_refused(tiny_llama):
+def test_shapes_that_do_not_split_are_refused(tmp_path, tiny_llama):
     cfg = ModelConfig.from_path(tiny_llama)          # 4 heads, 2 KV heads, intermediate 128
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads"):
         check_tensor_parallel(cfg, 3)
@@ -190,13 +245,18 @@ def test_shapes_that_do_not_split_are_refused(tiny_llama):
                                                      "num_key_value_heads": 3}), 4)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="quantization 'int8' with tensor_parallel_size 2"):
-        EngineConfig(tensor_parallel_size=2, quantization="int8")
+    # int4's groups of 32 inputs: down_proj's 96 split in 48 per rank would put a group across both ranks
+    odd = ModelConfig.from_dict({**_raw(tiny_llama), "intermediate_size": 96})
+    with pytest.raises(ValueError, match="quantization 'int4' with tensor_parallel_size 2: .* down_proj's 96 inputs"):
+        check_tensor_parallel(odd, 2, "int4")
+    check_tensor_parallel(odd, 2, "int8")
+    check_tensor_parallel(odd, 1, "int4")
+    check_tensor_parallel(cfg, 2, "int4")           # 64 o_proj inputs, 128 down_proj inputs: 32 and 64 a rank
+    with pytest.raises(ValueError, match="down_proj's 96 inputs"):     # before any worker starts
+        LLM(str(make_checkpoint(tmp_path, "llama", intermediate_size=96)), tensor_parallel_size=2, quantization="int4")
 
 
 def _raw(path) -> dict:
-    import json
-
     return json.loads((path / "config.json").read_text())
 
 
@@ -205,16 +265,35 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
-def test_the_server_with_two_ranks_serves_fails_a_dead_workers_requests_and_leaves_no_process(tiny_llama):
+def test_a_steps_bound_is_step_timeout_or_grows_with_the_steps_measured():
+    """The default bound: the floor before any step is measured and while steps are quick; then 20 times the
+    slowest step, or the slowest time per token times the step's tokens (a prefill larger than any before)."""
+    bound = StepBound()
+    assert bound.seconds(1) == bound.seconds(100_000) == STEP_TIMEOUT_FLOOR
+    bound.observe(0.2, 4)
+    assert bound.seconds(4) == STEP_TIMEOUT_FLOOR
+    bound.observe(30.0, 1000)                  # 0.05 s a token, the first step's (4 tokens) the slowest
+    assert bound.seconds(4) == STEP_TIMEOUT_FACTOR * 30.0
+    assert bound.seconds(8192) == STEP_TIMEOUT_FACTOR * 0.05 * 8192
+    given = StepBound(step_timeout=3.0)
+    given.observe(30.0, 1000)
+    assert given.seconds(8192) == 3.0
+    with pytest.raises(ValueError, match="step_timeout must be a positive number of seconds"):
+        EngineConfig(step_timeout=0)
+
+
+def test_the_server_with_two_ranks_serves_and_restarts_its_engine_after_a_dead_or_hung_worker(tiny_llama):
     """Rank 0 serves HTTP from the engine process: completions and streams; a killed worker fails its request
-    with a 500 naming it, the engine process stops and a new one (with new workers) is started; nothing is left
-    after shutdown."""
+    with a 500 naming it, the engine process stops and a new one (with new workers) is started. A worker stopped by
+    SIGSTOP neither dies nor answers: the step waiting for it runs past its bound (step_timeout), the workers are
+    killed (none is left stopped), the stream in flight ends with an error event naming the bound, /health says 503
+    until a new engine is ready, and that one serves. Nothing is left after shutdown."""
     import httpx
 
     from kvserve.server.app import build_app
     from test_server import ENGINE_ARGS, MODEL, ServerThread, wait_for
 
-    app = build_app(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, **ENGINE_ARGS), MODEL)
+    app = build_app(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, step_timeout=3, **ENGINE_ARGS), MODEL)
     server = app.state.async_engine
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
     with ServerThread(app) as base:
@@ -231,6 +310,21 @@ def test_the_server_with_two_ranks_serves_fails_a_dead_workers_requests_and_leav
         wait_for(lambda: not engine.is_alive() and httpx.get(f"{base}/health").status_code == 200,
                  "a new engine is started")
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+
+        engine, (worker,) = server._core, _children(server._core.pid)
+        os.kill(worker, signal.SIGSTOP)
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+            health = httpx.get(f"{base}/health")
+        assert events[-1] == "data: [DONE]" and len(events) == 2
+        error = json.loads(events[0].removeprefix("data: "))["error"]["message"]
+        assert "did not end within 3 s (step_timeout)" in error
+        assert health.status_code == 503 and "step_timeout" in health.json()["error"]["message"]
+        wait_for(lambda: not engine.is_alive() and httpx.get(f"{base}/health").status_code == 200,
+                 "a new engine is started")
+        assert not _alive(worker)
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         engine, workers = server._core, _children(server._core.pid)
         assert len(workers) == 1
     assert not any(_alive(p) for p in [engine.pid, *workers])
@@ -239,8 +333,6 @@ def test_the_server_with_two_ranks_serves_fails_a_dead_workers_requests_and_leav
 def test_bench_tp_counts_each_steps_collectives(tmp_path):
     """`kvserve bench tp`: two all-reduces per layer and one for the embedding in each TP=2 decode step, none
     at TP=1, and rank 0's time in them reported."""
-    import json
-
     from kvserve.cli import main
 
     out = tmp_path / "tp.json"
@@ -268,7 +360,7 @@ def test_shm_channel_carries_steps_and_sends_larger_ones_and_exit_through_the_pi
     header says so); a message in the pipe wakes a reader that waits."""
     import multiprocessing
 
-    from kvserve.engine.workers import ShmChannel
+    from kvserve.parallel.channel import ShmChannel
 
     ours, theirs = multiprocessing.Pipe()
     writer = ShmChannel(1, capacity=64)

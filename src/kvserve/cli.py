@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "tensor_parallel_size", 1) > 1:
-        from kvserve.engine.workers import torchrun_env, torchrun_worker
+        from kvserve.parallel.torchrun import torchrun_env, torchrun_worker
 
         if (torchrun_env() or (0,))[0] > 0:
             torchrun_worker()      # torchrun's other ranks hold the shards of rank 0's engine
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `kvserve` command."""
     code = main()
-    from kvserve.engine.workers import torchrun_env
+    from kvserve.parallel.torchrun import torchrun_env
 
     if torchrun_env() is not None:
         # a rank torchrun started ends here, before the interpreter's teardown: gloo's threads, still held by

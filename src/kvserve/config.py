@@ -355,6 +355,11 @@ class EngineConfig:
     quantization: str | None = option(None, "weight-only quantization of every linear layer (lm_head too) at load, "
                                             "CPU only: int8 per output channel, int4 in groups of 32 with a scale "
                                             "and a minimum each", choices=QUANTIZATIONS)
+    step_timeout: float | None = option(None, "seconds a tensor-parallel step may take before its ranks are taken "
+                                              "to hang: they are killed and the engine fails as for a dead rank (a "
+                                              "server starts a new one); default: the largest of 120 s, 20x the "
+                                              "slowest step seen, and 20x the slowest time per token seen for the "
+                                              "step's tokens", metavar="SECONDS")
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
@@ -399,9 +404,8 @@ class EngineConfig:
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory, self.cache_mode)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.quantization is not None:
-            raise ValueError(f"quantization {self.quantization!r} with tensor_parallel_size "
-                             f"{self.tensor_parallel_size}: quantized weights run on one rank only")
+        if self.step_timeout is not None and not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be a positive number of seconds (or None), got {self.step_timeout}")
         if self.tensor_parallel_size > 1 and self.kv_offload is not None:
             raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
                              f"writes rank 0's pool only")

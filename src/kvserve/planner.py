@@ -18,7 +18,7 @@ import numpy as np
 from kvserve.arg_utils import layer_list
 from kvserve.config import (KV_CACHE_DTYPES, QUANTIZATIONS, QUANTIZED_KV_CACHE_DTYPES, ModelConfig, parse_bytes,
                             parse_dtype)
-from kvserve.distributed import check_tensor_parallel, shard_config
+from kvserve.parallel.sharding import check_tensor_parallel, shard_config
 from kvserve.kv.eviction import Sink
 from kvserve.kv.groups import LayerGroup, is_hybrid, layer_groups, window_blocks
 from kvserve.kv.quant import resolve_kv_cache_dtype

@@ -5,13 +5,13 @@ TinyLlama's: hidden 2048, 22 layers, 32 heads, 4 KV heads). TP=1 and TP=2 each r
 default executor (on the CPU the native C step; at TP=2 on every rank, native_tp, with the all-reduces
 between its layers' halves) and op by op (enforce_eager: eager, and at TP=2 eager_tp); TP=2's two engines
 live together and take turns, a step each, so that the load of a shared machine moves both alike. Rank 0
-times its collectives (kvserve.distributed.TensorParallel.comm_seconds): that time includes waiting
+times its collectives (kvserve.parallel.group.TensorParallel.comm_seconds): that time includes waiting
 for the slower rank, so it is an upper bound of the pure communication. Two ranks sharing a few CPU
 cores are not faster than one; docs/performance.md projects what the all-reduce count costs on GPUs.
 
 Then the ways rank 0's step messages can reach a worker, each carrying the same bytes (the last decode
 step's message of each batch size, as TP=2 sent it) to one spawned process, in turns: the engine's
-shared-memory buffer (engine.workers.ShmChannel), a pipe (the other messages' way), torchrun's TCPStore (its
+shared-memory buffer (parallel.channel.ShmChannel), a pipe (the other messages' way), torchrun's TCPStore (its
 ranks' way) and a torch.distributed broadcast over gloo (its length, then its bytes). Each message leaves
 after a pause of a step's sampling and scheduling, and its time is from rank 0's send to the worker holding
 the loaded message (one clock: both processes are on this machine).
@@ -33,9 +33,9 @@ import torch.distributed as dist
 from kvserve.arg_utils import write_json
 from kvserve.bench.common import (add_model_args, describe_shape, make_checkpoint, model_shape, print_table,
                                   random_prompts)
-from kvserve.distributed import pin_cpu_threads
-from kvserve.engine.workers import ShmChannel, StoreConnection, _loads
 from kvserve.llm import LLM
+from kvserve.parallel.channel import ShmChannel, StoreConnection, loads
+from kvserve.parallel.group import pin_cpu_threads
 from kvserve.sampling import SamplingParams
 
 NAME = "tp"
@@ -144,16 +144,16 @@ def _channel_reader(port: int, conn, rounds: list[tuple[str, int]]) -> None:
     each send (the message's first 8 bytes) to the load's end, and the load's own."""
     pin_cpu_threads(1, 2)
     recv, _store = _channels(1, port, ShmChannel(1, conn.recv()), conn)
-    delays, loads = [], []
+    delays, load_s = [], []
     for channel, _ in rounds:
         data = recv[channel]()
         start = time.perf_counter()
-        _loads(data[8:], torch.device("cpu"))
+        loads(data[8:], torch.device("cpu"))
         end = time.perf_counter()           # one end: the load is part of the delay (one clock for both ranks)
         delays.append(end - struct.unpack_from("d", data)[0])
-        loads.append(end - start)
+        load_s.append(end - start)
         conn.send(None)
-    conn.send((delays, loads))
+    conn.send((delays, load_s))
 
 
 def measure_channels(messages: dict[int, bytes], repeats: int) -> dict:

@@ -13,7 +13,6 @@ import torch
 
 from kvserve.attention import get_backend
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvserve.distributed import check_tensor_parallel, shard_config
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
@@ -22,7 +21,6 @@ from kvserve.engine.gpu_memory import dummy_forward, profile_kv_memory
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Sequence
-from kvserve.engine.workers import ForwardedStorage, WorkerArgs, Workers
 from kvserve.kernels import library
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache, NoKVStorage
 from kvserve.kv.storage import block_spec
@@ -35,6 +33,9 @@ from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.gemm_choice import GemmChoice, choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.parallel.sharding import check_tensor_parallel, shard_config
+from kvserve.parallel.worker import WorkerArgs
+from kvserve.parallel.workers import ForwardedStorage, Workers
 from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,6 @@ class LLMEngine:
         size = config.tensor_parallel_size
         if size == 1:
             return None
-        check_tensor_parallel(mcfg, size)
         if self.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None:
             raise ValueError(f"tensor_parallel_size {size} on CUDA needs kv_cache_memory (per rank) or "
                              f"num_kv_blocks: the KV pool is not sized by profiling one rank's step")
@@ -111,15 +111,18 @@ class LLMEngine:
                  "by the C step on every rank (native_tp)" if native else "op by op (eager_tp)")
         args = WorkerArgs(self.model_path, mcfg, self.dtype, self.device.type, self.max_model_len,
                           config.attention_backend, config.cpu_allocator_tuning, self.gemm.weight_format,
-                          self.gemm.amx_from, native)
-        return Workers(size, args, self.device)
+                          self.gemm.amx_from, native, config.quantization)
+        return Workers(size, args, self.device, config.step_timeout)
 
     def _choose_gemm(self, config: EngineConfig, mcfg: ModelConfig, native: bool) -> GemmChoice:
-        """How the linear layers multiply (model/gemm_choice.py). Under tensor parallelism with the native step,
-        chosen as for one rank, on a rank's shapes and share of the cores; without it, unmeasured: oneDNN's packing
-        on the CPU (torch's GEMMs on CUDA) on every rank."""
+        """How the linear layers multiply (model/gemm_choice.py). Under tensor parallelism with the native step or
+        quantized weights (csrc/gemm.c's alone), chosen as for one rank, on a rank's shapes and share of the cores;
+        else unmeasured: oneDNN's packing on the CPU (torch's GEMMs on CUDA) on every rank. A model that does not
+        split across the ranks is refused first (check_tensor_parallel)."""
         size = config.tensor_parallel_size
-        if size > 1 and native:
+        if size > 1:
+            check_tensor_parallel(mcfg, size, config.quantization)
+        if size > 1 and (native or config.quantization is not None):
             threads = torch.get_num_threads()
             torch.set_num_threads(_rank_threads(size))        # as each rank will multiply
             try:

@@ -9,7 +9,7 @@ and its runner runs each step on the first of them that supports it, in this ord
   cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
   eager               the model op by op, by its attention backend: any step
   native_tp           native on every rank of a tensor-parallel engine (tensor_parallel_size > 1) on the
-                      CPU: rank 0 sends the step to the other ranks (engine/workers.py), then each runs its
+                      CPU: rank 0 sends the step to the other ranks (parallel/workers.py), then each runs its
                       shard's C step, which stops for the all-reduces between the layers' halves
   eager_tp            eager on every rank of a tensor-parallel engine: any step
 
@@ -217,20 +217,6 @@ class Eager:
         return _logits(self.model, hidden, inputs)
 
 
-def _on_every_rank(workers, step: Step, native: bool, run: Callable[[], StepOutput]) -> StepOutput:
-    """The step sent to the workers (to run by the C step where `native`, else op by op), then rank 0's shard of it
-    by `run`. A failed step whose cause is a worker (dead, or failed) raises its WorkerFailure instead of the
-    collective's error."""
-    try:
-        workers.send_step(step.sched.block_copies, step.inputs, native)
-        return run()
-    except (RuntimeError, OSError) as e:
-        cause = workers.failure(e)
-        if cause is not None and cause is not e:
-            raise cause from e
-        raise
-
-
 class TensorParallelNative(NativeStep):
     """NativeStep on every rank: the step goes to the workers first, then each rank runs its shard's C step, whose
     team stops at each all-reduce between the layers' halves to meet the other ranks'; the logits are gathered
@@ -240,10 +226,10 @@ class TensorParallelNative(NativeStep):
 
     def __init__(self, native: NativeDecode, workers):
         super().__init__(native)
-        self.workers = workers                     # engine.workers.Workers
+        self.workers = workers                     # parallel.workers.Workers
 
     def run(self, step: Step) -> StepOutput:
-        return _on_every_rank(self.workers, step, True, lambda: NativeStep.run(self, step))
+        return self.workers.run_step(step.sched.block_copies, step.inputs, True, lambda: NativeStep.run(self, step))
 
 
 class TensorParallelEager(Eager):
@@ -254,10 +240,10 @@ class TensorParallelEager(Eager):
 
     def __init__(self, model: CausalLM, backend, storage: KVStorage | NoKVStorage, workers):
         super().__init__(model, backend, storage)
-        self.workers = workers                     # engine.workers.Workers
+        self.workers = workers                     # parallel.workers.Workers
 
     def run(self, step: Step) -> StepOutput:
-        return _on_every_rank(self.workers, step, False, lambda: self._run(step))
+        return self.workers.run_step(step.sched.block_copies, step.inputs, False, lambda: self._run(step))
 
     def _run(self, step: Step) -> StepOutput:
         inputs = step.inputs
@@ -287,20 +273,20 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
 
 
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend,
-                       num_kv_groups: int = 0) -> bool:
+                       num_layer_groups: int = 0) -> bool:
     """cuda_graphs: on CUDA unless enforce_eager, a paged, full-precision cache with one block table for every
     layer (the graphs read one: a hybrid cache of several layer groups decodes eagerly) read by a backend that
     can be captured (and the capture succeeding: build_executors); not under tensor parallelism."""
     return (device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1
             and config.cache_mode != "none" and not spec.quantized_layers and backend.supports_cuda_graphs
-            and num_kv_groups <= 1)
+            and num_layer_groups <= 1)
 
 
 def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | NoKVStorage, spec: KVSpec, backend,
                     device: torch.device, scheduler: Scheduler, final_only: Container[str],
-                    max_model_len: int, num_kv_groups: int = 0, workers=None) -> list[Executor]:
+                    max_model_len: int, num_layer_groups: int = 0, workers=None) -> list[Executor]:
     """The engine's executors, in the order a step tries them; eager, last, takes what the others do not.
-    num_kv_groups: the layer groups of a hybrid cache (0: not hybrid). With `workers` (tensor parallel),
+    num_layer_groups: the KV cache's layer groups (0: no cache). With `workers` (tensor parallel),
     native_tp where the C step runs, and eager_tp."""
     executors: list[Executor] = []
     native = None
@@ -316,7 +302,7 @@ def build_executors(config: EngineConfig, model: CausalLM, storage: KVStorage | 
             executors.append(NativeMultiStep(native, config.num_scheduler_steps, scheduler, final_only,
                                              max_model_len))
         executors.append(NativeStep(native))
-    if cuda_graphs_wanted(config, device, spec, backend, num_kv_groups):
+    if cuda_graphs_wanted(config, device, spec, backend, num_layer_groups):
         graphs = DecodeGraphs(model, storage, backend, config.max_num_seqs, max_model_len, device)
         try:
             graphs.capture_all()

@@ -9,13 +9,15 @@ from torch import nn
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.mass import accumulate_attention_mass
 from kvserve.config import ModelConfig
-from kvserve.distributed import TensorParallel, shard_config
 from kvserve.kv.nocache import NoKVStorage
 from kvserve.kv.pages import LayerPages
 from kvserve.kv.quant import rotate_keys_
 from kvserve.kv.storage import KVStorage
-from kvserve.model.layers import (Embedding, GateUpLinear, GeluGateUpLinear, GemmaRMSNorm, Linear, RMSNorm,
-                                  RotaryEmbedding, apply_rope_)
+from kvserve.model.embed_head import ParallelLMHead, VocabParallelEmbedding
+from kvserve.model.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding, apply_rope_
+from kvserve.model.linear import GateUpParallelLinear, GeluGateUpParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvserve.parallel.group import TensorParallel, place
+from kvserve.parallel.sharding import shard_config
 
 
 def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
@@ -25,18 +27,20 @@ def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.tp = tp    # cfg is then this rank's shard: its heads; o_proj's products are summed over the ranks
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, tp=tp)
+        # the heads of this layer's shard (qkv_proj's)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.sliding_window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.rotary_dim = cfg.rotary_dim
         # the sliding layers' own RoPE base (Gemma 3): CausalLM.forward hands them its second table
         self.local_rope = self.sliding_window is not None and cfg.rope_local_base_freq is not None
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = _norm(cfg, cfg.head_dim)
             self.k_norm = _norm(cfg, cfg.head_dim)
@@ -64,21 +68,18 @@ class Attention(nn.Module):
                               sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         if batch.mass_requests and (batch.mass_layers is None or self.layer in batch.mass_layers):
             accumulate_attention_mass(qk[:, :nh], kv_cache, batch, self.scale, self.logits_soft_cap)
-        out = self.o_proj(out.reshape(tokens, self.q_size))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.tp = tp    # cfg is then this rank's shard: its share of the intermediate size
-        gate_up = GateUpLinear if cfg.hidden_act == "silu" else GeluGateUpLinear
-        self.gate_up_proj = gate_up(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        gate_up = GateUpParallelLinear if cfg.hidden_act == "silu" else GeluGateUpParallelLinear
+        self.gate_up_proj = gate_up(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.gate_up_proj(x))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -111,32 +112,17 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
-            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
-
-
-class VocabParallelEmbedding(Embedding):
-    """A tensor-parallel rank's rows of the embedding (num_rows of them, from rank * num_rows): the ranks'
-    lookups, each zero where another rank holds the token, summed."""
-
-    def __init__(self, num_rows: int, dim: int, tp: TensorParallel):
-        super().__init__(num_rows, dim)
-        self.tp = tp
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        local = input_ids - self.tp.rank * self.num_embeddings
-        elsewhere = (local < 0) | (local >= self.num_embeddings)
-        x = super().forward(local.masked_fill(elsewhere, 0)).masked_fill_(elsewhere.unsqueeze(-1), 0)
-        return self.tp.all_reduce(x)
 
 
 class CausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoints, with q/k/v and gate/up merged.
 
-    With `tp`, the model is one rank's shard (kvserve.distributed): `config` stays the whole model's, and
-    `shard_config` is the shape of the shard, whose layers sum their products over the ranks."""
+    With `tp` (a rank's group, parallel/group.py), the model is one rank's shard, cut and joined by its layers
+    (model/linear.py, model/embed_head.py): `config` stays the whole model's, `shard_config` is the shape of the
+    shard, and `tp` is kept for the executors' collectives (None: one rank)."""
 
     # checkpoint shard -> (merged parameter, index of the shard within it)
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -146,9 +132,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.shard_config = local = cfg if tp is None else shard_config(cfg, tp.size)
-        self.model = DecoderModel(local, tp)
-        self.lm_head = Linear(cfg.hidden_size, local.vocab_size, bias=False)
+        self.shard_config = shard_config(cfg, place(tp)[1])
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp, soft_cap=cfg.final_logit_softcapping)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
@@ -188,23 +174,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of hidden states [n, hidden]; soft-capped where the model caps them (Gemma 2). Tensor parallel:
-        every rank's vocabulary shard gathered on rank 0; None on the others."""
-        logits = self.lm_head(hidden)
-        if self.tp is not None:
-            logits = self.tp.gather_logits(logits, self.config.vocab_size)
-            if logits is None:
-                return None
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    def shard_slice(self, name: str, shard: int) -> slice:
-        """Rows of a merged parameter that hold one checkpoint shard (of this rank's shard of the model)."""
-        cfg = self.shard_config
-        if name == "qkv_proj":
-            sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
-        start = sum(sizes[:shard])
-        return slice(start, start + sizes[shard])
+        every rank's vocabulary shard gathered on rank 0; None on the others (ParallelLMHead)."""
+        return self.lm_head(hidden)

@@ -38,6 +38,9 @@ class Linear(nn.Linear):
     weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
     amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not AVX-512's
+    # int8: the largest magnitude of each output column over all its inputs, where the layer holds a part of them
+    # (RowParallelLinear), taken for the column's scale; None: the weight's own
+    column_absmax: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         pass
@@ -56,6 +59,7 @@ class Linear(nn.Linear):
             raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
         if quantization is not None:
             self._load_quantized(w, weight_format, quantization)
+            self.column_absmax = None
             return self.weight_format
         packed = None
         if weight_format != "plain" and w.device.type == "cpu" and w.dtype in COMPUTE_DTYPES:
@@ -63,6 +67,7 @@ class Linear(nn.Linear):
         self.packed, self.scales, self.quantization = packed, None, None
         self.weight_format = "plain" if packed is None else weight_format
         self.weight = nn.Parameter(w if packed is None else w.new_empty(0), requires_grad=False)
+        self.column_absmax = None
         return self.weight_format
 
     def _load_quantized(self, w: torch.Tensor, weight_format: str, quantization: str) -> None:
@@ -73,7 +78,7 @@ class Linear(nn.Linear):
                              f"AVX-512 (F, BW, VL; for bfloat16 also BF16), a C compiler and a float32 or bfloat16 "
                              f"model; got a {w.dtype} weight on {w.device.type} packed as {weight_format!r}")
         if quantization == "int8":
-            q, self.scales = quantize_int8(w)
+            q, self.scales = quantize_int8(w, self.column_absmax)
         else:
             q, scales, mins = quantize_int4(w)
             self.scales = gemm_pack_groups(scales, mins, self.gated, w.dtype)
@@ -150,9 +155,10 @@ def gemm_packs(dtype: torch.dtype) -> bool:
     return _gemm_function("gemm", dtype) is not None
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] as int8 q and a float32 scale per output column, symmetric: scale = max |w| / 127 of the
     column (1 for a column of zeros), q = round(w / scale); w's dequantized weight is q * scale (in float32).
+    absmax: each column's max |w| where w holds a part of its inputs (a tensor-parallel rank's), float32.
     In blocks of columns, so that no float32 copy of the whole weight is held."""
     q = cpu_tensor(tuple(w.shape), torch.int8) if w.device.type == "cpu" else torch.empty_like(w, dtype=torch.int8)
     scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
@@ -161,7 +167,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, w.shape[0], block):
         rows = w[start:start + block]
         part = work[:len(rows)].copy_(rows)
-        scale = torch.maximum(part.amax(dim=1), part.amin(dim=1).neg_()) / 127     # max |w|, with no |w| block
+        # max |w|, with no |w| block
+        most = (torch.maximum(part.amax(dim=1), part.amin(dim=1).neg_()) if absmax is None
+                else absmax[start:start + block])
+        scale = most / 127
         scale[scale == 0] = 1.0
         q[start:start + block] = part.div_(scale[:, None]).round_().clamp_(-127, 127)
         scales[start:start + block] = scale

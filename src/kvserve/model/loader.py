@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from kvserve.config import ModelConfig, parse_dtype
-from kvserve.distributed import TensorParallel
 from kvserve.engine.cpu_memory import cpu_tensor
 from kvserve.model.decoder import CausalLM
 from kvserve.model.layers import Linear
+from kvserve.parallel.group import TensorParallel
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
@@ -90,17 +90,51 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         torch.set_default_dtype(default)
 
 
+class CheckpointTensor:
+    """A tensor of a checkpoint, read from its file when a layer's weight_loader asks for its part of it: straight
+    into the layer's parameter where that part is the whole tensor, else read whole once and cut."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], read: Callable[[str, torch.Tensor], None]):
+        self.name, self.shape, self._read = name, shape, read
+        self._whole: torch.Tensor | None = None
+
+    def narrow_into(self, dst: torch.Tensor, dim: int = 0, start: int = 0) -> None:
+        """dst = the tensor's dst.shape[dim] entries from `start` along `dim` (dst's other dimensions its own)."""
+        if start == 0 and tuple(dst.shape) == self.shape:
+            self._read(self.name, dst)
+            return
+        fits = len(dst.shape) == len(self.shape) and start + dst.shape[dim] <= self.shape[dim] and all(
+            d == s for i, (d, s) in enumerate(zip(dst.shape, self.shape)) if i != dim)
+        if not fits:
+            raise ValueError(f"checkpoint tensor {self.name!r} has shape {self.shape}: no part of it fills "
+                             f"{tuple(dst.shape)} from {start} along dimension {dim}")
+        dst.copy_(self.whole(dst.dtype).narrow(dim, start, dst.shape[dim]))
+
+    def whole(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole tensor in dtype, read once."""
+        if self._whole is None:
+            self._whole = torch.empty(self.shape, dtype=dtype)
+            self._read(self.name, self._whole)
+        return self._whole
+
+
+def default_weight_loader(dst: torch.Tensor, loaded: CheckpointTensor, shard_id: int | None = None) -> None:
+    """A parameter that every rank holds whole (a norm's) takes the checkpoint tensor as it is."""
+    loaded.narrow_into(dst)
+
+
 def load_weights(model: CausalLM, path: Path, weight_format: str = "plain", quantization: str | None = None) -> None:
-    """Copy every tensor of the *.safetensors files into the model (a tensor-parallel shard: its part of each);
-    all parameters must be covered. A linear layer's weight is assembled from its checkpoint tensors (q, k, v;
-    gate, up) in a buffer of its own and, once whole, handed to Linear.load in weight_format (and quantization);
-    a tied lm_head packs the embedding table, which then reads its rows from it (Embedding.share_with:
-    quantized, its rows dequantized) where csrc/gemm.c packs it."""
+    """Copy every tensor of the *.safetensors files into the model, each by its layer's weight_loader (a
+    tensor-parallel shard's layers take their part of it); all parameters must be covered. A linear layer's weight
+    is assembled from its checkpoint tensors (q, k, v; gate, up) in a buffer of its own and, once whole, handed to
+    Linear.load in weight_format (and quantization); a tied lm_head packs the embedding table, which then reads its
+    rows from it (Embedding.share_with: quantized, its rows dequantized) where csrc/gemm.c packs it."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     tied = model.config.tie_word_embeddings
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     linears = {f"{name}.weight": m for name, m in model.named_modules()
                if isinstance(m, Linear) and not (tied and m is model.lm_head)}
     missing = {_part(n, s) for n in params for s in _shards_of(n)}
@@ -119,18 +153,8 @@ def load_weights(model: CausalLM, path: Path, weight_format: str = "plain", quan
                     dst = building[target] = _weight_buffer(linear, params[target].dtype, params[target].device)
             else:
                 dst = params[target].data
-            if shard is not None:
-                dst = dst[model.shard_slice(target.split(".")[-2], shard)]
-            if model.tp is None:
-                read(name, dst)
-            else:       # the whole tensor, then this rank's part of it
-                whole = torch.empty(shape, dtype=dst.dtype)
-                read(name, whole)
-                part = model.tp.shard(target, shard, whole, model.config)
-                if part.shape != dst.shape:
-                    raise ValueError(f"checkpoint tensor {name!r}: this rank's part has shape {tuple(part.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                dst.copy_(part)
+            module = modules[target.rpartition(".")[0]]
+            getattr(module, "weight_loader", default_weight_loader)(dst, CheckpointTensor(name, shape, read), shard)
             # a checkpoint's fused tensor (Phi-3's qkv_proj, gate_up_proj) fills every shard of its parameter
             missing -= {_part(target, s) for s in ([shard] if shard is not None else _shards_of(target))}
             if target in linears and not any(_part(target, s) in missing for s in _shards_of(target)):

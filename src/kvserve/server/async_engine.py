@@ -329,7 +329,11 @@ class AsyncEngine:
         for loop, deliveries in by_loop.items():     # one wake-up of each loop per step, not one per output
             loop.call_soon_threadsafe(_deliver, deliveries)
 
-    def _failed(self, message: str, request_ids: list[str], stats: dict | None = None) -> None:
+    def _failed(self, message: str, request_ids: list[str], stats: dict | None = None, fatal: bool = False) -> None:
+        """Fail the requests; `fatal`: the engine is stopping (its process exits, and a new one is started once its
+        pipe closes), and takes no request from now on: /health says so before the requests' errors arrive."""
+        if fatal:
+            self.dead = message
         if stats is not None:
             self._stats = stats
         error = EngineError(message)

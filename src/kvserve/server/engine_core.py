@@ -13,8 +13,8 @@ Messages out:
 - ("outputs", [RequestOutput delta (output_deltas.py)], stats) per step;
 - ("stats", stats) then ("reply", query_id, result or exception) per query, answered between two
   steps: what the server reports beside the result (/metrics) is of the same step;
-- ("failed", message, [request_id], stats) when a step raises (its requests are aborted, the
-  engine serves on);
+- ("failed", message, [request_id], stats, fatal) when a step raises: its requests are aborted, and the
+  engine serves on, or (fatal: a tensor-parallel rank died, failed or hung) the engine process exits;
 - ("stats", stats) when idle; ("stopped",) after a shutdown, which aborts whatever is left.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from kvserve.config import EngineConfig
 from kvserve.engine import kv_state
 from kvserve.engine.engine import LLMEngine
-from kvserve.engine.workers import WorkerFailure
+from kvserve.parallel.workers import WorkerFailure
 from kvserve.server.output_deltas import DeltaEncoder
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,11 @@ class EngineCore:
             # fail the requests in flight (the step may have aborted some already), keep serving new ones
             log.exception("engine step failed; aborting the requests in flight")
             self._abort_all()
-            self.conn.send(("failed", f"the engine failed: {type(e).__name__}: {e}", in_flight, self.engine.stats()))
-            if isinstance(e, WorkerFailure):
-                raise                # a rank is gone: this engine is done, the server starts a new one
+            fatal = isinstance(e, WorkerFailure)      # a rank is gone: this engine is done, the server starts a new one
+            self.conn.send(("failed", f"the engine failed: {type(e).__name__}: {e}", in_flight, self.engine.stats(),
+                            fatal))
+            if fatal:
+                raise
             return
         if outputs:
             self.conn.send(("outputs", [self.deltas.encode(o) for o in outputs], self.engine.stats()))
