@@ -13,7 +13,7 @@ import torch
 from kvserve import LLM, SamplingParams, kernels
 from kvserve.attention import native
 from kvserve.attention.textbook import TextbookBackend
-from kvserve.engine.native_decode import _Layer, _Model, _Proj
+from kvserve.engine.native_decode import STRUCTS, step_plan
 from kvserve.kv import storage
 from kvserve.kv.storage import KVStorage
 from kvserve.model import layers
@@ -47,22 +47,70 @@ def test_every_kernel_is_declared_once_as_c_declares_it():
         assert kernels.function(name).argtypes == list(argtypes)
 
 
-def test_the_ctypes_structs_are_the_c_structs():
+HEADER = (kernels.CSRC / "decode_step.h").read_text()
+
+
+def test_the_ctypes_structs_are_the_headers_and_the_librarys():
+    """Built from csrc/decode_step.h, field by field in its order and of its types, and laid out as the compiler
+    laid out the library's."""
     lib = kernels.library()
-    for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):
-        kernels.check_layout(lib, structure, name)
-    assert kernels.c_layout(lib)["Model"] == {"": ctypes.sizeof(_Model),
-                                              **{f: getattr(_Model, f).offset for f, _ in _Model._fields_}}
+    for name in ("Proj", "Layer", "Model"):
+        kernels.check_layout(lib, STRUCTS[name])
+    layout = kernels.c_layout(lib)
+    assert set(layout) == {"Proj", "Layer", "Model"}
+    model = layout["Model"]
+    assert [f for f, _, _ in model[1:]] == [f for f, _ in STRUCTS["Model"]._fields_]
+    types = {f: t for f, t, _ in model}
+    assert (types["embed"], types["lm_head"], types["layers"], types["all_reduce"], types["vocab_start"]) == \
+        ("const void *", "Proj", "const Layer *", "AllReduce", "int64_t")
+    assert dict(STRUCTS["Model"]._fields_)["layers"] is ctypes.POINTER(STRUCTS["Layer"])
 
 
-@pytest.mark.parametrize("fields", [[*_Model._fields_, ("extra", ctypes.c_int)], _Model._fields_[:-1],
-                                    [*_Model._fields_[:2], *_Model._fields_[3:4], *_Model._fields_[2:3],
-                                     *_Model._fields_[4:]]],
-                         ids=["a-field-python-only", "a-field-c-only", "two-fields-swapped"])
-def test_a_struct_that_differs_from_cs_fails_the_check(fields):
-    structure = type("Model", (ctypes.Structure,), {"_fields_": fields})
-    with pytest.raises(RuntimeError, match="does not match the C struct Model"):
-        kernels.check_layout(kernels.library(), structure, "Model")
+def _header_with(old: str, new: str) -> str:
+    assert old in HEADER
+    return HEADER.replace(old, new)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("    int64_t vocab_start;\n", "    int64_t vocab_start;\n    int extra;\n"),
+    ("    int64_t vocab_start;\n", ""),
+    ("float eps, scale;", "float scale, eps;"),
+    ("int64_t window;", "int64_t sliding_window;"),
+    # of the same size, at the same offset: only its type tells
+    ("int kv_kind, rotate_keys;", "float kv_kind;\n    int rotate_keys;"),
+], ids=["a-field-python-only", "a-field-c-only", "two-fields-swapped", "a-field-renamed", "a-field-retyped"])
+def test_structs_that_differ_from_the_librarys_fail_the_check(old, new):
+    structs = kernels.c_structs(_header_with(old, new))
+    name = "Layer" if "kv_kind" in old or "window" in old else "Model"
+    with pytest.raises(RuntimeError, match=f"ctypes structure {name} does not match"):
+        kernels.check_layout(kernels.library(), structs[name])
+
+
+@pytest.mark.parametrize("header", ["typedef struct { double x; } S;", "typedef struct { int a, *b; } S;",
+                                    "typedef struct { Unknown *p; } S;", "int f(void);"])
+def test_the_header_reader_refuses_what_it_does_not_read(header):
+    with pytest.raises(ValueError, match="c_structs"):
+        kernels.c_structs(header)
+
+
+def test_the_step_plan_fills_every_field_and_refuses_one_left_out(tiny_llama):
+    """kernels.fill sets every field of the structs by name, those of the nested Proj and of each Layer too: a plan
+    that leaves a field out, or names one the struct has not, is refused, naming it."""
+    llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=16, dtype="float32")
+    plan = step_plan(llm.engine.model, llm.engine.storage, STRUCTS["AllReduce"]())
+    model = kernels.fill(STRUCTS["Model"], plan)
+    assert model.num_layers == 2 and model.layers[1].qkv.kind == plan["layers"][1]["qkv"]["kind"]
+    assert model.layers[1].kv == llm.engine.storage.layer(1).data_ptr()
+    for part, field in [(lambda p: p, "logit_cap"), (lambda p: p["layers"][1], "window"),
+                        (lambda p: p["lm_head"], "amx_from"), (lambda p: p["layers"][0]["down"], "b")]:
+        plan = step_plan(llm.engine.model, llm.engine.storage, STRUCTS["AllReduce"]())
+        del part(plan)[field]
+        with pytest.raises(ValueError, match=f"unset: {field}$"):
+            kernels.fill(STRUCTS["Model"], plan)
+    plan = step_plan(llm.engine.model, llm.engine.storage, STRUCTS["AllReduce"]())
+    plan["layers"][0]["sliding"] = 4
+    with pytest.raises(ValueError, match="Layer: .*not its fields: sliding"):
+        kernels.fill(STRUCTS["Model"], plan)
 
 
 # ---- allocations that fail ---------------------------------------------------------------------------------
