@@ -122,18 +122,87 @@ FAILING_ALLOCATIONS = """#include <stdlib.h>
 """
 
 
-@pytest.fixture(scope="module")
-def no_memory(tmp_path_factory):
-    """The kernels built so that every allocation fails."""
-    path = tmp_path_factory.mktemp("no-memory")
-    (path / "failing.h").write_text(FAILING_ALLOCATIONS)
-    wrapper = path / "cc-no-memory"
+# aligned_alloc (csrc/gemm.c's per-thread scratch) failing on the odd threads of a team only
+FAILING_ON_ODD_THREADS = """#include <omp.h>
+#include <stdlib.h>
+#define aligned_alloc(alignment, n) (omp_get_thread_num() % 2 ? (void *)0 : aligned_alloc(alignment, n))
+"""
+
+
+def build_with(path, header: str) -> ctypes.CDLL:
+    """The kernels built with `header` included first in every source (its macros in force)."""
+    (path / "failing.h").write_text(header)
+    wrapper = path / "cc-failing"
     wrapper.write_text(f'#!/bin/sh\nexec cc -include {path / "failing.h"} "$@"\n')
     wrapper.chmod(0o755)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("CC", str(wrapper))
         m.setenv("KVSERVE_CACHE", str(path / "cache"))
         return ctypes.CDLL(str(kernels.build()))
+
+
+@pytest.fixture(scope="module")
+def no_memory(tmp_path_factory):
+    """The kernels built so that every allocation fails."""
+    return build_with(tmp_path_factory.mktemp("no-memory"), FAILING_ALLOCATIONS)
+
+
+@pytest.fixture(scope="module")
+def odd_threads_no_memory(tmp_path_factory):
+    """The kernels built so that a thread's scratch memory runs out on the odd threads of a team."""
+    return build_with(tmp_path_factory.mktemp("odd-threads-no-memory"), FAILING_ON_ODD_THREADS)
+
+
+def _gemm_by(lib: ctypes.CDLL, monkeypatch, *args, **kwargs) -> torch.Tensor:
+    """layers.gemm by the kernels of lib, on two threads."""
+    monkeypatch.setattr(kernels, "library", lambda: lib)
+    layers._gemm_function.cache_clear()
+    try:
+        torch.set_num_threads(2)
+        return layers.gemm(*args, **kwargs)
+    finally:
+        monkeypatch.undo()
+        layers._gemm_function.cache_clear()
+
+
+def test_a_thread_whose_scratch_runs_out_takes_its_team_another_way(no_memory, odd_threads_no_memory, monkeypatch):
+    """csrc/gemm.c's int4 products of bfloat16 rows by VNNI put each thread's rows in fixed point in its own scratch;
+    where that memory runs out on one thread of the team, every thread widens the chunks instead (as where every
+    allocation fails), so that each output is computed one way, whichever thread computes it."""
+    if not layers.gemm_packs(torch.bfloat16) or "avx512_vnni" not in open("/proc/cpuinfo").read():
+        pytest.skip("csrc/gemm.c multiplies int4 weights by bfloat16 rows without VNNI here: no scratch to run out")
+    g = torch.Generator().manual_seed(0)
+    # each group of 32 inputs leads with 2^20, whose weight is 0: the others' fixed point is coarse (see
+    # test_weight_quant's test_int4_bfloat16_products_take_x_in_fixed_point_per_group), the widened ones exact
+    w, x = torch.rand(256, 512, generator=g), torch.randn(5, 512, generator=g)
+    w[:, ::32], x[:, ::32] = 0.0, 2.0 ** 20
+    q, scales, mins = layers.quantize_int4(w)
+    packed, groups = layers.gemm_pack(q, dtype=torch.bfloat16), layers.gemm_pack_groups(scales, mins, False,
+                                                                                          torch.bfloat16)
+    x = x.bfloat16()
+    fixed, widened, odd = (_gemm_by(lib, monkeypatch, x, packed, None, 256, scales=groups)
+                           for lib in (kernels.library(), no_memory, odd_threads_no_memory))
+    assert not torch.equal(fixed, widened)          # the two ways round apart: a mix of them would show
+    assert torch.equal(odd, widened)
+
+
+def test_a_thread_whose_amx_copies_run_out_takes_its_team_to_avx512(odd_threads_no_memory, monkeypatch):
+    """AMX's tiles read each thread's copy of the rows from its scratch: where that memory runs out on one thread of
+    the team, the whole team runs AVX-512's kernel (a thread that went alone into AVX-512's loops would leave the
+    AMX loops' share of it undone, and its team waiting): AVX-512's products, bit for bit."""
+    monkeypatch.setattr(kernels, "library", lambda: odd_threads_no_memory)
+    layers._gemm_function.cache_clear()
+    amx = "amx" in layers.gemm_kernels(torch.bfloat16)       # (asks the OS for the tile state in this build too)
+    monkeypatch.undo()
+    layers._gemm_function.cache_clear()
+    if not amx or "amx" not in layers.gemm_kernels(torch.bfloat16):
+        pytest.skip("this CPU has no AMX (or the OS does not grant it)")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 2048, generator=g).bfloat16(), torch.randn(35, 2048, generator=g).bfloat16()
+    packed = layers.gemm_pack(w)
+    avx512 = _gemm_by(kernels.library(), monkeypatch, x, packed, None, 96, amx_from=layers.NEVER)
+    assert not torch.equal(_gemm_by(kernels.library(), monkeypatch, x, packed, None, 96, amx_from=1), avx512)
+    assert torch.equal(_gemm_by(odd_threads_no_memory, monkeypatch, x, packed, None, 96, amx_from=1), avx512)
 
 
 @pytest.fixture

@@ -64,7 +64,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path, arch, overrides):
     assert two[2]["kv_cache_bytes"] * (1 if replicated else 2) == one[2]["kv_cache_bytes"]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
 def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cache_dtype):
     """Quantized pages (scales sharded with their heads), a prompt reusing a cached prefix, n=3 samples forked
     from one prompt (copy-on-write block copies), and a pool so small that sequences are preempted: as one rank. A rank's partial sums round
@@ -77,6 +77,7 @@ def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cach
     _assert_same(one, two, tol=1e-3)
     stats = two[2]
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["steps"]["native_tp"] > 0        # the C step on every rank writes and reads the quantized pages
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])
@@ -132,6 +133,7 @@ def test_hybrid_cache_prefix_caching_forks_and_preemption(request, kv_cache_dtyp
     _assert_same(one, two, tol=1e-3 if kv_cache_dtype == "int8" else 1e-4)
     stats = two[2]
     assert stats["kv_groups"] and stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["steps"]["native_tp"] > 0
 
 
 def _alive(pid: int) -> bool:
