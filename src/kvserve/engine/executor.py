@@ -5,7 +5,9 @@ and its runner runs each step on the first of them that supports it, in this ord
 
   native_multi_step   several greedy decode steps in one C call, each step's argmax the next one's
                       input (vLLM's multi-step scheduling); CPU
-  native              one decode step in one C call (csrc/decode_step.c); CPU
+  native              one decode step in one C call (csrc/decode_step.c), over full-precision or quantized
+                      pages (int8, fp8, int4: written as kv/quant.py's codecs write them, bit for bit) and
+                      over each layer group's block tables of a hybrid cache; CPU
   cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
   eager               the model op by op, by its attention backend: any step
   native_tp           native on every rank of a tensor-parallel engine (tensor_parallel_size > 1) on the

@@ -97,7 +97,6 @@ class ModelRunner:
             # a quantized cache is read by every prefill, so that a sequence's result never depends on
             # which others share its step (the step's own K/V would be exact, the cache's are not)
             has_prefix=kv_quantized or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
-            kv_quantized=kv_quantized,
             mass_requests=mass_requests,
             mass_layers=self.mass_layers,
         )
