@@ -57,18 +57,21 @@ def rotate_keys_(x: torch.Tensor) -> None:
     over sqrt(block)), in place (in float32, then rounded to x's dtype). H is symmetric and orthonormal, so it is
     its own inverse, and rotating both q and k leaves every score q . k as it was.
 
-    By the fast Walsh-Hadamard transform's butterflies (pairs span apart become their sum and difference, span 1,
-    2, 4, ...), then the scale: each number's sums in one order, which csrc/kv_codecs.c repeats bit for bit (a
-    matrix product's order is its library's)."""
+    By the fast Walsh-Hadamard transform's butterflies (span 1, 2, 4, ...: the numbers span apart in each run of
+    2 span become their sum and their difference), then the scale: each number's sums in one order, which
+    csrc/kv_codecs.c repeats bit for bit (a matrix product's order is its library's)."""
     d = x.shape[-1]
     n = hadamard_block(d)
-    y = x.float()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x).view(-1, d)
+    spare = torch.empty_like(y)
     span = 1
     while span < n:
-        a, b = y.unflatten(-1, (d // (2 * span), 2, span)).unbind(-2)
-        y = torch.stack((a + b, a - b), -2).flatten(-3)
+        src, dst = (t.view(-1, d // (2 * span), 2, span) for t in (y, spare))
+        torch.add(src[:, :, 0], src[:, :, 1], out=dst[:, :, 0])
+        torch.sub(src[:, :, 0], src[:, :, 1], out=dst[:, :, 1])
+        y, spare = spare, y
         span *= 2
-    x.copy_(y * (1 / math.sqrt(n)))
+    x.copy_(y.mul_(1 / math.sqrt(n)).view(x.shape))
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
