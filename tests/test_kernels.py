@@ -13,7 +13,7 @@ import torch
 from kvserve import LLM, SamplingParams, kernels
 from kvserve.attention import native
 from kvserve.attention.textbook import TextbookBackend
-from kvserve.engine.native_decode import _Layer, _Model, _Proj
+from kvserve.engine.native_decode import STRUCTS, step_plan
 from kvserve.kv import pages
 from kvserve.model import layers
 from kvserve.sampling import argmax
@@ -47,22 +47,70 @@ def test_every_kernel_is_declared_once_as_c_declares_it():
         assert kernels.function(name).argtypes == list(argtypes)
 
 
-def test_the_ctypes_structs_are_the_c_structs():
+HEADER = (kernels.CSRC / "decode_step.h").read_text()
+
+
+def test_the_ctypes_structs_are_the_headers_and_the_librarys():
+    """Built from csrc/decode_step.h, field by field in its order and of its types, and laid out as the compiler
+    laid out the library's."""
     lib = kernels.library()
-    for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):
-        kernels.check_layout(lib, structure, name)
-    assert kernels.c_layout(lib)["Model"] == {"": ctypes.sizeof(_Model),
-                                              **{f: getattr(_Model, f).offset for f, _ in _Model._fields_}}
+    for name in ("Proj", "Layer", "Model"):
+        kernels.check_layout(lib, STRUCTS[name])
+    layout = kernels.c_layout(lib)
+    assert set(layout) == {"Proj", "Layer", "Model"}
+    model = layout["Model"]
+    assert [f for f, _, _ in model[1:]] == [f for f, _ in STRUCTS["Model"]._fields_]
+    types = {f: t for f, t, _ in model}
+    assert (types["embed"], types["lm_head"], types["layers"], types["all_reduce"], types["vocab_start"]) == \
+        ("const void *", "Proj", "const Layer *", "AllReduce", "int64_t")
+    assert dict(STRUCTS["Model"]._fields_)["layers"] is ctypes.POINTER(STRUCTS["Layer"])
 
 
-@pytest.mark.parametrize("fields", [[*_Model._fields_, ("extra", ctypes.c_int)], _Model._fields_[:-1],
-                                    [*_Model._fields_[:2], *_Model._fields_[3:4], *_Model._fields_[2:3],
-                                     *_Model._fields_[4:]]],
-                         ids=["a-field-python-only", "a-field-c-only", "two-fields-swapped"])
-def test_a_struct_that_differs_from_cs_fails_the_check(fields):
-    structure = type("Model", (ctypes.Structure,), {"_fields_": fields})
-    with pytest.raises(RuntimeError, match="does not match the C struct Model"):
-        kernels.check_layout(kernels.library(), structure, "Model")
+def _header_with(old: str, new: str) -> str:
+    assert old in HEADER
+    return HEADER.replace(old, new)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("    int64_t vocab_start;\n", "    int64_t vocab_start;\n    int extra;\n"),
+    ("    int64_t vocab_start;\n", ""),
+    ("float eps, scale;", "float scale, eps;"),
+    ("int64_t window;", "int64_t sliding_window;"),
+    # of the same size, at the same offset: only its type tells
+    ("int kv_kind, rotate_keys;", "float kv_kind;\n    int rotate_keys;"),
+], ids=["a-field-python-only", "a-field-c-only", "two-fields-swapped", "a-field-renamed", "a-field-retyped"])
+def test_structs_that_differ_from_the_librarys_fail_the_check(old, new):
+    structs = kernels.c_structs(_header_with(old, new))
+    name = "Layer" if "kv_kind" in old or "window" in old else "Model"
+    with pytest.raises(RuntimeError, match=f"ctypes structure {name} does not match"):
+        kernels.check_layout(kernels.library(), structs[name])
+
+
+@pytest.mark.parametrize("header", ["typedef struct { double x; } S;", "typedef struct { int a, *b; } S;",
+                                    "typedef struct { Unknown *p; } S;", "int f(void);"])
+def test_the_header_reader_refuses_what_it_does_not_read(header):
+    with pytest.raises(ValueError, match="c_structs"):
+        kernels.c_structs(header)
+
+
+def test_the_step_plan_fills_every_field_and_refuses_one_left_out(tiny_llama):
+    """kernels.fill sets every field of the structs by name, those of the nested Proj and of each Layer too: a plan
+    that leaves a field out, or names one the struct has not, is refused, naming it."""
+    llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=16, dtype="float32")
+    plan = step_plan(llm.engine.model, llm.engine.storage, STRUCTS["AllReduce"]())
+    model = kernels.fill(STRUCTS["Model"], plan)
+    assert model.num_layers == 2 and model.layers[1].qkv.kind == plan["layers"][1]["qkv"]["kind"]
+    assert model.layers[1].kv == llm.engine.storage.layer(1).pages.data_ptr()
+    for part, field in [(lambda p: p, "logit_cap"), (lambda p: p["layers"][1], "window"),
+                        (lambda p: p["lm_head"], "amx_from"), (lambda p: p["layers"][0]["down"], "b")]:
+        plan = step_plan(llm.engine.model, llm.engine.storage, STRUCTS["AllReduce"]())
+        del part(plan)[field]
+        with pytest.raises(ValueError, match=f"unset: {field}$"):
+            kernels.fill(STRUCTS["Model"], plan)
+    plan = step_plan(llm.engine.model, llm.engine.storage, STRUCTS["AllReduce"]())
+    plan["layers"][0]["sliding"] = 4
+    with pytest.raises(ValueError, match="Layer: .*not its fields: sliding"):
+        kernels.fill(STRUCTS["Model"], plan)
 
 
 # ---- allocations that fail ---------------------------------------------------------------------------------
@@ -74,18 +122,87 @@ FAILING_ALLOCATIONS = """#include <stdlib.h>
 """
 
 
-@pytest.fixture(scope="module")
-def no_memory(tmp_path_factory):
-    """The kernels built so that every allocation fails."""
-    path = tmp_path_factory.mktemp("no-memory")
-    (path / "failing.h").write_text(FAILING_ALLOCATIONS)
-    wrapper = path / "cc-no-memory"
+# aligned_alloc (csrc/gemm.c's per-thread scratch) failing on the odd threads of a team only
+FAILING_ON_ODD_THREADS = """#include <omp.h>
+#include <stdlib.h>
+#define aligned_alloc(alignment, n) (omp_get_thread_num() % 2 ? (void *)0 : aligned_alloc(alignment, n))
+"""
+
+
+def build_with(path, header: str) -> ctypes.CDLL:
+    """The kernels built with `header` included first in every source (its macros in force)."""
+    (path / "failing.h").write_text(header)
+    wrapper = path / "cc-failing"
     wrapper.write_text(f'#!/bin/sh\nexec cc -include {path / "failing.h"} "$@"\n')
     wrapper.chmod(0o755)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("CC", str(wrapper))
         m.setenv("KVSERVE_CACHE", str(path / "cache"))
         return ctypes.CDLL(str(kernels.build()))
+
+
+@pytest.fixture(scope="module")
+def no_memory(tmp_path_factory):
+    """The kernels built so that every allocation fails."""
+    return build_with(tmp_path_factory.mktemp("no-memory"), FAILING_ALLOCATIONS)
+
+
+@pytest.fixture(scope="module")
+def odd_threads_no_memory(tmp_path_factory):
+    """The kernels built so that a thread's scratch memory runs out on the odd threads of a team."""
+    return build_with(tmp_path_factory.mktemp("odd-threads-no-memory"), FAILING_ON_ODD_THREADS)
+
+
+def _gemm_by(lib: ctypes.CDLL, monkeypatch, *args, **kwargs) -> torch.Tensor:
+    """layers.gemm by the kernels of lib, on two threads."""
+    monkeypatch.setattr(kernels, "library", lambda: lib)
+    layers._gemm_function.cache_clear()
+    try:
+        torch.set_num_threads(2)
+        return layers.gemm(*args, **kwargs)
+    finally:
+        monkeypatch.undo()
+        layers._gemm_function.cache_clear()
+
+
+def test_a_thread_whose_scratch_runs_out_takes_its_team_another_way(no_memory, odd_threads_no_memory, monkeypatch):
+    """csrc/gemm.c's int4 products of bfloat16 rows by VNNI put each thread's rows in fixed point in its own scratch;
+    where that memory runs out on one thread of the team, every thread widens the chunks instead (as where every
+    allocation fails), so that each output is computed one way, whichever thread computes it."""
+    if not layers.gemm_packs(torch.bfloat16) or "avx512_vnni" not in open("/proc/cpuinfo").read():
+        pytest.skip("csrc/gemm.c multiplies int4 weights by bfloat16 rows without VNNI here: no scratch to run out")
+    g = torch.Generator().manual_seed(0)
+    # each group of 32 inputs leads with 2^20, whose weight is 0: the others' fixed point is coarse (see
+    # test_weight_quant's test_int4_bfloat16_products_take_x_in_fixed_point_per_group), the widened ones exact
+    w, x = torch.rand(256, 512, generator=g), torch.randn(5, 512, generator=g)
+    w[:, ::32], x[:, ::32] = 0.0, 2.0 ** 20
+    q, scales, mins = layers.quantize_int4(w)
+    packed, groups = layers.gemm_pack(q, dtype=torch.bfloat16), layers.gemm_pack_groups(scales, mins, False,
+                                                                                          torch.bfloat16)
+    x = x.bfloat16()
+    fixed, widened, odd = (_gemm_by(lib, monkeypatch, x, packed, None, 256, scales=groups)
+                           for lib in (kernels.library(), no_memory, odd_threads_no_memory))
+    assert not torch.equal(fixed, widened)          # the two ways round apart: a mix of them would show
+    assert torch.equal(odd, widened)
+
+
+def test_a_thread_whose_amx_copies_run_out_takes_its_team_to_avx512(odd_threads_no_memory, monkeypatch):
+    """AMX's tiles read each thread's copy of the rows from its scratch: where that memory runs out on one thread of
+    the team, the whole team runs AVX-512's kernel (a thread that went alone into AVX-512's loops would leave the
+    AMX loops' share of it undone, and its team waiting): AVX-512's products, bit for bit."""
+    monkeypatch.setattr(kernels, "library", lambda: odd_threads_no_memory)
+    layers._gemm_function.cache_clear()
+    amx = "amx" in layers.gemm_kernels(torch.bfloat16)       # (asks the OS for the tile state in this build too)
+    monkeypatch.undo()
+    layers._gemm_function.cache_clear()
+    if not amx or "amx" not in layers.gemm_kernels(torch.bfloat16):
+        pytest.skip("this CPU has no AMX (or the OS does not grant it)")
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 2048, generator=g).bfloat16(), torch.randn(35, 2048, generator=g).bfloat16()
+    packed = layers.gemm_pack(w)
+    avx512 = _gemm_by(kernels.library(), monkeypatch, x, packed, None, 96, amx_from=layers.NEVER)
+    assert not torch.equal(_gemm_by(kernels.library(), monkeypatch, x, packed, None, 96, amx_from=1), avx512)
+    assert torch.equal(_gemm_by(odd_threads_no_memory, monkeypatch, x, packed, None, 96, amx_from=1), avx512)
 
 
 @pytest.fixture

@@ -1,18 +1,24 @@
-"""Quantized KV pages: codec error bounds, int4 packing, writes token by token, attention over the pages."""
+"""Quantized KV pages: codec error bounds, int4 packing, writes token by token (kv/quant.py's, and the C decode
+step's), attention over the pages."""
 from __future__ import annotations
+
+import ctypes
+import re
+import shutil
 
 import pytest
 import torch
 
 from attention_cases import make_case, quantize_case
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, kernels
 from kvserve.attention.flash import FlashBackend
-from kvserve.attention.native import NativeBackend
+from kvserve.attention.native import NativeBackend, cache_args
 from kvserve.attention.sdpa import SdpaBackend
 from kvserve.attention.textbook import TextbookBackend
 from kvserve.eval.perplexity import perplexity
 from kvserve.kv.manager import KVCacheManager
 from kvserve.engine.evictor import KeyRotation
+from kvserve.kv.pages import PageFormat, QuantizedPages
 from kvserve.kv.quant import FP8_MAX, Fp8PerToken, Int4, codecs, rotate_keys_
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import KVStorage
@@ -203,6 +209,66 @@ def test_bytes_per_token_count_the_scales():
         spec("int8", skip_layers=(8,))
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         spec("int3")
+
+
+def c_kernel(name: str, *argtypes):
+    """A function csrc/common.h declares for the kernels (not a kernel of SIGNATURES), typed for a test."""
+    fn = getattr(kernels.library(), name)
+    fn.argtypes, fn.restype = list(argtypes), None
+    return fn
+
+
+def awkward_rows(n: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """K/V rows [n, 2, KVH 2, d] of magnitudes 2^-4 to 2^4, and rows that are all zeros, constant, one outlier,
+    float16-subnormal or below float16's range, as the model's dtype holds them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, 2, d, generator=g) * torch.rand(n, 2, 2, 1, generator=g).mul(8).exp2().div(16)
+    x[0], x[1], x[2, :, :, 0], x[3], x[4] = 0.0, 3.0, 1e4, x[3] * 1e-6, x[4].sign() * 1e-8
+    return x.to(dtype)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+def test_the_c_step_writes_a_token_as_the_codecs_do(kv_cache_dtype, dtype):
+    """csrc/kv_codecs.c's store_token, by which the C decode step writes its K/V, writes each token's numbers and
+    scales as QuantizedPages.write_tokens does, bit for bit: int8's and fp8's rounding, int4's grid, its stretch
+    and the float16 rounding of its scales; rows of every head_dim (a power of two or not, short ones)."""
+    cache = kernels.c_structs(re.search(r"typedef struct \{[^}]*\} Cache;", (kernels.CSRC / "common.h").read_text())[0])
+    Cache = cache["Cache"]
+    store = c_kernel("store_token", ctypes.POINTER(Cache), ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p)
+    for d in (2, 16, 24, 80, 128, 256):
+        n, bs, nb = 40, 4, 12
+        kv = awkward_rows(n, d, dtype, d)
+        slots = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(d))[:n]
+        fmt = PageFormat.of(kv_cache_dtype, dtype)
+        python, c = (QuantizedPages(fmt, 2, nb, bs, d, torch.device("cpu")) for _ in "pc")
+        python.write_tokens(kv, slots)
+        pages, kind, kvh, blocks, block_size, head_dim, k_meta, v_meta = cache_args(c)
+        at = Cache(pages=pages, kind=kind, kvh=kvh, nb=blocks, bs=block_size, d=head_dim, k_meta=k_meta, v_meta=v_meta)
+        rows = kv.float()
+        for t, slot in enumerate(slots.tolist()):
+            for which in (0, 1):
+                for h in range(2):
+                    store(ctypes.byref(at), which, h, slot, rows[t, which, h].data_ptr())
+        assert torch.equal(c.pages, python.pages), d
+        for mine, theirs in zip(c.meta, python.meta):
+            assert torch.equal(mine.view(torch.int16), theirs.view(torch.int16)), d
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_step_rotates_keys_as_rotate_keys_does(dtype):
+    """csrc/kv_codecs.c's rotate_keys_row, which turns the C step's keys and queries for int4 pages: rotate_keys_'s
+    numbers, bit for bit, at every head_dim (blocks of its largest power of two: none at an odd one)."""
+    rotate = c_kernel("rotate_keys_row", ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
+    for d in (3, 2, 16, 24, 80, 128, 256):
+        x = awkward_rows(8, d, dtype, d).flatten(0, 2)
+        want, got = x.clone(), x.float()
+        rotate_keys_(want)
+        for row in got:
+            rotate(row.data_ptr(), d, kernels.DTYPE_KINDS[dtype])
+        assert torch.equal(got, want.float()), d
 
 
 @pytest.mark.parametrize("kv_cache_dtype", DTYPES)

@@ -106,6 +106,101 @@ def test_bfloat16_rounds_where_the_eager_model_does(tmp_path):
     assert len(diffs) == 5 and sorted(diffs)[2] <= 0.02 and max(diffs) <= 0.1
 
 
+# Llama: one layer group; Gemma 3: three (two sliding layers of window 4, one global: a hybrid cache), with its
+# q/k norms and the sliding layers' own RoPE base
+QUANTIZED_MODELS = {"llama": ("llama", {}),
+                    "gemma3-hybrid": ("gemma3", dict(sliding_window=4, head_dim=16, sliding_window_pattern=3,
+                                                     num_hidden_layers=3, rope_local_base_freq=100.0))}
+
+
+def page_rows(storage) -> list[torch.Tensor]:
+    """Every layer's pages as bytes, a row for each K or V of a head at a slot [2, KVH, blocks, block_size, bytes]:
+    its numbers, then (quantized pages) its scales."""
+    rows = []
+    for layer in storage.layers:
+        if layer.format.quantized:
+            bs = layer.shape[3]
+            scales = torch.stack([m.view(*m.shape[:2], -1, bs).transpose(-1, -2) for m in layer.meta])
+            rows.append(torch.cat((layer.pages.view(torch.uint8), scales.contiguous().view(torch.uint8)), -1))
+        else:
+            rows.append(layer.pages.view(torch.uint8).clone())
+    return rows
+
+
+def compare_pages_with_eager(llm: LLM) -> list[tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """As compare_with_eager, the eager forward of each native step, run from the cache as it was before the native
+    step: for each, the largest logit difference, and over every row of pages (page_rows', flat): which rows the
+    native step wrote, which the eager step wrote, and which hold the same bytes after both."""
+    runner, storage, checks = llm.engine.runner, llm.engine.storage, []
+    run, blocks = runner.run, list(range(llm.engine.storage.num_blocks))
+
+    def checked_run(sched):
+        steps, before = runner.native.steps, storage.read_blocks(blocks)
+        out = run(sched)
+        if runner.native.steps > steps:
+            native = page_rows(storage)
+            storage.write_blocks(blocks, before)
+            old = page_rows(storage)
+            inputs = runner.prepare(sched)
+            with torch.inference_mode():
+                hidden = runner.model(inputs.input_ids, inputs.positions, inputs.batch, runner.backend, storage)
+                eager = runner.model.compute_logits(hidden[inputs.logits_indices])
+            rows = [torch.cat([pages.any(-1).flatten() for pages in masks]) for masks in (
+                [n != o for n, o in zip(native, old)], [e != o for e, o in zip(page_rows(storage), old)])]
+            same = torch.cat([(n == e).all(-1).flatten() for n, e in zip(native, page_rows(storage))])
+            checks.append(((out.logits.float() - eager.float()).abs().max().item(), *rows, same))
+        return out
+
+    runner.run = checked_run
+    return checks
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 5e-5), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("model, kv_cache_dtype, skip", [
+    *(pytest.param(model, kv, (), id=f"{model}-{kv}") for model in QUANTIZED_MODELS for kv in ("int8", "fp8", "int4")),
+    pytest.param("llama", "int4", (0,), id="llama-int4-layer-0-full"),
+    pytest.param("llama", "fp8", (1,), id="llama-fp8-layer-1-full")])
+def test_native_steps_write_the_eager_steps_quantized_pages(tmp_path, model, kv_cache_dtype, skip, dtype, atol):
+    """Over quantized pages (kv_cache_dtype_skip_layers: some full-precision), each native step writes its K/V where
+    the eager step writes them, as the same numbers and scales (int4's keys rotated alike), and gives its logits.
+    Llama's step computes its K/V as the eager model does (by the same kernels), and then writes every page bit
+    for bit as kv/quant.py's codecs do. Gemma's norms sum in another order than torch's, and a K/V number a
+    rounding apart now and then quantizes to its neighbour: most rows are still the same bytes."""
+    arch, overrides = QUANTIZED_MODELS[model]
+    path = make_checkpoint(tmp_path, arch, dtype=getattr(torch, dtype), **overrides)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype=dtype, max_num_seqs=4, num_scheduler_steps=1,
+              kv_cache_dtype=kv_cache_dtype, kv_cache_dtype_skip_layers=list(skip))
+    storage = llm.engine.storage
+    assert len(storage.quantized) == len(storage.layers) - len(skip) > 0
+    assert (len(llm.engine.kv.layer_groups) > 1) == (model == "gemma3-hybrid")
+    checks = compare_pages_with_eager(llm)
+    llm.generate(prompts([1, 3, 4, 5, 13, 6]), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+                 use_tqdm=False)
+    assert len(checks) >= 9 and llm.stats()["steps"]["native"] == len(checks)
+    assert max(diff for diff, *_ in checks) <= atol
+    for _, native, eager, same in checks:
+        assert torch.equal(native, eager) and native.any()
+    same = torch.cat([same[native] for _, native, _, same in checks])
+    assert same.all() if model == "llama" else same.float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("model", list(QUANTIZED_MODELS))
+def test_native_steps_over_quantized_pages_give_the_eager_engines_tokens(tmp_path, model, kv_cache_dtype):
+    """Several steps a call (native_multi_step), a step a call (native) and op by op (enforce_eager): the same
+    greedy tokens over quantized pages."""
+    arch, overrides = QUANTIZED_MODELS[model]
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    runs = {}
+    for name, kw in {"native_multi_step": {"num_scheduler_steps": 8}, "native": {"num_scheduler_steps": 1},
+                     "eager": {"enforce_eager": True}}.items():
+        llm = LLM(str(path), block_size=4, num_kv_blocks=96, dtype="float32", kv_cache_dtype=kv_cache_dtype, **kw)
+        runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts([2, 9, 4, 13]), params, use_tqdm=False)]
+        assert llm.stats()["steps"][name] >= (1 if name == "eager" else 11)
+    assert runs["native_multi_step"] == runs["native"] == runs["eager"]
+
+
 @pytest.mark.skipif(not layers.gemm_packs(torch.float32), reason="csrc/gemm.c does not multiply float32 here")
 def test_it_runs_every_step_of_decodes_only(tiny_llama):
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=128, dtype="float32")
@@ -180,7 +275,7 @@ def test_streamed_requests_decode_a_step_at_a_time(tiny_llama):
 
 
 @pytest.mark.parametrize("kwargs", [dict(enforce_eager=True), dict(attention_backend="sdpa"),
-                                    dict(kv_cache_dtype="int8"), dict(cache_mode="none"), dict(dtype="float16")])
+                                    dict(cache_mode="none"), dict(dtype="float16")])
 def test_it_is_off_where_it_does_not_apply(tiny_llama, kwargs):
     llm = LLM(str(tiny_llama), block_size=4, num_kv_blocks=64, **{"dtype": "float32", **kwargs})
     assert llm.engine.runner.native is None

@@ -117,7 +117,7 @@ def test_each_rank_holds_its_part_of_every_weight(tmp_path):
         assert torch.equal(rows[:vocab], whole.get_submodule(name).weight) and not rows[vocab:].any()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
 def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cache_dtype):
     """Quantized pages (scales sharded with their heads), a prompt reusing a cached prefix, n=3 samples forked
     from one prompt (copy-on-write block copies), and a pool so small that sequences are preempted: as one
@@ -130,6 +130,7 @@ def test_quantized_pages_prefix_caching_forks_and_preemption(tiny_llama, kv_cach
     _assert_same(one, two, tol=1e-3)
     stats = two[2]
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["steps"]["native_tp"] > 0        # the C step on every rank writes and reads the quantized pages
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])
@@ -185,6 +186,7 @@ def test_hybrid_cache_prefix_caching_forks_and_preemption(request, kv_cache_dtyp
     _assert_same(one, two, tol=1e-3 if kv_cache_dtype == "int8" else 1e-4)
     stats = two[2]
     assert stats["kv_groups"] and stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["steps"]["native_tp"] > 0
 
 
 def _alive(pid: int) -> bool:

@@ -2,8 +2,9 @@
 first time an engine needs them (for this CPU, with OpenMP) and cached under ~/.cache/kvserve (or
 $KVSERVE_CACHE), else the temporary directory.
 
-Every kernel's C signature is declared once, in SIGNATURES; the structs the decode step takes are
-checked against their ctypes copies by check_layout. Where a kernel cannot run, its caller falls back
+Every kernel's C signature is declared once, in SIGNATURES; the structs the decode step takes are defined
+once, in csrc/decode_step.h, whose ctypes structures c_structs builds from the header, check_layout checks
+against the library's layout and fill fills by field name. Where a kernel cannot run, its caller falls back
 to torch's ops and says so through `fallback`, which raises instead under KVSERVE_STRICT_KERNELS=1:
 the mode in which the tests run where the CPU has what the kernels need, so that a test of a fast path
 cannot pass by its fallback.
@@ -15,9 +16,11 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,7 +55,7 @@ SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     "decode_step": ((_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I), Status),
     "decode_steps": ((_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I), Status),
     "linear_rows": ((_P, _I, _P, _I, _I, _I, _P, _I), None),
-    "struct_layout": ((_I, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)), _I64),
+    "struct_layout": ((_I, *[ctypes.POINTER(ctypes.c_char_p)] * 3), _I64),
     # csrc/gemm.c
     "gemm_dtypes": ((), _I),
     # (kind: of the weight's numbers, the dtype's, int8 or int4; dtype: the products')
@@ -126,25 +129,104 @@ def _check(status: Status, fn: ctypes._CFuncPtr, args: tuple) -> int:
     return status.value
 
 
-def c_layout(lib: ctypes.CDLL) -> dict[str, dict[str, int]]:
-    """The structs csrc/decode_step.c takes, as it compiled them: struct -> {field: offset, "": size}."""
+# C's scalar types the structs of csrc/decode_step.h hold, as ctypes types
+_C_SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+
+
+def _declaration(text: str, types: dict[str, type]) -> tuple[str, type, list[str]]:
+    """One C declaration ("const void *w, *b", "int64_t count", "int"): its C type as struct_layout names it
+    ("const void *"), as a ctypes type, and the names it declares (all of one type: ValueError otherwise, and for
+    a type the header's structs cannot hold)."""
+    m = re.fullmatch(r"\s*((?:const\s+)?\w+)\s*(.*?)\s*", text, re.DOTALL)
+    declarators = [re.fullmatch(r"(\**)\s*(\w*)", d.strip()) for d in m[2].split(",")] if m else [None]
+    if m is None or None in declarators or len({d[1] for d in declarators}) != 1:
+        raise ValueError(f"a declaration that kvserve.kernels.c_structs does not read: {text.strip()!r}")
+    base, stars = " ".join(m[1].split()), declarators[0][1]
+    bare = base.removeprefix("const ")
+    if not stars and (bare in _C_SCALARS or bare in types):
+        ctype = _C_SCALARS.get(bare) or types[bare]
+    elif stars == "*" and isinstance(types.get(bare), type) and issubclass(types[bare], ctypes.Structure):
+        ctype = ctypes.POINTER(types[bare])
+    elif stars == "*" and (bare == "void" or bare in _C_SCALARS):
+        ctype = ctypes.c_void_p
+    else:
+        raise ValueError(f"a type that kvserve.kernels.c_structs does not read: {base} {stars}")
+    return f"{base} {stars}" if stars else base, ctype, [d[2] for d in declarators]
+
+
+def c_structs(header: str) -> dict[str, type]:
+    """The typedefs of a header of the kernels (its text) as ctypes types, by name: each struct a ctypes.Structure
+    of the struct's fields in order (and `c_types`, each field's C type as struct_layout names it), each function
+    pointer type a CFUNCTYPE. ValueError for anything else the header declares at its top level."""
+    text = re.sub(r"/\*.*?\*/|//[^\n]*|#[^\n]*", " ", header, flags=re.DOTALL)
+    typedef = re.compile(r"\s*typedef\s+(?:struct\s*\{(?P<body>[^}]*)\}\s*(?P<name>\w+)"
+                         r"|(?P<result>\w+)\s*\(\s*\*\s*(?P<fn>\w+)\s*\)\s*\((?P<params>[^)]*)\))\s*;", re.DOTALL)
+    types: dict[str, type] = {}
+    at = 0
+    while text[at:].strip():
+        m = typedef.match(text, at)
+        if m is None:
+            raise ValueError(f"kvserve.kernels.c_structs reads typedefs of structs and function pointers only: "
+                             f"{text[at:].strip()[:60]!r}")
+        if m["name"]:
+            fields = [(name, c_type, ctype) for decl in m["body"].split(";") if decl.strip()
+                      for c_type, ctype, names in [_declaration(decl, types)] for name in names]
+            types[m["name"]] = type(m["name"], (ctypes.Structure,), {
+                "_fields_": [(name, ctype) for name, _, ctype in fields], "c_types": [c for _, c, _ in fields]})
+        else:
+            params = [_declaration(p, types)[1] for p in m["params"].split(",")]
+            types[m["fn"]] = ctypes.CFUNCTYPE(_declaration(m["result"], types)[1], *params)
+        at = m.end()
+    return types
+
+
+def c_layout(lib: ctypes.CDLL) -> dict[str, list[tuple[str, str, int]]]:
+    """The structs csrc/decode_step.c takes, as it compiled them: struct -> [("", "", size), then (field, C type,
+    offset) of each field in order]."""
     fn, layout = typed(lib, "struct_layout"), {}
-    struct, field = ctypes.c_char_p(), ctypes.c_char_p()
+    struct, field, c_type = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_char_p()
     i = 0
-    while (at := fn(i, ctypes.byref(struct), ctypes.byref(field))) >= 0:
-        layout.setdefault(struct.value.decode(), {})[field.value.decode()] = at
+    while (at := fn(i, ctypes.byref(struct), ctypes.byref(field), ctypes.byref(c_type))) >= 0:
+        layout.setdefault(struct.value.decode(), []).append((field.value.decode(), c_type.value.decode(), at))
         i += 1
     return layout
 
 
-def check_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure], c_name: str) -> None:
-    """Raise RuntimeError unless the ctypes structure is C's struct `c_name`: its size, and the same fields
-    at the same offsets (a field added, moved or retyped on one side only would pass the C code garbage)."""
-    want = c_layout(lib).get(c_name)
-    have = {"": ctypes.sizeof(structure), **{name: getattr(structure, name).offset for name, *_ in structure._fields_}}
+def check_layout(lib: ctypes.CDLL, structure: type[ctypes.Structure]) -> None:
+    """Raise RuntimeError unless the ctypes structure (c_structs') is the library's struct of its name: its size,
+    and the same fields in the same order, of the same C types at the same offsets (a field added, moved or
+    retyped on one side only would pass the C code garbage)."""
+    want = c_layout(lib).get(structure.__name__, [])
+    have = [("", "", ctypes.sizeof(structure)),
+            *((name, c_type, getattr(structure, name).offset)
+              for (name, _), c_type in zip(structure._fields_, structure.c_types))]
     if want != have:
-        raise RuntimeError(f"ctypes structure {structure.__name__} does not match the C struct {c_name}: "
-                           f"{have} against {want} (field: offset; '': size)")
+        first = next(i for i, (a, b) in enumerate(zip([*have, None], [*want, None])) if a != b)
+        raise RuntimeError(f"ctypes structure {structure.__name__} does not match the C struct of the library: "
+                           f"entry {first} (field, C type, offset; the first: size) is {have[first:first + 1]} in "
+                           f"Python, {want[first:first + 1]} in C")
+
+
+def fill(structure: type[ctypes.Structure], values: Mapping[str, object]) -> ctypes.Structure:
+    """The structure with every field set by name from values: a field of a struct type from a mapping, a pointer
+    to structs from a list of mappings (an array of them, which the structure keeps alive), each filled alike.
+    ValueError naming each field that values leaves unset, or that the structure has not."""
+    types = dict(structure._fields_)
+    missing, unknown = [n for n in types if n not in values], [n for n in values if n not in types]
+    if missing or unknown:
+        parts = (("unset:", missing), ("not its fields:", unknown))
+        raise ValueError(f"{structure.__name__}: " + "; ".join(f"{what} {', '.join(names)}" for what, names in parts
+                                                                if names))
+    filled = {}
+    for name, value in values.items():
+        ctype = types[name]
+        if isinstance(value, Mapping):
+            value = fill(ctype, value)
+        elif isinstance(value, list):
+            item = ctype._type_
+            value = (item * len(value))(*(fill(item, v) for v in value))
+        filled[name] = value
+    return structure(**filled)
 
 
 def _cpu_signature() -> bytes:

@@ -25,7 +25,6 @@ class AttentionBatch:
     query_lens: list[int]                      # [seqs] new tokens per sequence
     context_lens_list: list[int]               # context_lens as Python ints (for shapes)
     has_prefix: bool                           # prefills read the pages (a cached prefix, or quantized pages)
-    kv_quantized: bool = False                 # the cache has quantized layers: their codecs write the step's K/V
     # decodes' contexts are at most this long: kernels launched for it serve any step (CUDA graphs)
     decode_context_bound: int | None = None
     # (row, first flat token, count, "sum" | "max"): a row's last queries, whose attention mass over the cache

@@ -38,7 +38,7 @@ def page_kind(kv_cache: LayerPages) -> int | None:
     return QUANTIZED_KINDS.get(fmt.name) if fmt.quantized else DTYPE_KINDS.get(fmt.dtype)
 
 
-def _cache_args(kv_cache: LayerPages) -> tuple | None:
+def cache_args(kv_cache: LayerPages) -> tuple | None:
     """The cache as the kernels take it: pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta
     (addresses; None for the scales a full-precision cache lacks). None where the kernels do not read this
     cache."""
@@ -57,7 +57,7 @@ def _attend(name: str, fn, q: torch.Tensor, kv_cache, block_tables: torch.Tensor
     qkv rows), if its heads are adjacent, and out is of its dtype; float16 goes through float32."""
     if q.device.type != "cpu":
         return None
-    cache = _cache_args(kv_cache) if fn is not None else None
+    cache = cache_args(kv_cache) if fn is not None else None
     if cache is None:
         fallback(name, "the kernels are not built" if fn is None else
                  f"it does not read this cache ({kv_cache.format.name} pages, or not contiguous)")

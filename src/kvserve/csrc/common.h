@@ -260,6 +260,14 @@ static inline float geglu(float gate, float up, int dtype) {
 int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
                  float scale, int64_t window, float cap, float *out);
 
+/* csrc/kv_codecs.c: a token's row (d floats, numbers of the model's dtype) as K (which = 0) or V (1) of KV head h
+ * at cache slot `slot` (block * bs + offset), written as the pages' kind holds it: as it is, or quantized by
+ * kv/quant.py's codec of that kind, bit for bit. */
+void store_token(const Cache *c, int which, int h, int64_t slot, const float *row);
+/* csrc/kv_codecs.c: x (d floats) times the block Hadamard matrix of kv/quant.py's rotate_keys_, in place, as it
+ * computes it, rounded to dtype. */
+void rotate_keys_row(float *x, int d, int dtype);
+
 /* csrc/sampling.c's argmax of each row of x [rows][n] (rows `stride` numbers apart). */
 void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int64_t *out, int threads);
 

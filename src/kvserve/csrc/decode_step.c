@@ -12,8 +12,12 @@
  * whole cache lines) and are bound by computing at many. Where gemm.c does not
  * multiply the dtype, matrix-vector products split by rows read the weights as torch keeps them.
  *
- * Weights are float32 or bfloat16 (`dtype`, the kinds of common.h), and the cache holds the same
- * dtype. The ops between the products compute in float32; in a bfloat16 model every number is rounded
+ * Weights are float32 or bfloat16 (`dtype`, the kinds of common.h). Each layer's cache holds that dtype, or is
+ * quantized (int8, fp8 or int4 pages with their scales: kv/quant.py's codecs): the step's K/V are then written
+ * as kv/quant.py writes them, bit for bit (csrc/kv_codecs.c), int4 keys turned by its Hadamard matrix (and
+ * the queries alike), and attention reads the pages as csrc/paged_decode.c reads them, dequantizing as it
+ * goes. A hybrid cache (kv/hybrid.py) gives each layer group its block tables. The ops between the products
+ * compute in float32; in a bfloat16 model every number is rounded
  * to bfloat16 wherever the eager model holds it in bfloat16, so that both compute the same numbers up
  * to the order of the sums. The rows that go into and come out of the GEMMs stay bfloat16 (see
  * widen): converting them in passes of their own would read and write every row twice more, each
@@ -27,60 +31,24 @@
 #include <stddef.h>
 
 #include "common.h"
+#include "decode_step.h"
 
-/* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
- * keeps it, for the matrix-vector products; its bias (or NULL); the packed numbers' kind (the model's
- * dtype, INT8 with a float32 scale per output column, or INT4 with its groups' scales and minimums); and
- * the rows from which csrc/gemm.c multiplies it by AMX's tiles (measured at start-up), not AVX-512's. */
-typedef struct {
-    const void *w, *b, *packed, *scales;
-    int kind, amx_from;
-} Proj;
-
-typedef struct {
-    Proj qkv, o, gate_up, down;
-    const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
-    void *kv;                                                 /* pages [2][KVH][NB][BS][D] */
-    int64_t window;                                           /* its sliding window, or 0: full attention */
-    int group;                                                /* its layer group: the block table it reads */
-    int local_rope;                                           /* RoPE by the sliding layers' table (Gemma 3) */
-    /* Gemma's norms of the attention's output (post_norm) and the MLP's input and output: NULL elsewhere */
-    const void *pre_ff_norm, *post_ff_norm;
-} Layer;
-
-/* Under tensor parallelism: `count` numbers of dtype at rows summed over the ranks, in place; 0, or nonzero where
- * the collective failed. */
-typedef int (*AllReduce)(void *rows, int64_t count, int dtype);
-
-/* A model, or under tensor parallelism one rank's shard of it (kvserve.distributed): its heads, its share of the
- * intermediate size and its vocab rows from vocab_start, all_reduce summing the ranks' partial sums (the
- * embedding's lookups, o's and down's products), and the logits those of its vocab rows; NULL without. */
-typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, rotary_dim, intermediate, vocab, dtype;
-    int num_blocks, block_size;
-    float eps, scale;
-    int gelu, gemma_norms;         /* GeGLU, not SwiGLU; (1 + weight) norms in float32 (Gemma) */
-    float embed_scale;             /* the embeddings are multiplied by it (Gemma), else 1 */
-    float attn_cap, logit_cap;     /* soft caps of the attention scores and the logits (Gemma 2), or 0 */
-    const void *embed, *norm;      /* embed NULL: the rows of lm_head's packed weight (tied embeddings) */
-    Proj lm_head;
-    const Layer *layers;
-    int64_t vocab_start;
-    AllReduce all_reduce;
-} Model;
-
-/* The structs' layout, which the Python side's ctypes copies must repeat (kvserve.kernels.check_layout):
- * each struct's size (field ""), then each field's offset. */
-#define SIZE_OF(S) {#S, "", sizeof(S)}
-#define FIELD(S, f) {#S, #f, offsetof(S, f)}
+/* The structs' layout as this compiler laid them out, which the Python side's ctypes structures must repeat
+ * (kvserve.kernels.check_layout): each struct's size (field ""), then each field's C type and offset. */
+#define C_TYPE(x) _Generic((x), int: "int", int64_t: "int64_t", float: "float", void *: "void *", \
+                           const void *: "const void *", Proj: "Proj", const Layer *: "const Layer *", \
+                           AllReduce: "AllReduce")
+#define SIZE_OF(S) {#S, "", "", sizeof(S)}
+#define FIELD(S, f) {#S, #f, C_TYPE(((S *)0)->f), offsetof(S, f)}
 static const struct {
-    const char *type, *field;
+    const char *type, *field, *c_type;
     size_t at;
 } LAYOUT[] = {
     SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed), FIELD(Proj, scales), FIELD(Proj, kind),
     FIELD(Proj, amx_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
+    FIELD(Layer, k_meta), FIELD(Layer, v_meta), FIELD(Layer, kv_kind), FIELD(Layer, rotate_keys),
     FIELD(Layer, window), FIELD(Layer, group), FIELD(Layer, local_rope), FIELD(Layer, pre_ff_norm),
     FIELD(Layer, post_ff_norm),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
@@ -94,11 +62,13 @@ static const struct {
 };
 #undef SIZE_OF
 #undef FIELD
+#undef C_TYPE
 
-/* Entry i of LAYOUT: its struct and field names, and the offset (or size); -1 past the last. */
-int64_t struct_layout(int i, const char **type, const char **field) {
+/* Entry i of LAYOUT: its struct and field names and the field's C type, and the offset (or size); -1 past the
+ * last. */
+int64_t struct_layout(int i, const char **type, const char **field, const char **c_type) {
     if (i < 0 || i >= (int)(sizeof(LAYOUT) / sizeof(LAYOUT[0]))) return -1;
-    *type = LAYOUT[i].type, *field = LAYOUT[i].field;
+    *type = LAYOUT[i].type, *field = LAYOUT[i].field, *c_type = LAYOUT[i].c_type;
     return (int64_t)LAYOUT[i].at;
 }
 
@@ -224,10 +194,11 @@ static inline void norm(const Model *m, const float *x, const void *weight, int 
 }
 
 /* Q/K norms and RoPE of a token's query heads of KV head kh and of its k head, in place in its qkv row
- * (float32), then its K and V of that head written at its cache slot. RoPE rotates the first rotary_dim
- * numbers of each head (all of them but under partial RoPE), whose cos/sin tables are rotary_dim wide. */
-static void position_and_store(const Model *m, const Layer *l, float *qkv, int kh, int64_t position, int64_t slot,
-                               const float *cos_table, const float *sin_table) {
+ * (float32), each turned by the Hadamard matrix where the layer's cache stores its keys rotated; then its K and V
+ * of that head written at its cache slot, as the layer's pages hold them (store_token). RoPE rotates the first
+ * rotary_dim numbers of each head (all of them but under partial RoPE), whose cos/sin tables are rotary_dim wide. */
+static void position_and_store(const Model *m, const Layer *l, const Cache *cache, float *qkv, int kh,
+                               int64_t position, int64_t slot, const float *cos_table, const float *sin_table) {
     const int d = m->head_dim, rd = m->rotary_dim, nh = m->num_heads, nkv = m->num_kv_heads, dt = m->dtype;
     const int groups = nh / nkv;
     /* the position's float32 cos/sin rounded to the model's dtype, as the eager model casts them */
@@ -240,12 +211,10 @@ static void position_and_store(const Model *m, const Layer *l, float *qkv, int k
         if (l->q_norm) norm(m, head, h < nh ? l->q_norm : l->k_norm, d, head);
         rope_row(head, c, s, rd, dt, rotated);
         memcpy(head, rotated, sizeof(rotated));
+        if (l->rotate_keys) rotate_keys_row(head, d, dt);
     }
-    const int64_t block = slot / m->block_size, offset = slot % m->block_size;
-    for (int which = 0; which < 2; which++) {
-        const int64_t row = ((((int64_t)which * nkv + kh) * m->num_blocks + block) * m->block_size + offset) * d;
-        store_row((char *)l->kv + row * elem_size(dt), qkv + ((size_t)(nh + which * nkv + kh)) * d, dt, d);
-    }
+    for (int which = 0; which < 2; which++)
+        store_token(cache, which, kh, slot, qkv + ((size_t)(nh + which * nkv + kh)) * d);
 }
 
 static inline int max3(int a, int b, int c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -289,7 +258,7 @@ static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t
         for (int which = 0; which < 2; which++)
             load_row(own + (size_t)(nh + which * nkv + kh) * d, row + (size_t)(nh + which * nkv + kh) * d, gdt, d);
     }
-    position_and_store(m, l, own, kh, position, slot, cos_table, sin_table);
+    position_and_store(m, l, cache, own, kh, position, slot, cos_table, sin_table);
     const size_t at = (size_t)t * nh * d + q;
     float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
     if (attend_head(cache, kh, table, ctx, own + q, groups, m->scale, l->window, m->attn_cap, o)) return -1;
@@ -371,7 +340,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
         for (int t = 0; t < n; t++) norm_row(m, x, t, m->layers[0].input_norm, a, gdt, row);
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
-            const Cache cache = {l->kv, NULL, NULL, dt, nkv, m->num_blocks, m->block_size, d};
+            const Cache cache = {l->kv, l->k_meta, l->v_meta, l->kv_kind, nkv, m->num_blocks, m->block_size, d};
             const int64_t *table = block_tables[l->group], *slot = slots[l->group];
             const int width = table_widths[l->group];
             const float *cos = l->local_rope ? local_cos : cos_table, *sin = l->local_rope ? local_sin : sin_table;

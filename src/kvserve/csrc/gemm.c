@@ -342,6 +342,26 @@ typedef struct {
 static __thread Scratch fixed_rows;     /* an int4 weight's: x's rows in fixed point (split_rows) */
 #endif
 
+/* Whether ok holds on every thread of the team: one answer, the same on every thread, so that where one thread's
+ * memory ran out its whole team takes the same other way (a thread that went into other worksharing loops than its
+ * team's would leave theirs waiting, or their work undone). Called from every thread of the team, which it waits
+ * for. (Unused where the build has neither AMX nor VNNI.) */
+static __attribute__((unused)) int team_all(int ok) {
+    int failed = 0, *shared;
+    #pragma omp single copyprivate(shared)
+    shared = &failed;                   /* the flag of the thread that ran the single, for all to see */
+    if (!ok) {
+        #pragma omp atomic write
+        *shared = 1;
+    }
+    #pragma omp barrier
+    int any;
+    #pragma omp atomic read
+    any = *shared;
+    #pragma omp barrier                 /* that thread's flag outlives every thread's read of it */
+    return !any;
+}
+
 /* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. (Unused where the build has neither
  * AMX nor VNNI.) */
 static __attribute__((unused)) void *scratch(Scratch *s, size_t bytes) {
@@ -747,8 +767,8 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *b, co
 #define ROWS_COPY_BYTES (1 << 20)      /* AMX: the rows a pass over the panels shares, copied: they stay in L2 */
 
 /* gemm_team by AMX's tiles (bfloat16): each thread copies a block of rows (copy_rows), then multiplies it by its
- * panels (an int8 one widened first), 32 rows (or 16) a tile, over the whole k. 0, or -1 where the copies'
- * memory ran out (nothing done). */
+ * panels (an int8 one widened first), 32 rows (or 16) a tile, over the whole k. 0, or -1 on every thread of the team
+ * where any thread's copies found no memory (nothing done). */
 static int amx_team(const void *packed, const void *scales, int kind, const uint16_t *bias, const uint16_t *x,
                     int64_t ldx, int m, int k, int n, uint16_t *y, int gated) {
     const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(BF16, k), steps = depth / KT;
@@ -758,7 +778,7 @@ static int amx_team(const void *packed, const void *scales, int kind, const uint
     float sums[(MC_AMX_MAX + 16) * NR] __attribute__((aligned(64))), gate[(MC_AMX_MAX + 16) * NR];
     uint16_t *a = scratch(&rows_copy, 2 * ((size_t)((m < mc ? m : mc) + 15) / 16 * 16 * depth));
     uint16_t *widened = quantized ? scratch(&panel_copy, 2 * (size_t)depth * NR) : NULL;
-    if (!a || (quantized && !widened)) return -1;
+    if (!team_all(a && (!quantized || widened))) return -1;
     TileConfig cfg = {.palette = 1};
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.bytes[t] = 64;
     _tile_loadconfig(&cfg);
@@ -802,7 +822,7 @@ static int amx_team(const void *packed, const void *scales, int kind, const uint
 void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,
                int64_t ldx, int m, int k, int n, void *y, int gated, int kernel) {
 #if AMX
-    /* (where its copies find no memory, AVX-512's kernel, which needs none) */
+    /* (where any thread's copies find no memory, AVX-512's kernel, which needs none, on every thread) */
     if (kernel == GEMM_AMX && dtype == BF16 && amx_granted &&
         amx_team(packed, scales, kind, bias, x, ldx, m, k, n, y, gated) == 0)
         return;
@@ -817,13 +837,17 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
     float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
     /* an int4 weight's bfloat16 products: a block of rows in fixed point, with their groups' units and sums
-     * (split_rows; where they find no memory, the chunks are widened as float32's are) */
+     * (split_rows; where any thread's find no memory, the chunks are widened as float32's are, on every thread: the
+     * team's products, rounded alike, whichever thread computes them) */
 #if INT4_BY_VNNI
     int8_t *pieces = NULL;
     float *units = NULL, *xsums = NULL;
     const size_t mc = m < MC ? m : MC;
-    if (kind == INT4 && dtype == BF16 &&
-        (pieces = scratch(&fixed_rows, mc * (PIECES * depth + 2 * sizeof(float) * groups4)))) {
+    if (kind == INT4 && dtype == BF16) {
+        pieces = scratch(&fixed_rows, mc * (PIECES * depth + 2 * sizeof(float) * groups4));
+        if (!team_all(pieces != NULL)) pieces = NULL;
+    }
+    if (pieces) {
         units = (float *)(pieces + mc * PIECES * depth);
         xsums = units + mc * groups4;
     }

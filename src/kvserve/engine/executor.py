@@ -5,7 +5,9 @@ and its runner runs each step on the first of them that supports it, in this ord
 
   native_multi_step   several greedy decode steps in one C call, each step's argmax the next one's
                       input (vLLM's multi-step scheduling); CPU
-  native              one decode step in one C call (csrc/decode_step.c); CPU
+  native              one decode step in one C call (csrc/decode_step.c), over full-precision or quantized
+                      pages (int8, fp8, int4: written as kv/quant.py's codecs write them, bit for bit) and
+                      over each layer group's block tables of a hybrid cache; CPU
   cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
   eager               the model op by op, by its attention backend: any step
   native_tp           native on every rank of a tensor-parallel engine (tensor_parallel_size > 1) on the
@@ -92,10 +94,9 @@ class Executor(Protocol):
 
 def decodes_for_logits(inputs: StepInputs) -> bool:
     """A step of decodes only that needs nothing of the forward but its logits: no prompt token computed or
-    scored (prompt_logprobs), no attention mass for an eviction policy, no quantized pages (the C step and
-    the captured graphs are built for full-precision pages)."""
+    scored (prompt_logprobs), no attention mass for an eviction policy."""
     batch = inputs.batch
-    return batch.num_prefills == 0 and not batch.kv_quantized and not batch.mass_requests and not inputs.prompt_spans
+    return batch.num_prefills == 0 and not batch.mass_requests and not inputs.prompt_spans
 
 
 def _takes(native: NativeDecode, num_seqs: int) -> bool:
@@ -258,18 +259,18 @@ def native_decode_wanted(config: EngineConfig, device: torch.device, dtype: torc
     """The native executors: on the CPU unless enforce_eager (under tensor parallelism on every rank, with the
     all-reduces between the layers' halves: native_tp), for a float32 or bfloat16 model (any family
     ModelConfig reads, Gemma 2/3 and partial RoPE included, over a hybrid cache's layer groups too: the C step
-    reads each layer's group's block table) whose attention the native backend runs over a full-precision paged
-    or contiguous cache, and the kernels built. What falls back to op by op, and why: float16 (the kernels
-    compute in float32 or bfloat16); another attention backend; a cache whose dtype is not the model's
-    (kv_cache_dtype other than "auto": the C step writes its K/V as the model computes them, and quantized
-    pages' writes are planned in Python);
-    cache_mode "none" (no pages to write). Of the steps of an engine that has them, NativeStep.supports and
-    NativeMultiStep.supports say which run natively (decodes only, for their logits). (Asked before the model
-    loads, whose weights are then held as the C step reads them where the GEMM choice allows:
-    model/gemm_choice.py.)"""
+    reads each layer's group's block table) whose attention the native backend runs over a paged or contiguous
+    cache, and the kernels built. Its pages may be quantized (kv_cache_dtype int8, fp8, int4, and
+    kv_cache_dtype_skip_layers' full-precision layers among them): the C step writes each step's K/V as the
+    codecs of kv/quant.py write them, bit for bit (int4's keys turned by its Hadamard matrix, and the queries
+    alike), and attends over the quantized pages as the native backend does. What falls back to op by op, and
+    why: float16 (the kernels compute in float32 or bfloat16); another attention backend; cache_mode "none" (no
+    pages to write). Of the steps of an engine that has them, NativeStep.supports and NativeMultiStep.supports
+    say which run natively (decodes only, for their logits). (Asked before the model loads, whose weights are
+    then held as the C step reads them where the GEMM choice allows: model/gemm_choice.py.)"""
     return (device.type == "cpu" and not config.enforce_eager and dtype in DTYPES
             and isinstance(backend, NativeBackend) and config.cache_mode != "none"
-            and config.kv_cache_dtype == "auto" and function("decode_step") is not None)
+            and function("decode_step") is not None)
 
 
 def cuda_graphs_wanted(config: EngineConfig, device: torch.device, spec: KVSpec, backend,

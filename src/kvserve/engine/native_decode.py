@@ -13,7 +13,13 @@ It computes the layers of every family ModelConfig reads: the Llama family's (Ll
 Phi-3/4-mini: RMSNorm, QKV with biases, Qwen3's q/k norms, RoPE of any table, LongRoPE's too, over whole heads
 or their first channels, SwiGLU) and Gemma 2/3's (GeGLU, (1 + weight) norms around each sublayer, scaled
 embeddings, soft-capped scores and logits, query_pre_attn_scalar, the sliding layers' own RoPE table), each
-layer over its own sliding window and its layer group's block tables (a hybrid cache).
+layer over its own sliding window and its layer group's block tables (a hybrid cache), and over its pages as they
+are: the model's dtype, or quantized (kv_cache_dtype int8, fp8, int4; kv_cache_dtype_skip_layers mixes both),
+whose K/V it writes as kv/quant.py's codecs write them, bit for bit (csrc/kv_codecs.c).
+
+The structs it takes are csrc/decode_step.h's, built from that header (STRUCTS) and checked against the library
+as a NativeDecode starts; step_plan says what each field holds, by its name, and kvserve.kernels.fill refuses a
+plan that leaves one out.
 """
 from __future__ import annotations
 
@@ -22,10 +28,11 @@ import ctypes
 import torch
 
 from kvserve.attention import AttentionBatch
-from kvserve.attention.native import DTYPE_KINDS
-from kvserve.kernels import check_layout, function, library
+from kvserve.attention.native import DTYPE_KINDS, cache_args
+from kvserve.kernels import CSRC, c_structs, check_layout, fill, function, library
+from kvserve.kv.pages import LayerPages
 from kvserve.kv.storage import KVStorage
-from kvserve.model.decoder import CausalLM
+from kvserve.model.decoder import CausalLM, DecoderLayer
 from kvserve.model.layers import WEIGHT_KINDS, Linear
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -34,54 +41,77 @@ DTYPES = (torch.float32, torch.bfloat16)
 # torch's GEMMs, which read it once per step, wins (`kvserve bench throughput` sweeps both by batch size).
 MAX_BATCH = {torch.float32: 4, torch.bfloat16: 2}
 
-
-# copies of csrc/decode_step.c's structs (NativeDecode checks them against the library's: check_layout)
-class _Proj(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "b", "packed", "scales")),
-                *((name, ctypes.c_int) for name in ("kind", "amx_from"))]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [*((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
-                *((name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "kv")),
-                ("window", ctypes.c_int64), ("group", ctypes.c_int), ("local_rope", ctypes.c_int),
-                ("pre_ff_norm", ctypes.c_void_p), ("post_ff_norm", ctypes.c_void_p)]
-
-
+# csrc/decode_step.h's structs (and its all_reduce's function type), built from the header itself
+STRUCTS = c_structs((CSRC / "decode_step.h").read_text())
+Proj, Layer, Model, AllReduce = (STRUCTS[name] for name in ("Proj", "Layer", "Model", "AllReduce"))
 _KIND_DTYPES = {kind: dtype for dtype, kind in DTYPE_KINDS.items()}
-# rows, count, dtype kind -> 0, or nonzero where the collective failed
-_ALL_REDUCE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_int) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads",
-                                                    "head_dim", "rotary_dim", "intermediate", "vocab", "dtype",
-                                                    "num_blocks", "block_size")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                *((name, ctypes.c_int) for name in ("gelu", "gemma_norms")),
-                *((name, ctypes.c_float) for name in ("embed_scale", "attn_cap", "logit_cap")),
-                ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", _Proj),
-                ("layers", ctypes.POINTER(_Layer)), ("vocab_start", ctypes.c_int64), ("all_reduce", _ALL_REDUCE)]
 
 
 def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _proj(linear: Linear) -> _Proj:
-    """A linear layer as the C step takes it: the weight (where not packed for csrc/gemm.c), bias, the
-    packed copy (where packed for csrc/gemm.c) with its numbers' kind and an int8 weight's scales, and the
-    rows from which it runs AMX's kernel."""
+def _proj(linear: Linear) -> dict[str, object]:
+    """A linear layer as the C step takes it (Proj): the weight (where not packed for csrc/gemm.c), bias, the packed
+    copy (where packed for csrc/gemm.c) with its numbers' kind and an int8 weight's scales, and the rows from which
+    it runs AMX's kernel."""
     packed = _address(linear.packed) if linear.own_gemm else None
-    kind = WEIGHT_KINDS[linear.packed.dtype if packed else linear.weight.dtype]
-    return _Proj(None if packed else _address(linear.weight), _address(linear.bias), packed, _address(linear.scales),
-                 kind, linear.amx_from)
+    return {"w": None if packed else _address(linear.weight), "b": _address(linear.bias), "packed": packed,
+            "scales": _address(linear.scales),
+            "kind": WEIGHT_KINDS[linear.packed.dtype if packed else linear.weight.dtype], "amx_from": linear.amx_from}
+
+
+def _cache(kv_cache: LayerPages) -> dict[str, object]:
+    """A layer's pages as the C step takes them (Layer's kv fields): their address, kind and K and V scales as the
+    attention kernels read them (attention/native.py's cache_args), and whether the keys are stored rotated (the
+    queries then turn alike). ValueError for pages the kernels do not read."""
+    args = cache_args(kv_cache)
+    if args is None:
+        raise ValueError(f"the C decode step does not read these pages ({kv_cache.format.name}, or not contiguous)")
+    pages, kind, *_, k_meta, v_meta = args
+    return {"kv": pages, "kv_kind": kind, "k_meta": k_meta, "v_meta": v_meta,
+            "rotate_keys": kv_cache.format.rotates_keys}
+
+
+def _layer(layer: DecoderLayer, kv_cache: LayerPages, group: int) -> dict[str, object]:
+    """A decoder layer as the C step takes it (Layer), over its cache, of its layer group."""
+    attn, mlp, gemma = layer.self_attn, layer.mlp, layer.gemma_norms
+    return {"qkv": _proj(attn.qkv_proj), "o": _proj(attn.o_proj), "gate_up": _proj(mlp.gate_up_proj),
+            "down": _proj(mlp.down_proj), "input_norm": _address(layer.input_layernorm.weight),
+            "post_norm": _address(layer.post_attention_layernorm.weight),
+            "q_norm": _address(attn.q_norm.weight) if attn.qk_norm else None,
+            "k_norm": _address(attn.k_norm.weight) if attn.qk_norm else None,
+            **_cache(kv_cache), "window": attn.sliding_window or 0, "group": group, "local_rope": attn.local_rope,
+            "pre_ff_norm": _address(layer.pre_feedforward_layernorm.weight) if gemma else None,
+            "post_ff_norm": _address(layer.post_feedforward_layernorm.weight) if gemma else None}
 
 
 def _table(model: CausalLM) -> int | None:
     """The embedding table as the C step takes it: None where its rows are read from lm_head's packed weight."""
     embed = model.model.embed_tokens
     return None if embed.rows_of is not None else _address(embed.weight)
+
+
+def step_plan(model: CausalLM, storage: KVStorage, all_reduce) -> dict[str, object]:
+    """Everything the C step reads of a model (a tensor-parallel rank's shard) and its cache, by the names of
+    csrc/decode_step.h's fields: Model's, its `layers` a list of Layer's, a linear layer's (Proj's) a mapping in its
+    field; all_reduce: an AllReduce (null without tensor parallelism). kvserve.kernels.fill builds the structs from
+    it, and refuses a field left out."""
+    cfg, tp = model.shard_config, model.tp
+    dtype = model.lm_head.weight.dtype
+    owner = storage.layer_group            # each layer's group: its block tables
+    return {"num_layers": cfg.num_layers, "hidden": cfg.hidden_size, "num_heads": cfg.num_heads,
+            "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rotary_dim": cfg.rotary_dim,
+            "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size, "dtype": DTYPE_KINDS[dtype],
+            "num_blocks": storage.num_blocks, "block_size": storage.block_size, "eps": cfg.rms_norm_eps,
+            "scale": model.model.layers[0].self_attn.scale, "gelu": cfg.hidden_act != "silu",
+            "gemma_norms": cfg.gemma_norms,
+            # the embedding scale rounded to the dtype, as CausalLM.forward multiplies by it
+            "embed_scale": float(torch.tensor(cfg.embed_scale, dtype=dtype)),
+            "attn_cap": cfg.attn_logit_softcapping or 0.0, "logit_cap": cfg.final_logit_softcapping or 0.0,
+            "embed": _table(model), "norm": _address(model.model.norm.weight), "lm_head": _proj(model.lm_head),
+            "layers": [_layer(layer, storage.layer(i), owner[i]) for i, layer in enumerate(model.model.layers)],
+            "vocab_start": 0 if tp is None else tp.rank * cfg.vocab_size, "all_reduce": all_reduce}
 
 
 def linear_rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -108,7 +138,7 @@ class _RankReduce:
     def __init__(self, tp):
         self.tp = tp
         self.error: BaseException | None = None
-        self.callback = _ALL_REDUCE(self)
+        self.callback = AllReduce(self)
 
     def __call__(self, rows: int, count: int, kind: int) -> int:
         try:
@@ -135,43 +165,17 @@ class NativeDecode:
         return formats in ({"gemm"}, {"plain"})
 
     def __init__(self, model: CausalLM, storage: KVStorage):
-        for structure, name in ((_Proj, "Proj"), (_Layer, "Layer"), (_Model, "Model")):
-            check_layout(library(), structure, name)
-        cfg = model.config
+        for structure in (Proj, Layer, Model):
+            check_layout(library(), structure)
         self.model = model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         self.packed = all(m.own_gemm for m in linears)
         if not self.packed and any(m.weight_format != "plain" for m in linears):
             raise ValueError("the C decode step reads every linear layer packed for csrc/gemm.c, or every one plain: "
                              f"got {sorted({m.weight_format for m in linears})}")
-        tp, cfg = model.tp, model.shard_config         # (the whole model's config without tensor parallelism)
-        self.reduce = None if tp is None else _RankReduce(tp)
+        self.reduce = None if model.tp is None else _RankReduce(model.tp)
         self.fn, self.steps_fn = function("decode_step"), function("decode_steps")
-        # a hybrid cache's layer groups (kv/groups.py), each with its own block tables; else one
-        owner = getattr(storage, "layer_group", None) or [0] * cfg.num_layers
-        layers = []
-        for index, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                     attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
-                     storage.layer(index).pages]
-            gemma = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] \
-                if layer.gemma_norms else [None, None]
-            layers.append(_Layer(*map(_proj, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                                 *map(_address, norms), attn.sliding_window or 0, owner[index], attn.local_rope,
-                                 *map(_address, gemma)))
-        self._layers = (_Layer * len(layers))(*layers)
-        dtype = model.lm_head.weight.dtype
-        # the embedding scale rounded to the dtype, as CausalLM.forward multiplies by it
-        embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype))
-        self.spec = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.rotary_dim, cfg.intermediate_size, cfg.vocab_size, DTYPE_KINDS[dtype],
-                           storage.num_blocks, storage.block_size, cfg.rms_norm_eps,
-                           model.model.layers[0].self_attn.scale, cfg.hidden_act != "silu", cfg.gemma_norms,
-                           embed_scale, cfg.attn_logit_softcapping or 0.0, cfg.final_logit_softcapping or 0.0,
-                           _table(model), _address(model.model.norm.weight),
-                           _proj(model.lm_head), self._layers, 0 if tp is None else tp.rank * cfg.vocab_size,
-                           _ALL_REDUCE() if tp is None else self.reduce.callback)
+        self.spec = fill(Model, step_plan(model, storage, AllReduce() if self.reduce is None else self.reduce.callback))
         # the packed GEMMs take any batch; the matrix-vector products only small ones
         self.max_batch = None if self.packed else MAX_BATCH[model.lm_head.weight.dtype]
         self.steps = 0

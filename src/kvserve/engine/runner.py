@@ -84,7 +84,6 @@ class ModelRunner:
         group_tables = self._group_tables(sched)
         tables = group_tables[0] if group_tables else None
         positions, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, len(input_ids), tables)
-        kv_quantized = bool(self.storage.quantized)
         nd = sched.num_decodes
         batch = AttentionBatch(
             num_decodes=nd,
@@ -95,8 +94,7 @@ class ModelRunner:
             context_lens_list=ctx_lens,
             # a quantized cache is read by every prefill, so that a sequence's result never depends on
             # which others share its step (the step's own K/V would be exact, the cache's are not)
-            has_prefix=kv_quantized or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
-            kv_quantized=kv_quantized,
+            has_prefix=bool(self.storage.quantized) or any(c > q for c, q in zip(ctx_lens[nd:], q_lens[nd:])),
             mass_requests=mass_requests,
             mass_layers=self.mass_layers,
         )

@@ -8,6 +8,7 @@ is quantized as it is written and a block still filling needs nothing kept exact
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,22 +52,37 @@ def hadamard_block(head_dim: int) -> int:
     return head_dim & -head_dim
 
 
-@functools.cache
-def _hadamard(n: int, device: torch.device) -> torch.Tensor:
-    """Sylvester's n x n Hadamard matrix (n a power of two) over sqrt(n): orthonormal and symmetric."""
-    h = torch.ones(1, 1)
-    while len(h) < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)))
-    return (h / len(h) ** 0.5).to(device)
-
-
 def rotate_keys_(x: torch.Tensor) -> None:
-    """x [..., D] times the orthonormal block-diagonal Hadamard matrix H of blocks hadamard_block(D), in place
-    (in float32, then rounded to x's dtype). H is symmetric and orthonormal, so it is its own inverse, and
-    rotating both q and k leaves every score q . k as it was."""
+    """x [..., D] times the orthonormal block-diagonal Hadamard matrix H of blocks hadamard_block(D) (Sylvester's,
+    over sqrt(block)), in place (in float32, then rounded to x's dtype). H is symmetric and orthonormal, so it is
+    its own inverse, and rotating both q and k leaves every score q . k as it was.
+
+    By the fast Walsh-Hadamard transform's butterflies (span 1, 2, 4, ...: the numbers span apart in each run of
+    2 span become their sum and their difference), then the scale: each number's sums in one order, which
+    csrc/kv_codecs.c repeats bit for bit (a matrix product's order is its library's)."""
     d = x.shape[-1]
-    h = _hadamard(hadamard_block(d), x.device)
-    x.copy_((x.float().unflatten(-1, (d // len(h), len(h))) @ h).flatten(-2))
+    n = hadamard_block(d)
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x).view(-1, d)
+    spare = torch.empty_like(y)
+    span = 1
+    while span < n:
+        src, dst = (t.view(-1, d // (2 * span), 2, span) for t in (y, spare))
+        torch.add(src[:, :, 0], src[:, :, 1], out=dst[:, :, 0])
+        torch.sub(src[:, :, 0], src[:, :, 1], out=dst[:, :, 1])
+        y, spare = spare, y
+        span *= 2
+    x.copy_(y.mul_(1 / math.sqrt(n)).view(x.shape))
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last axis in one fixed order, which csrc/kv_codecs.c repeats bit for bit (torch.sum's
+    order is its own, by vector width): the second half added to the first (an odd one out kept last) until one
+    number is left."""
+    while x.shape[-1] > 1:
+        n, half = x.shape[-1], x.shape[-1] // 2
+        head = x[..., :half] + x[..., half:2 * half]
+        x = head if n % 2 == 0 else torch.cat((head, x[..., 2 * half:]), -1)
+    return x[..., 0]
 
 
 @dataclass
@@ -228,7 +244,8 @@ class Int4(Codec):
     def fit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row of x [..., D] as its numbers 0..15 (floats, [..., D]) and float16 (scale, minimum) [...]:
         of its candidate grids, the one that reconstructs it with the least squared error, stretched so that
-        it comes back unshrunk along itself (see the class)."""
+        it comes back unshrunk along itself (see the class). Its sums over a row are row_sum's, so that
+        csrc/kv_codecs.c chooses the same grid, bit for bit."""
         lo, hi = x.amin(-1), x.amax(-1)
         step = (hi - lo) / 15
         inward = _on_device(self.inward_steps, x.device).view(-1, 2, *(1,) * lo.dim())
@@ -237,11 +254,11 @@ class Int4(Codec):
         minimum = low.to(self.meta_dtype)
         q = int4_levels(x, scale, minimum)
         back = torch.addcmul(minimum.float()[..., None], q, scale.float()[..., None])
-        best = back.sub_(x).square_().sum(-1).argmin(0, keepdim=True)   # the first of equals: the min-max grid
+        best = row_sum(back.sub_(x).square_()).argmin(0, keepdim=True)   # the first of equals: the min-max grid
         scale, minimum = scale.gather(0, best)[0].float(), minimum.gather(0, best)[0].float()
         q = q.gather(0, best[..., None].expand(1, *x.shape))[0]
-        along = scale * torch.linalg.vecdot(q, x) + minimum * x.sum(-1)     # back . x
-        stretch = torch.where(along > 0, torch.linalg.vecdot(x, x) / along, 1.0)
+        along = scale * row_sum(q * x) + minimum * row_sum(x)               # back . x
+        stretch = torch.where(along > 0, row_sum(x * x) / along, 1.0)
         return q, (scale * stretch).clamp_min(TINY).to(self.meta_dtype), (minimum * stretch).to(self.meta_dtype)
 
     def decode(self, q, meta, dtype=torch.float32):
