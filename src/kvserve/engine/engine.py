@@ -258,14 +258,14 @@ class LLMEngine:
             if self.device.type != "cuda":
                 raise ValueError(f"kv_offload 'cpu' keeps blocks in host memory, where this engine's KV pool already "
                                  f"is (device {self.device.type}): use kv_offload='disk:PATH' for a second tier")
-            tier = HostTier(size, kv_spec.bytes_per_block, pin_memory=True)
+            tier = HostTier(size, kv_spec.page_bytes_per_block, pin_memory=True)
         else:
             compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
                                 kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
                                 kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
                                 layer_groups=tuple((g.sliding_window, g.layers) for g in self.layer_groups
                                                    if len(self.layer_groups) > 1))
-            tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
+            tier = DiskTier(spec.path, size, compat, kv_spec.page_bytes_per_block)
         offload = OffloadingConnector(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,
                                       self.device)
         offload.preemption_mode = config.preemption_mode
