@@ -10,6 +10,7 @@ import torch
 
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 from kvserve.kv.eviction import parse_eviction
+from kvserve.kv.sparse import parse_sparse_attention
 
 _EPS = 1e-5
 MAX_SEED = 2**63 - 1
@@ -42,6 +43,9 @@ class SamplingParams:
     # the KV eviction policy of this request ("sink:sinks=4,window=1020", ..., "none"): overrides
     # the engine's default (kvserve.kv.eviction)
     eviction: str | dict | None = None
+    # this request's sparse decode attention ("quest:budget=2048,...", or "none"): overrides the engine's default
+    # (kvserve.kv.sparse)
+    sparse_attention: str | dict | None = None
 
     def __post_init__(self):
         self.n = _integer("n", self.n, 1)
@@ -70,6 +74,11 @@ class SamplingParams:
                 parse_eviction(self.eviction)
             except ValueError as e:         # its message names the policy's option, not this field
                 raise ValueError(f"eviction: {e}") from None
+        if self.sparse_attention is not None:
+            try:
+                parse_sparse_attention(self.sparse_attention)
+            except ValueError as e:
+                raise ValueError(f"sparse_attention: {e}") from None
 
     @property
     def greedy(self) -> bool:

@@ -104,7 +104,7 @@ def select_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Ten
     j = torch.arange(width, device=q.device)
     middle = (j >= first) & (j < last)
     # each middle block's rank: by bound, of equal ones the earlier first (a stable sort)
-    order = torch.sort(torch.where(middle, bound, -torch.inf), -1, descending=True, stable=True).indices
+    order = torch.sort(torch.where(middle, bound, -torch.inf), dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
     chosen = (middle & (rank < k)) | (j < first) | ((j >= last) & (j < nb))
     selects = (budget > 0) & (ctx > budget)

@@ -26,6 +26,7 @@ from kvserve.kv import KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache,
 from kvserve.kv.storage import block_spec
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
 from kvserve.kv.groups import is_hybrid, layer_groups
+from kvserve.kv.sparse import parse_sparse_attention, request_sparse_attention
 from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVConnector, NoConnector,
                               OffloadingConnector, SwapCosts, TierCompat, measure_prefill, model_identity,
                               parse_kv_offload)
@@ -68,6 +69,10 @@ class LLMEngine:
         self.eviction = parse_eviction(config.eviction)
         if self.eviction is not None:
             self._check_eviction(self.eviction)
+        self.sparse = parse_sparse_attention(config.sparse_attention)
+        if self.sparse is not None and not self.backend.supports_sparse:
+            raise ValueError(f"sparse_attention: the {self.backend.name} attention backend reads every block; use "
+                             f"native (CPU) or triton (CUDA)")
         self.layer_groups = self._layer_groups(config, mcfg)
         native = native_decode_wanted(config, self.device, self.dtype, self.backend)
         self.gemm = self._choose_gemm(config, mcfg, native)
@@ -210,7 +215,8 @@ class LLMEngine:
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
         # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
         self.model_kv_spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size, config.kv_cache_dtype,
-                                               config.kv_cache_dtype_skip_layers)   # every layer's: what workers build
+                                               config.kv_cache_dtype_skip_layers,   # every layer's: what workers build
+                                               summaries=self.sparse is not None)
         groups = self.layer_groups
         self.kv_spec = spec = block_spec(self.model_kv_spec, groups)       # a block holds one group's pages
         if config.cache_mode == "none":
@@ -349,10 +355,11 @@ class LLMEngine:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
         if policy is not None:
             self._check_eviction(policy)
+        sparse = request_sparse_attention(self.sparse, params.sparse_attention, policy)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
         seq = Sequence(next(self._seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),
-                       self._generator(params, 0), cache_salt=cache_salt, eviction=policy)
+                       self._generator(params, 0), cache_salt=cache_salt, eviction=policy, sparse=sparse)
         self.requests[request_id] = [seq]
         if final_only:
             self._final_only.add(request_id)
@@ -605,6 +612,7 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
+            **self.runner.sparse.stats(),         # blocks sparse attention read, and of its contexts
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_offload": self.config.kv_offload,
             **self.connector.stats(),

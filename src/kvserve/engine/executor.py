@@ -185,12 +185,12 @@ class CudaGraphs:
         self.graphs, self.model = graphs, model        # graphs: captured (capture_all)
 
     def supports(self, step: Step) -> bool:
-        """Decodes for their logits only, within the largest captured batch and context, whose block tables fit
-        the graphs' buffer, while the RoPE table is the one the graphs read (a `sink` sequence that outgrows it
-        reallocates it)."""
+        """Decodes for their logits only, none under sparse attention (the graphs attend densely), within the largest
+        captured batch and context, whose block tables fit the graphs' buffer, while the RoPE table is the one the
+        graphs read (a `sink` sequence that outgrows it reallocates it)."""
         inputs, graphs = step.inputs, self.graphs
         batch = inputs.batch
-        return (decodes_for_logits(inputs) and len(batch.query_lens) <= graphs.sizes[-1]
+        return (decodes_for_logits(inputs) and batch.sparse is None and len(batch.query_lens) <= graphs.sizes[-1]
                 and max(batch.context_lens_list) <= graphs.max_context
                 and batch.block_tables.shape[1] <= graphs.block_tables.shape[1]
                 and self.model.rope.cos is graphs.rope_table)

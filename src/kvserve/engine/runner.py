@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvserve.attention import AttentionBatch
+from kvserve.attention.sparse import SparseStats
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.executor import CudaGraphs, Executor, NativeStep, Step, StepInputs, StepOutput
 from kvserve.engine.native_decode import NativeDecode
@@ -40,6 +41,7 @@ class ModelRunner:
         self.device = device
         self.executors = executors
         self.steps: Counter[str] = Counter(dict.fromkeys((e.name for e in executors), 0))
+        self.sparse = SparseStats(model.config.num_layers, device)     # sparse attention's reads
 
     @property
     def native(self) -> NativeDecode | None:
@@ -99,6 +101,10 @@ class ModelRunner:
             mass_layers=self.mass_layers,
         )
         # each layer group's batch but the first's (this one): its slots and block tables
+        # the decodes' sparse attention (a prefill attends densely)
+        batch.sparse = self.sparse.decode([s.seq_id for s in sched.seqs],
+                                          [s.sparse if i < nd else None for i, s in enumerate(sched.seqs)],
+                                          0 if block_tables is None else block_tables.shape[1])
         batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
                         for t in group_tables[1:]]
         batch.layer_group = self.storage.layer_group

@@ -10,6 +10,7 @@ import torch
 
 from kvserve.kv.blocks import BlockKey, block_key
 from kvserve.kv.eviction import EvictionPolicy
+from kvserve.kv.sparse import SparseAttention
 from kvserve.sampling import Logprob, SamplingParams
 
 
@@ -60,6 +61,8 @@ class Sequence:
     # [layers * KVH, tokens] mass the cached tokens received (h2o, snapkv), of the layers that gather it
     kv_scores: torch.Tensor | None = None
     prompt_compacted: bool = False           # snapkv has made its choice
+    # sparse decode attention: which cached blocks its decode steps read (kv/sparse.py); None: all of them
+    sparse: SparseAttention | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

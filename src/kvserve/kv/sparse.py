@@ -57,3 +57,19 @@ def parse_sparse_attention(spec: str | dict | SparseAttention | None) -> SparseA
 
     Anything else raises ValueError showing the form (kv/policies.py's parse_policy)."""
     return parse_policy(spec, POLICIES, "sparse_attention", _FORM, SparseAttention)
+
+
+def request_sparse_attention(default: SparseAttention | None, spec: str | dict | None,
+                             eviction: object | None) -> SparseAttention | None:
+    """A request's sparse attention: its own `spec` (SamplingParams.sparse_attention; "none": dense), else the
+    engine's `default`. ValueError for one the engine cannot serve: sparse attention where the engine keeps no page
+    summaries (started without sparse_attention), or beside an eviction policy (it drops tokens that sparse
+    attention keeps to choose from)."""
+    policy = default if spec is None else parse_sparse_attention(spec)
+    if policy is not None and default is None:
+        raise ValueError("sparse_attention needs an engine started with sparse_attention (--sparse-attention): only "
+                         "then does its cache keep the page summaries that the selection reads")
+    if policy is not None and eviction is not None:
+        raise ValueError("sparse_attention keeps every token and reads some, eviction drops tokens: a request takes "
+                         "one of them (sparse_attention 'none' beside an eviction policy)")
+    return policy

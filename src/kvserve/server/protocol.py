@@ -112,8 +112,9 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[TokenId] | None = None
     cache_salt: Text | None = Field(None, min_length=1)
     return_token_ids: bool = False          # the token ids beside the text (prompt's and completion's)
-    # kvserve's: this request's KV eviction policy (kvserve.kv.eviction)
+    # kvserve's: this request's KV eviction policy (kvserve.kv.eviction) and sparse attention (kvserve.kv.sparse)
     eviction: str | dict | None = None
+    sparse_attention: str | dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -169,6 +170,7 @@ class _SamplingRequest(OpenAIBaseModel):
                   "top_k": max(self.top_k, 0), "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
                   "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "logprobs": logprobs,
                   "prompt_logprobs": prompt_logprobs, "eviction": self.eviction,
+                  "sparse_attention": self.sparse_attention,
                   "logit_bias": self._token_bias(vocab_size) if self.logit_bias else None}
         try:
             return SamplingParams(**kwargs)
