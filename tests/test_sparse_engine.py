@@ -119,6 +119,16 @@ def test_requests_choose_their_own(llama):
     assert engine.runner.sparse.blocks_read(10**6) is None
 
 
+def test_metrics_count_the_blocks_read(llama):
+    """/metrics' counters of sparse attention's reads are stats()'s."""
+    from kvserve.server.metrics import EngineCollector
+
+    outs, stats = generate(llama, SamplingParams(max_tokens=4, temperature=0), sparse_attention=QUEST)
+    values = {s.name: s.value for f in EngineCollector(lambda: stats, "m").collect() for s in f.samples}
+    assert values["kvserve:sparse_blocks_read_total"] == stats["sparse_blocks_read"] > 0
+    assert values["kvserve:sparse_blocks_context_total"] == stats["sparse_blocks_total"] > stats["sparse_blocks_read"]
+
+
 def test_tensor_parallel_ranks_choose_as_one_rank(tmp_path):
     """Two ranks, each choosing for its own KV heads (the C step on every rank): one rank's tokens."""
     path = make_checkpoint(tmp_path, "llama", max_position_embeddings=256)
