@@ -80,13 +80,12 @@ class SparseStats:
         return {"sparse_blocks_read": read, "sparse_blocks_total": total}
 
 
-def select_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                  sparse: SparseDecode) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks each (decode, KV head) reads: a block table [n, KVH, width] and its context [n, KVH] (int64), as
+def choose_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  params: torch.Tensor) -> torch.Tensor:
+    """Which entries of each sequence's block table each of its KV heads reads, [n, KVH, width] (bool), as
     csrc/paged_decode.c's decode_blocks chooses them for q [n, H, D] (one query a sequence) over its pages
-    (block_tables [n, width], context_lens [n]) under sparse.params [n, 4]; a sequence that attends densely keeps
-    its table and context. Counts its reads into sparse.counts and sparse.layer_record(). Without a host
-    synchronisation."""
+    (block_tables [n, width], context_lens [n]) under params [n, 4] (SparseDecode's); every block of the context
+    where a sequence attends densely. Without a host synchronisation."""
     n, num_heads, d = q.shape
     _, kvh, _, bs, _ = kv_cache.shape
     width = block_tables.shape[1]
@@ -95,7 +94,7 @@ def select_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Ten
     pos, neg = heads.clamp_min(0).sum(2), (-heads).clamp_min(0).sum(2)    # [n, KVH, D]
     bound = (torch.einsum("nkd,knwd->nkw", pos, summaries[..., 1, :])
              - torch.einsum("nkd,knwd->nkw", neg, summaries[..., 0, :]))
-    budget, sinks, recent = (sparse.params[:, i, None, None] for i in range(3))
+    budget, sinks, recent = (params[:, i, None, None] for i in range(3))
     ctx = context_lens.to(torch.int64)[:, None, None]
     nb = (ctx + bs - 1) // bs
     first = torch.minimum((sinks.clamp_min(0) + bs - 1) // bs, nb)
@@ -107,14 +106,26 @@ def select_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Ten
     order = torch.sort(torch.where(middle, bound, -torch.inf), dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
     chosen = (middle & (rank < k)) | (j < first) | ((j >= last) & (j < nb))
-    selects = (budget > 0) & (ctx > budget)
-    chosen = torch.where(selects, chosen, j < nb)
-    count = chosen.sum(-1, keepdim=True)
-    lens = torch.where(selects, (count - 1) * bs + ctx - (nb - 1) * bs, ctx)[..., 0]
+    return torch.where((budget > 0) & (ctx > budget), chosen, j < nb)
+
+
+def select_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  sparse: SparseDecode) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks each (decode, KV head) reads (choose_blocks'): a block table [n, KVH, width] and its context
+    [n, KVH] (int64), over which a paged decode attends exactly; a sequence that attends densely keeps its table
+    and context. Counts its reads into sparse.counts and sparse.layer_record(). Without a host synchronisation."""
+    n, kvh, bs, width = len(q), kv_cache.shape[1], kv_cache.shape[3], block_tables.shape[1]
+    chosen = choose_blocks(q, kv_cache, block_tables, context_lens, sparse.params)
+    ctx = context_lens.to(torch.int64)[:, None]
+    nb = (ctx + bs - 1) // bs
+    count = chosen.sum(-1)                                                           # [n, KVH]
+    # the last block read is the context's last (the recent window's): its tokens end the context
+    lens = (count - 1) * bs + ctx - (nb - 1) * bs
+    j = torch.arange(width, device=q.device)
     tables = block_tables[:, None].expand(n, kvh, width).gather(-1, torch.sort(torch.where(chosen, j, width + j))
                                                                 .indices)
-    counted = (budget >= 0)[..., 0]                                                  # [n, 1]
-    sparse.counts.add_(torch.stack(((count[..., 0] * counted).sum(), (nb[..., 0] * counted).sum() * kvh)))
+    counted = sparse.params[:, :1] >= 0                                              # [n, 1]
+    sparse.counts.add_(torch.stack(((count * counted).sum(), (nb * counted).sum() * kvh)))
     record = sparse.layer_record()
     if record is not None:
         record[:n] += (chosen & counted[..., None]).sum(1).to(torch.uint8)

@@ -43,23 +43,31 @@ class PageSummaries:
     def add_tokens(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Tokens' keys [tokens, KVH, D] (as attention reads them, any float dtype) written at slots (block *
         block_size + offset): each block's summary takes them in, and starts anew where the write holds its
-        first token (its earlier summary, of a block used before, covers none of its tokens). Without a host
-        synchronisation (a CUDA graph captures it)."""
-        kvh, nb, _, d = self.data.shape
-        keys = keys.float()
+        first token (its earlier summary, of a block used before, covers none of its tokens). Work of the
+        tokens' size, not the pool's, and without a host synchronisation (a CUDA graph captures it)."""
+        kvh, _, _, d = self.data.shape
+        n = len(slots)
+        order = torch.argsort(slots)
+        slots, keys = slots[order], keys[order].float().transpose(0, 1)          # [KVH, tokens, D]
         blocks = slots // self.block_size
-        # whether each token's block starts anew in this write: a per-block flag, read back per token
-        starts = torch.zeros(nb, dtype=torch.int8, device=slots.device)
-        starts.scatter_reduce_(0, blocks, (slots % self.block_size == 0).to(torch.int8), "amax")
-        fresh = starts[blocks].bool()[None, :, None]                              # [1, tokens, 1]
-        old = self.data.index_select(1, blocks).float()                         # [KVH, tokens, 2, D]
-        per_token = keys.transpose(0, 1)                                         # [KVH, tokens, D]
-        low = torch.where(fresh, per_token, torch.minimum(old[:, :, 0], per_token))
-        high = torch.where(fresh, per_token, torch.maximum(old[:, :, 1], per_token))
-        index = blocks[None, :, None].expand(kvh, -1, d)
-        for side, values, reduce, rounded in ((0, low, "amin", round_down), (1, high, "amax", round_up)):
-            self.data[:, :, side].scatter_reduce_(1, index, rounded(values, self.data.dtype), reduce,
-                                                  include_self=False)
+        # the write's blocks, in order: each token's group, and each group's block and whether it starts anew
+        new = torch.ones(n, dtype=torch.bool, device=slots.device)
+        new[1:] = blocks[1:] != blocks[:-1]
+        group = torch.cumsum(new, 0) - 1
+        block = torch.zeros_like(blocks).scatter_(0, group, blocks)
+        fresh = torch.zeros(n, dtype=torch.int8, device=slots.device).scatter_reduce_(
+            0, group, (slots % self.block_size == 0).to(torch.int8), "amax")
+        index = group[None, :, None].expand(kvh, n, d)
+        low = keys.new_full((kvh, n, d), torch.inf).scatter_reduce_(1, index, keys, "amin")
+        high = keys.new_full((kvh, n, d), -torch.inf).scatter_reduce_(1, index, keys, "amax")
+        # rows past the last group repeat it, so that writing every row back writes each block once over
+        rows = torch.minimum(torch.arange(n, device=slots.device), group[-1])
+        block, fresh, low, high = block[rows], fresh[rows].bool()[None, :, None], low[:, rows], high[:, rows]
+        old = self.data.index_select(1, block).float()                           # [KVH, tokens, 2, D]
+        low = torch.where(fresh, low, torch.minimum(old[:, :, 0], low))
+        high = torch.where(fresh, high, torch.maximum(old[:, :, 1], high))
+        dtype = self.data.dtype
+        self.data.index_copy_(1, block, torch.stack((round_down(low, dtype), round_up(high, dtype)), 2))
 
     def set_blocks(self, blocks: torch.Tensor, keys: torch.Tensor) -> None:
         """Whole blocks' summaries from their keys [KVH, n, block_size, D] (float32, as attention reads them)."""
