@@ -241,6 +241,18 @@ def test_summaries_are_the_min_and_max_of_each_blocks_keys(dtype, kv_cache_dtype
             assert torch.equal(c.layer.summaries.data[:, full], summary[:, :len(full)])
 
 
+def test_padding_rows_summarise_nothing():
+    """A CUDA graph's padding rows (slot -1) are written nowhere: they change no block's summary."""
+    storage = KVStorage(KVSpec(1, 2, 8, torch.float32, 4, summaries=True), 6, "cpu")
+    layer = storage.layer(0)
+    keys = torch.randn(4, 2, 8)
+    layer.summarize_tokens(keys, torch.tensor([8, -1, 9, -1]))
+    summary = layer.summaries.data
+    assert torch.equal(summary[:, 2, 0], torch.minimum(keys[0], keys[2]))
+    assert torch.equal(summary[:, 2, 1], torch.maximum(keys[0], keys[2]))
+    assert not summary[:, [0, 1, 3, 4, 5]].any()
+
+
 def test_bf16_rounding_outward_is_the_c_codes():
     """round_down and round_up to bfloat16 are the largest bfloat16 at most x and the smallest at least x."""
     x = torch.tensor([1.0, -1.0, 0.0, -0.0, 1 + 2**-10, -(1 + 2**-10), 3e-41, -3e-41, 1e38])

@@ -42,13 +42,17 @@ class PageSummaries:
 
     def add_tokens(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Tokens' keys [tokens, KVH, D] (as attention reads them, any float dtype) written at slots (block *
-        block_size + offset): each block's summary takes them in, and starts anew where the write holds its
-        first token (its earlier summary, of a block used before, covers none of its tokens). Work of the
-        tokens' size, not the pool's, and without a host synchronisation (a CUDA graph captures it)."""
+        block_size + offset; a negative slot: a padding row, written nowhere): each block's summary takes them
+        in, and starts anew where the write holds its first token (its earlier summary, of a block used before,
+        covers none of its tokens). Work of the tokens' size, not the pool's, and without a host synchronisation
+        (a CUDA graph captures it)."""
         kvh, _, _, d = self.data.shape
         n = len(slots)
+        # a padding row joins the last token's block, with keys that change neither its minimum nor its maximum
+        pad = (slots < 0)[:, None, None]
+        slots = torch.where(slots < 0, slots.max(), slots)
         order = torch.argsort(slots)
-        slots, keys = slots[order], keys[order].float().transpose(0, 1)          # [KVH, tokens, D]
+        slots, pad, keys = slots[order], pad[order].transpose(0, 1), keys[order].float().transpose(0, 1)
         blocks = slots // self.block_size
         # the write's blocks, in order: each token's group, and each group's block and whether it starts anew
         new = torch.ones(n, dtype=torch.bool, device=slots.device)
@@ -58,8 +62,9 @@ class PageSummaries:
         fresh = torch.zeros(n, dtype=torch.int8, device=slots.device).scatter_reduce_(
             0, group, (slots % self.block_size == 0).to(torch.int8), "amax")
         index = group[None, :, None].expand(kvh, n, d)
-        low = keys.new_full((kvh, n, d), torch.inf).scatter_reduce_(1, index, keys, "amin")
-        high = keys.new_full((kvh, n, d), -torch.inf).scatter_reduce_(1, index, keys, "amax")
+        low = keys.new_full((kvh, n, d), torch.inf).scatter_reduce_(1, index, keys.masked_fill(pad, torch.inf), "amin")
+        high = keys.new_full((kvh, n, d), -torch.inf).scatter_reduce_(1, index, keys.masked_fill(pad, -torch.inf),
+                                                                       "amax")
         # rows past the last group repeat it, so that writing every row back writes each block once over
         rows = torch.minimum(torch.arange(n, device=slots.device), group[-1])
         block, fresh, low, high = block[rows], fresh[rows].bool()[None, :, None], low[:, rows], high[:, rows]
