@@ -31,8 +31,8 @@ from kvserve.arg_utils import write_json
 from kvserve.attention.batch import AttentionBatch
 from kvserve.attention.gather import gather_context
 from kvserve.attention.sparse import SparseDecode, choose_blocks
-from kvserve.bench.common import (ReadBandwidth, SHAPES, describe_shape, linear_bytes, make_checkpoint,
-                                  print_table)
+from kvserve.bench.common import (SHAPES, ReadBandwidth, add_model_args, describe_shape, linear_bytes,
+                                  make_checkpoint, model_shape, print_table)
 from kvserve.bench.eviction import DEPTHS, policies
 from kvserve.config import ModelConfig
 from kvserve.eval.data import held_out_text
@@ -55,9 +55,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", type=int, default=16)
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--passkey-trials", type=int, default=None, help="per depth (default 8; quick: 2)")
-    p.add_argument("--texts", type=int, default=None, help="held-out windows decoded (default 4; quick: 1)")
+    p.add_argument("--texts", type=int, default=None, help="held-out windows decoded (default 2; quick: 1)")
     p.add_argument("--prefill", type=int, default=256, help="tokens of each window computed as its prompt")
-    p.add_argument("--shape", default="tinyllama-1.1b", choices=sorted(SHAPES), help="the speed part's model shape")
     p.add_argument("--contexts", default=None, help="cached tokens per sequence (default 4096,16384,32768; quick: "
                                                     "4096)")
     p.add_argument("--batches", default=None, help="sequences (default 1,16; quick: 1,4)")
@@ -66,6 +65,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                         "layers")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip", choices=("quality", "speed"), default=None)
+    add_model_args(p, SHAPES["tinyllama-1.1b"])     # the speed part's model: TinyLlama-1.1B's shape by default
 
 
 def quest(budget: int, recent: int, sinks: int, dense_layers: int) -> str:
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def quality(args: argparse.Namespace) -> dict:
     trials = args.passkey_trials or (2 if args.quick else 8)
-    texts = args.texts or (1 if args.quick else 4)
+    texts = args.texts or (1 if args.quick else 2)
     probe = LLM(args.model, block_size=args.block_size, num_kv_blocks=1)
     context, layers = probe.engine.max_model_len, probe.engine.model_config.num_layers
     ids = probe.get_tokenizer().encode(held_out_text(), add_special_tokens=False)
@@ -109,20 +109,24 @@ def quality(args: argparse.Namespace) -> dict:
         cells = passkey_accuracy(llm, [context], list(DEPTHS), trials)
         row = {"policy": name, "spec": kw.get("sparse_attention") or kw.get("eviction"),
                "passkey": sum(c.correct for c in cells) / sum(c.trials for c in cells)}
-        probe = MassProbe.attach(llm)       # every setup decodes op by op, as the probe needs: alike
+        # (the probe decodes op by op, where the others take the C step: the two compute the same numbers up to
+        # the order of their sums, far below the differences measured)
+        probe = MassProbe.attach(llm) if "sparse_attention" in kw else None
         logits = forced_decode(llm, windows, args.prefill)
         reference = logits if reference is None else reference
         row.update(text_scores(logits, reference, windows, args.prefill))
-        if probe.shares:
-            row["mass_share"] = statistics.fmean(probe.shares)
+        if probe is not None:
+            # (None where no layer selects: every layer among the dense_layers)
+            row["mass_share"] = statistics.fmean(probe.shares) if probe.shares else None
             stats = llm.stats()
             row["blocks_read"] = stats["sparse_blocks_read"] / max(1, stats["sparse_blocks_total"])
         rows.append(row)
         print(f"  {name}: passkey {row['passkey']:.0%}, perplexity {row['perplexity']:.3f}, KL {row['kl']:.4f}"
-              + (f", dense mass held {row['mass_share']:.1%}" if probe.shares else ""), flush=True)
+              + (f", dense mass held {row['mass_share']:.1%}" if row.get("mass_share") is not None else ""),
+              flush=True)
     print_table(["policy", "passkey", "perplexity", "KL from dense (nats)", "dense mass held", "blocks read"],
                 [[r["policy"], f"{r['passkey']:.0%}", f"{r['perplexity']:.3f}", f"{r['kl']:.4f}",
-                  f"{r['mass_share']:.1%}" if "mass_share" in r else "-",
+                  f"{r['mass_share']:.1%}" if r.get("mass_share") is not None else "-",
                   f"{r['blocks_read']:.1%}" if "blocks_read" in r else "-"] for r in rows])
     main = rows[1]
     print(f"target {main['policy']} at {args.budget_share:.3g} of the context: passkey >= {PASSKEY_TARGET:.0%} "
@@ -223,13 +227,13 @@ def speed(args: argparse.Namespace) -> dict:
 
     contexts = [int(c) for c in (args.contexts or ("4096" if args.quick else ",".join(map(str, CONTEXTS)))).split(",")]
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else ",".join(map(str, BATCHES)))).split(",")]
-    shape, bs = dict(SHAPES[args.shape]), args.block_size
+    shape, bs = model_shape(args), args.block_size
     kv_memory = parse_bytes(args.kv_memory)
     reader = ReadBandwidth(torch.device("cpu"))
     print(f"sparse speed: the C decode step, {describe_shape(shape)}, bfloat16, random weights and caches; "
-          f"Quest budget {'C/8' if args.speed_budget is None else args.speed_budget}, recent 128, sinks 16, "
-          f"dense_layers 0; median of {args.repeats} steps each, dense and Quest alternating; threads "
-          f"{torch.get_num_threads()}")
+          f"Quest budget {'C/8' if args.speed_budget is None else args.speed_budget}, recent 128 and sinks 16 (a "
+          f"quarter of a smaller budget each), dense_layers 0; median of {args.repeats} steps each, dense and Quest "
+          f"alternating; threads {torch.get_num_threads()}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp:
         for context in contexts:
@@ -238,7 +242,8 @@ def speed(args: argparse.Namespace) -> dict:
                 page = page_bytes(shape)
                 per_layer = batch * (context + bs) * (page + page // bs)         # pages and their summaries
                 layers = max(1, min(shape["num_layers"], kv_memory // per_layer))
-                row = measure_step(Path(tmp), shape, layers, context, batch, budget, bs, args.repeats, reader)
+                row = measure_step(Path(tmp), shape, layers, context, max(contexts), batch, budget, bs, args.repeats,
+                                   reader)
                 rows.append(row)
                 print(f"  C {context} x {batch}: {layers} layers, dense {row['dense_ms']:.1f} ms, quest "
                       f"{row['quest_ms']:.1f} ms ({row['speedup']:.2f}x); dense reads {row['dense_gb_s']:.1f} GB/s "
@@ -263,17 +268,19 @@ def page_bytes(shape: dict) -> int:
     return 2 * shape["num_kv_heads"] * shape["hidden_size"] // shape["num_heads"] * 2
 
 
-def measure_step(tmp: Path, shape: dict, layers: int, context: int, batch: int, budget: int, bs: int, repeats: int,
-                 reader: ReadBandwidth) -> dict:
+def measure_step(tmp: Path, shape: dict, layers: int, context: int, longest: int, batch: int, budget: int, bs: int,
+                 repeats: int, reader: ReadBandwidth) -> dict:
     """Dense and Quest step times (ms, medians of alternating steps) of `batch` sequences of `context` cached
-    tokens each (one more written by the step), at `layers` of the shape's layers."""
+    tokens each (one more written by the step), at `layers` of the shape's layers (a checkpoint of positions up
+    to `longest`, made once per layer count)."""
     shape = {**shape, "num_layers": layers}
     path = tmp / f"layers-{layers}"
     if not path.exists():
-        make_checkpoint(path, shape, 2 * max(CONTEXTS), torch.bfloat16)
+        make_checkpoint(path, shape, longest + bs, torch.bfloat16)
     per_seq = -(-(context + 1) // bs)
+    recent, sinks = min(128, budget // 4), min(16, budget // 4)
     llm = LLM(str(path), dtype="bfloat16", block_size=bs, num_kv_blocks=batch * per_seq,
-              sparse_attention=quest(budget, 128, 16, 0), max_model_len=context + 1, enable_prefix_caching=False)
+              sparse_attention=quest(budget, recent, sinks, 0), max_model_len=context + 1, enable_prefix_caching=False)
     engine = llm.engine
     native = engine.runner.native
     if native is None:
@@ -287,7 +294,7 @@ def measure_step(tmp: Path, shape: dict, layers: int, context: int, batch: int, 
     for i in range(layers):
         storage.layer(i).summarize_blocks(every)
     step = decode_batch(tables, context, bs)
-    params = torch.tensor([[budget, 16, 128, 0]] * batch)
+    params = torch.tensor([[budget, sinks, recent, 0]] * batch)
     ids = torch.randint(3, shape["vocab_size"], (batch,), generator=g)
     positions = torch.full((batch,), context)
     bandwidth = reader.measure()
