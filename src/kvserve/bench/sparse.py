@@ -64,6 +64,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", default="2.5GiB", help="the most KV a speed configuration holds; past it, fewer "
                                                         "layers")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="the speed part's threads (default: torch's)")
     p.add_argument("--skip", choices=("quality", "speed"), default=None)
     add_model_args(p, SHAPES["tinyllama-1.1b"])     # the speed part's model: TinyLlama-1.1B's shape by default
 
@@ -229,6 +230,8 @@ def speed(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else ",".join(map(str, BATCHES)))).split(",")]
     shape, bs = model_shape(args), args.block_size
     kv_memory = parse_bytes(args.kv_memory)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     reader = ReadBandwidth(torch.device("cpu"))
     print(f"sparse speed: the C decode step, {describe_shape(shape)}, bfloat16, random weights and caches; "
           f"Quest budget {'C/8' if args.speed_budget is None else args.speed_budget}, recent 128 and sinks 16 (a "
