@@ -100,11 +100,11 @@ class ModelRunner:
             mass_requests=mass_requests,
             mass_layers=self.mass_layers,
         )
-        # each layer group's batch but the first's (this one): its slots and block tables
         # the decodes' sparse attention (a prefill attends densely)
         batch.sparse = self.sparse.decode([s.seq_id for s in sched.seqs],
                                           [s.sparse if i < nd else None for i, s in enumerate(sched.seqs)],
                                           0 if block_tables is None else block_tables.shape[1])
+        # each layer group's batch but the first's (this one): its slots and block tables
         batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
                         for t in group_tables[1:]]
         batch.layer_group = self.storage.layer_group
