@@ -19,7 +19,13 @@ bytes (every layer's pages, quantized ones with their scales: KVStorage.read_blo
 all that. Files are written under a temporary name and renamed, so that a reader (this engine or
 another sharing the directory) never sees a partial block. At start-up the index is rebuilt from the
 files' headers, least recently used first (by modification time, which a read refreshes); a corrupt,
-truncated or incompatible file is removed when found and never served.
+truncated or incompatible file is removed when found and never served, and when a read stops at one, the
+files of the blocks after it are checked too (in the background), so that the pool's copies of all the bad
+ones are written again when it evicts them.
+
+The directories are made 0700 and the files 0600: the blocks hold the prompts' token ids. The checksum finds
+accidents (torn writes, flipped bits), not forgery: whoever can write the directory can change what a prompt's
+cached blocks make the model say, so it must not be shared with anyone not trusted as the server is.
 """
 from __future__ import annotations
 
@@ -313,7 +319,8 @@ class DiskTier(Tier):
     def _prepare(self) -> None:
         """The directory exists and takes files; else a ValueError naming it, now rather than at every write."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, exist_ok=True)
             probe = self.dir / "probe"
             self._write_atomic(probe, [b"probe"])
             probe.unlink(missing_ok=True)
@@ -537,7 +544,7 @@ class DiskTier(Tier):
         """Write under a temporary name, then rename: readers see the whole file or none."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.writelines(parts)
             os.replace(tmp, path)
         except OSError:
@@ -690,14 +697,25 @@ class KVOffloader:
 
     def read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
         """The bytes of the leading blocks of `keys` that the tier serves, checked: up to the first it
-        cannot (gone, corrupt, another key's)."""
+        cannot (gone, corrupt, another key's). The blocks after that one are computed, and the tier takes the
+        pool's copies of those it lacks when the pool evicts them: the files of the rest are checked after this
+        read (get removes a bad one), so that every bad one is replaced then, not one a request."""
         out = []
-        for key in keys:
+        for i, key in enumerate(keys):
             data = self.tier.get(key)
             if data is None:
+                if i + 1 < len(keys):
+                    self._check_later(keys[i + 1:])
                 break
             out.append(data)
         return out
+
+    def _check_later(self, keys: list[BlockKey]) -> None:
+        """Read (and so check) the blocks of `keys` on the reader thread once it is free; none once closed."""
+        try:
+            self._reader.submit(lambda: [self.tier.get(key) for key in keys])
+        except RuntimeError:        # the reader has stopped (close)
+            pass
 
     def start_read(self, keys: list[BlockKey]) -> Future:
         """Start `read(keys)` on the reader thread and return at once: its future gives the blocks read
