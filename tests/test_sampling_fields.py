@@ -208,10 +208,20 @@ def test_a_request_s_lists_have_vllm_s_caps(kwargs, text):
         SamplingParams(**kwargs)
 
 
-def test_stop_token_ids_are_kept_once_each_and_looked_up_in_a_set():
+class Unscannable(list):
+    def __contains__(self, item):
+        raise AssertionError("a sampled token was looked for in the list of stop_token_ids")
+
+
+def test_stop_token_ids_are_kept_once_each_and_looked_up_in_a_set(llm):
     params = SamplingParams(stop_token_ids=[5, 6, 5, *range(100, 225)])
     assert params.stop_token_ids == [5, 6, *range(100, 225)]
     assert isinstance(params.stop_token_set, frozenset) and params.stop_token_set == set(params.stop_token_ids)
+    # the engine looks every sampled token up in the set
+    params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[FORCED, 3], logit_bias={FORCED: 100.0})
+    params.stop_token_ids = Unscannable(params.stop_token_ids)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [FORCED] and out.finish_reason == "stop" and out.stop_reason == FORCED
 
 
 @pytest.mark.parametrize("prompt, text", [

@@ -170,7 +170,8 @@ def test_vllm_s_sampling_fields_are_honoured_as_offline(url, offline, fields):
     body = {**fields, "logit_bias": {str(t): b for t, b in fields.get("logit_bias", {}).items()}}
     choice = complete(url, max_tokens=8, temperature=0, return_token_ids=True, **body).json()["choices"][0]
     assert (choice["text"], choice["token_ids"]) == (ref.outputs[0].text, ref.outputs[0].token_ids)
-    assert choice["prompt_token_ids"] == ref.prompt_token_ids and choice["finish_reason"] == ref.outputs[0].finish_reason
+    assert choice["prompt_token_ids"] == ref.prompt_token_ids
+    assert choice["finish_reason"] == ref.outputs[0].finish_reason
     streamed = complete(url, max_tokens=8, temperature=0, stream=True, **body)
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == ref.outputs[0].text
@@ -198,11 +199,11 @@ def test_vllm_s_fields_kvserve_lacks_are_refused_by_name(url, path, body, param)
 
 
 def test_vllm_s_fields_that_ask_for_nothing_are_accepted(url):
-    inert = {"use_beam_search": False, "guided_json": None, "priority": 0, "length_penalty": 1, "add_special_tokens": True,
-             "structured_outputs": None, "prompt_logprobs": None}
+    inert = {"use_beam_search": False, "guided_json": None, "priority": 0, "length_penalty": 1,
+             "add_special_tokens": True, "structured_outputs": None, "prompt_logprobs": None}
     assert complete(url, max_tokens=2, **inert).status_code == 200
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": False, "add_special_tokens": False,
-            "continue_final_message": False, "include_reasoning": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": False,
+            "add_special_tokens": False, "continue_final_message": False, "include_reasoning": True}
     assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
 
 

@@ -78,7 +78,8 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
     # the handlers read their bodies themselves (http.parse_body: a large one off the event loop)
     bodies = {"/v1/completions": (handlers.completions, CompletionRequest),
               "/v1/chat/completions": (handlers.chat, ChatCompletionRequest),
-              "/tokenize": (handlers.tokenize, TokenizeRequest), "/detokenize": (handlers.detokenize, DetokenizeRequest)}
+              "/tokenize": (handlers.tokenize, TokenizeRequest),
+              "/detokenize": (handlers.detokenize, DetokenizeRequest)}
     for path, (handler, _) in bodies.items():
         app.post(path)(handler)
     if config.enable_docs:
