@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from kvserve.kv.tiers import (SUFFIX, DiskTier, HostTier, OffloadingConnector, S
 from kvserve.kv.tiers import disk as disk_module
 from kvserve.kv.tiers import offloading as offloading_module
 from kvserve.server.metrics import EngineCollector
+from test_server import wait_for
 from timings import measured
 from tiny_models import make_checkpoint
 
@@ -483,6 +485,36 @@ def test_a_corrupt_file_is_removed_and_never_served(ckpt, tmp_path):
     outs += second.generate(prompts(B), GREEDY, use_tqdm=False)
     assert outs[1].num_cached_tokens == 0
     assert_same(outs, reference(ckpt, [A, B]))
+
+
+def test_every_corrupt_block_is_written_again_after_one_request(ckpt, tmp_path):
+    """A read stops at its first bad file; the files after it are checked too, so that the pool's copies of all the
+    bad blocks replace them when the pool evicts them: the next request finds them all, not one more."""
+    written(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
+    tier_dir = files(tmp_path / "tier")[0].parent
+    bad = [tier_dir / (key.hash.hex() + SUFFIX) for key in _keys(A)[3:5]]
+    for path in bad:
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    llm = tiered(ckpt, tmp_path / "tier")
+    outs = llm.generate(prompts(A), GREEDY, use_tqdm=False)
+    assert outs[0].num_cached_tokens == 12                      # up to the first bad block
+    wait_for(lambda: not any(path.exists() for path in bad), "the bad block files are removed")
+    llm.generate(prompts(B, C), GREEDY, use_tqdm=False)         # A's blocks leave the pool for the tier
+    llm.engine.offload.tier.flush()
+    outs += llm.generate(prompts(A), GREEDY, use_tqdm=False)
+    assert outs[1].num_cached_tokens == 20 and all(path.exists() for path in bad)
+    assert_same(outs, reference(ckpt, [A, A]))
+
+
+def test_the_tier_is_readable_by_its_owner_alone(ckpt, tmp_path):
+    """Its files hold prompts' token ids: directories 0700, files 0600."""
+    written(tiered, ckpt, tmp_path / "tier", [A], num_kv_blocks=32)
+    tier_dir = files(tmp_path / "tier")[0].parent
+    assert [stat.S_IMODE(d.stat().st_mode) for d in (tmp_path / "tier", tier_dir)] == [0o700, 0o700]
+    assert {stat.S_IMODE(f.stat().st_mode) for f in tier_dir.iterdir()} == {0o600}
+    assert len(list(tier_dir.iterdir())) > 5                    # the blocks, and compat.json
 
 
 def _keys(tokens: list[int], salt=None) -> list[BlockKey]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,14 +41,33 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 def parse_bytes(value: int | float | str) -> int:
     """Bytes from an int or a string such as '2GiB', '512MB', '1e9'."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise ValueError(f"memory size must be positive, got {value}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"memory size must be a finite positive number, got {value}")
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse memory size {value!r}: use bytes or a number with a unit "
                          f"such as 512MiB, 2GiB, 1.5GB")
     return parse_bytes(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The engine's device: `device` (cpu, cuda or cuda:N) where this machine has it, else ValueError saying why;
+    None: cuda where torch sees a GPU, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: kvserve runs on cpu or cuda (cuda:N)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if dev.index is not None and dev.index >= count or not count:
+            raise ValueError(f"device {device!r}: this machine has {count or 'no'} CUDA GPU{'s' * (count != 1)} "
+                             f"that torch can use; use device cpu")
+    return dev
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -259,7 +279,10 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            try:
+                self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
@@ -422,6 +445,10 @@ class ServerConfig:
     max_connections: int = 2048             # open connections; a new one past it gets a 503
     max_n_sequences: int = 128              # the largest n of a request (vLLM's VLLM_MAX_N_SEQUENCES)
     max_completion_prompts: int = 128       # prompts of one /v1/completions request (VLLM_MAX_COMPLETION_PROMPTS)
+    # the work of one request: its sequences (prompts x n; vLLM's default max_num_seqs, a batch), and the tokens
+    # they may generate together (max_tokens, or what max_model_len leaves, each)
+    max_request_sequences: int = 256
+    max_request_tokens: int = 2**20
     chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
     enable_docs: bool = False               # /docs, /redoc and /openapi.json
     kv_dashboard: bool = True               # /dashboard, /v1/kv/state and /v1/kv/blocks/{id}: the cache's structure
@@ -430,7 +457,7 @@ class ServerConfig:
 
     def __post_init__(self):
         for name in ("max_body_bytes", "request_read_timeout", "max_connections", "max_n_sequences",
-                     "max_completion_prompts", "engine_start_attempts"):
+                     "max_completion_prompts", "max_request_sequences", "max_request_tokens", "engine_start_attempts"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_queue is not None and self.max_queue < 0:

@@ -12,7 +12,7 @@ from itertools import count
 import torch
 
 from kvserve.attention import get_backend
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.engine.detokenizer import Detokenizer
 from kvserve.engine.evictor import Evictor
@@ -37,6 +37,7 @@ from kvserve.parallel.sharding import check_tensor_parallel, shard_config
 from kvserve.parallel.worker import WorkerArgs
 from kvserve.parallel.workers import ForwardedStorage, Workers
 from kvserve.sampling import Logprob, Sampler, SamplingParams, token_logprobs
+from kvserve.text import valid_unicode
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
@@ -52,7 +53,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_path(self.model_path)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             if config.cpu_allocator_tuning:
                 reuse_freed_memory()
@@ -85,7 +86,7 @@ class LLMEngine:
         # h2o and snapkv score tokens by the attention of the layers that see the whole context
         mass_layers = frozenset(range(mcfg.num_layers)) - sliding.keys() if sliding else None
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.backend, self.device, executors, mass_layers)
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed), self.eos_token_ids)
         # under tensor parallelism the evictor's changes to the pool are made on every rank
         self.evictor = Evictor(self.kv, self.storage if self.workers is None else ForwardedStorage(self.storage,
                                self.workers), self.model, whole_blocks=bool(sliding))
@@ -340,7 +341,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
+        text, ids = self._tokenize(prompt, params.truncate_prompt_tokens)
         self._check_params(params)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
@@ -366,14 +367,21 @@ class LLMEngine:
         return torch.Generator(self.device).manual_seed(params.seed + index)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: logit_bias ids in the vocabulary, text options with a tokenizer."""
+        """What SamplingParams cannot check alone: token ids in the vocabulary, text options with a tokenizer (which
+        tokenizes bad_words)."""
         vocab = self.model_config.vocab_size
-        if params.logit_bias and (bad := sorted(t for t in params.logit_bias if t >= vocab)):
-            raise ValueError(f"logit_bias token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (this engine has skip_tokenizer_init): use stop_token_ids")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if (ids := getattr(params, name)) and (bad := sorted(t for t in ids if t >= vocab)):
+                raise ValueError(f"{name} token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise ValueError(f"{'stop strings' if params.stop else 'bad_words'} need a tokenizer (this engine has "
+                             f"skip_tokenizer_init): use stop_token_ids, logit_bias or allowed_token_ids")
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt, truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids, or once truncated) and token ids; its last `truncate` tokens only
+        (-1: max_model_len of them), vLLM's truncate_prompt_tokens."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = list(prompt["prompt_token_ids"])
@@ -392,9 +400,15 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer (this engine has skip_tokenizer_init): pass "
                                  "prompt_token_ids")
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(_prompt_text(text))
         if not ids:
             raise ValueError("the prompt is empty")
+        if truncate is not None:
+            keep = self.max_model_len if truncate == -1 else truncate
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({truncate}) exceeds max_model_len ({self.max_model_len})")
+            if len(ids) > keep:
+                text, ids = None, ids[-keep:]
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
@@ -458,7 +472,8 @@ class LLMEngine:
                 self._score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
             seqs = [sched.seqs[r] for r in out.sample_rows]
             logits = self._fork_samples(seqs, out.logits)
-            result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                  [(s.token_ids, s.num_prompt_tokens) for s in seqs])
         except BaseException:
             # The step's sequences advanced without their tokens: they cannot go on.
             for request_id in {s.request_id for s in sched.seqs}:
@@ -531,27 +546,29 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(self._logprob_dict(logprobs))
         p = seq.params
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return self._finish(seq, "stop", token)
-        if token in p.stop_token_ids:
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_set:
+            if p.include_stop_str_in_output and not self._text_deferred(seq):
+                self.detokenize(seq)
             return self._finish(seq, "stop", token)
         if not self._text_deferred(seq):
             delta = self.detokenize(seq)
-            if p.stop and delta and self._stop_string(seq, len(delta)):
+            # before min_tokens no stop string ends the text (vLLM's)
+            if p.stop and delta and seq.num_output_tokens > p.min_tokens and self._stop_string(seq, len(delta)):
                 return None
         bounded = seq.eviction is not None and seq.eviction.bounds_context
         if seq.num_output_tokens >= seq.max_tokens or (seq.num_tokens >= self.max_model_len and not bounded):
             self._finish(seq, "length")
 
     def _stop_string(self, seq: Sequence, delta_len: int) -> bool:
-        """Cut the text at the first stop string that the new text completes."""
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(0, len(seq.output_text) - delta_len - longest + 1)
-        hits = [(i, s) for s in seq.params.stop if (i := seq.output_text.find(s, start)) >= 0]
+        """Cut the text at the first stop string that the new text completes: before it, or after it with
+        include_stop_str_in_output."""
+        text, p = seq.output_text, seq.params
+        new = len(text) - delta_len
+        hits = [(i, s) for s in p.stop if (i := text.find(s, max(0, new - len(s) + 1))) >= 0]
         if not hits:
             return False
         i, s = min(hits)
-        seq.output_text = seq.output_text[:i]
+        seq.output_text = text[:i + len(s) if p.include_stop_str_in_output else i]
         self._finish(seq, "stop", s)
         return True
 
@@ -573,8 +590,8 @@ class LLMEngine:
         group = self.requests[request_id]
         seq = group[0]
         for s in group:
-            # text deferred: every token but one that stopped the sequence
-            end = len(s.token_ids) - isinstance(s.stop_reason, int)
+            # text deferred: every token but one that stopped the sequence (unless its text is kept)
+            end = len(s.token_ids) - (isinstance(s.stop_reason, int) and not s.params.include_stop_str_in_output)
             if self._text_deferred(s) and s.read_offset < end:
                 self.detokenize(s, end)
         completions = [CompletionOutput(i, s.output_text, s.output_token_ids, s.finish_reason, s.logprobs,
@@ -610,3 +627,16 @@ class LLMEngine:
             **self.connector.stats(),
             "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
         }
+
+
+def _prompt_text(text) -> str:
+    """A text prompt, checked: a string (vLLM refuses an empty one, whatever a tokenizer would add to it), valid
+    Unicode; else ValueError."""
+    if not isinstance(text, str):
+        raise ValueError(f"a text prompt must be a string, got {type(text).__name__}")
+    if not text:
+        raise ValueError("the prompt is empty")
+    try:
+        return valid_unicode(text)
+    except ValueError as e:
+        raise ValueError(f"the prompt is {e}") from None

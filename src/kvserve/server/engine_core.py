@@ -115,8 +115,11 @@ class EngineCore:
 
 def run_engine_process(config: EngineConfig, conn: Connection) -> None:
     """A spawned process's entry: build the engine, then serve the pipe until told to stop."""
-    # Ctrl+C reaches the whole process group: the server handles it and tells the engine to stop
+    # Ctrl+C, and systemd's SIGTERM, reach the whole process group (this process's tensor-parallel workers, which
+    # inherit these, too): the server handles them and tells the engine to stop, after the requests in flight.
+    # An engine that died of them would be restarted in the middle of the server's shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = LLMEngine(config)
     except Exception as e:  # noqa: BLE001  (a bad model or option: the server reports it and exits)

@@ -10,7 +10,13 @@ layer's pages, quantized ones with their scales: KVStorage.read_blocks) and a ch
 are written under a temporary name and renamed, so that a reader (this engine or another sharing the
 directory) never sees a partial block. At start-up the index is rebuilt from the files' headers, least
 recently used first (by modification time, which a read refreshes); a corrupt, truncated or incompatible
-file is removed when found and never served.
+file is removed when found and never served, and when a read stops at one, the files of the blocks after it
+are checked too (in the background: OffloadingConnector.read), so that the pool's copies of all the bad ones
+are written again when it evicts them.
+
+The directories are made 0700 and the files 0600: the blocks hold the prompts' token ids. The checksum finds
+accidents (torn writes, flipped bits), not forgery: whoever can write the directory can change what a prompt's
+cached blocks make the model say, so it must not be shared with anyone not trusted as the server is.
 """
 from __future__ import annotations
 
@@ -78,7 +84,8 @@ class DiskTier(Tier):
     def _prepare(self) -> None:
         """The directory exists and takes files; else a ValueError naming it, now rather than at every write."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, exist_ok=True)
             probe = self.dir / "probe"
             self._write_atomic(probe, [b"probe"])
             probe.unlink(missing_ok=True)
@@ -302,7 +309,7 @@ class DiskTier(Tier):
         """Write under a temporary name, then rename: readers see the whole file or none."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.writelines(parts)
             os.replace(tmp, path)
         except OSError:

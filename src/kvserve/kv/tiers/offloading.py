@@ -124,14 +124,25 @@ class OffloadingConnector(KVConnector):
 
     def read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
         """The bytes of the leading blocks of `keys` that the tier serves, checked: up to the first it
-        cannot (gone, corrupt, another key's)."""
+        cannot (gone, corrupt, another key's). The blocks after that one are computed, and the tier takes the
+        pool's copies of those it lacks when the pool evicts them: the files of the rest are checked after this
+        read (get removes a bad one), so that every bad one is replaced then, not one a request."""
         out = []
-        for key in keys:
+        for i, key in enumerate(keys):
             data = self.tier.get(key)
             if data is None:
+                if i + 1 < len(keys):
+                    self._check_later(keys[i + 1:])
                 break
             out.append(data)
         return out
+
+    def _check_later(self, keys: list[BlockKey]) -> None:
+        """Read (and so check) the blocks of `keys` on the reader thread once it is free; none once closed."""
+        try:
+            self._reader.submit(lambda: [self.tier.get(key) for key in keys])
+        except RuntimeError:        # the reader has stopped (close)
+            pass
 
     def start_load(self, blocks: list[BlockToLoad]) -> Future:
         """Start `read` of the blocks' keys on the reader thread and return at once: its future gives the
