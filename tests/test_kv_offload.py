@@ -502,7 +502,7 @@ def test_every_corrupt_block_is_written_again_after_one_request(ckpt, tmp_path):
     assert outs[0].num_cached_tokens == 12                      # up to the first bad block
     wait_for(lambda: not any(path.exists() for path in bad), "the bad block files are removed")
     llm.generate(prompts(B, C), GREEDY, use_tqdm=False)         # A's blocks leave the pool for the tier
-    llm.engine.offload.tier.flush()
+    llm.engine.connector.tier.flush()
     outs += llm.generate(prompts(A), GREEDY, use_tqdm=False)
     assert outs[1].num_cached_tokens == 20 and all(path.exists() for path in bad)
     assert_same(outs, reference(ckpt, [A, A]))
