@@ -137,6 +137,14 @@ class SamplingParams:
         self.bad_words_token_ids = sequences
 
 
+def seeded_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
+    """The generator of sample `index` of a seeded request: it draws from seed + index, the same as a separate run
+    with that seed (None: the sampler's own)."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device).manual_seed(params.seed + index)
+
+
 def _integer(name: str, value, low: int, high: int | None = None, what: str = "") -> int:
     """value as an int in [low, high], else ValueError naming the field (bools and floats are not ints)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
