@@ -28,9 +28,9 @@ from kvserve.kv import KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache,
 from kvserve.kv.storage import block_spec
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
 from kvserve.kv.groups import is_hybrid, layer_groups
-from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVConnector, NoConnector,
-                              OffloadingConnector, SwapCosts, TierCompat, measure_prefill, model_identity,
-                              parse_kv_offload)
+from kvserve.kv.events import create_publisher
+from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, KVConnector, NoConnector, OffloadingConnector, SwapCosts,
+                              TierCompat, create_tier, measure_prefill, model_identity, parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.gemm_choice import GemmChoice, choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
@@ -44,6 +44,12 @@ DEFAULT_KV_CACHE_MEMORY = 2 * 2**30
 def _rank_threads(size: int) -> int:
     """The torch threads of one of `size` CPU ranks (rank 0's share of this process's cores)."""
     return min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // size))
+
+
+def _close_in_turn(*parts) -> None:
+    """Close each part in turn (the tier before the events publisher, so that its last events are sent)."""
+    for part in parts:
+        part.close()
 
 
 class LLMEngine:
@@ -243,33 +249,31 @@ class LLMEngine:
         return cache, kv, storage
 
     def _init_connector(self, config: EngineConfig) -> KVConnector:
-        """The second tier of kv_offload, fed by the pool's evictions; closed (the pool's cached blocks
-        written to it, its writer stopped) by close(), when the engine is collected, or at exit."""
+        """The second tier of kv_offload, fed by the pool's evictions, and the KV events publisher of
+        kv_events_endpoint, fed by the pool and the tier; closed (the pool's cached blocks written to the tier,
+        its writer stopped, the events sent) by close(), when the engine is collected, or at exit."""
+        self.kv_events = events = create_publisher(config.kv_events_config())
+        self._close_connector = weakref.finalize(self, events.close)
+        self.kv.record_events(events.sink("GPU" if self.device.type == "cuda" else "CPU", self.kv.block_size))
         spec = parse_kv_offload(config.kv_offload)
-        self._close_connector = lambda: None
         if spec is None:
             return NoConnector()
         size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
         kv_spec = self.kv_spec
-        if spec.kind == "cpu":
-            if self.device.type != "cuda":
-                raise ValueError(f"kv_offload 'cpu' keeps blocks in host memory, where this engine's KV pool already "
-                                 f"is (device {self.device.type}): use kv_offload='disk:PATH' for a second tier")
-            tier = HostTier(size, kv_spec.bytes_per_block, pin_memory=True)
-        else:
-            compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
-                                kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
-                                kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
-                                layer_groups=tuple((g.sliding_window, g.layers) for g in self.layer_groups
-                                                   if len(self.layer_groups) > 1))
-            tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
+        compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
+                            kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
+                            kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
+                            layer_groups=tuple((g.sliding_window, g.layers) for g in self.layer_groups
+                                               if len(self.layer_groups) > 1), tp_size=config.tensor_parallel_size)
+        tier = create_tier(spec, size, compat, kv_spec.bytes_per_block, self.device, events)
         offload = OffloadingConnector(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,
                                       self.device)
         offload.preemption_mode = config.preemption_mode
         if config.preemption_mode is None:
             offload.swap_costs = self._measure_swap_costs(offload)
         self.kv.pool.on_evict = offload.save
-        self._close_connector = weakref.finalize(self, offload.close)
+        self._close_connector.detach()
+        self._close_connector = weakref.finalize(self, _close_in_turn, offload, events)
         log.info("KV offload: %s, %.2f GiB", config.kv_offload, size / 2**30)
         return offload
 
@@ -605,5 +609,6 @@ class LLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_offload": self.config.kv_offload,
             **self.connector.stats(),
+            **self.kv_events.stats(),
             "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
         }

@@ -255,6 +255,7 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the model ran: advance each sequence past the tokens it computed (where the cache keeps them)."""
+        self.connector.commit()
         if self.kv.recomputes:
             return
         for seq, n in zip(out.seqs, out.num_new_tokens):
