@@ -147,6 +147,7 @@ class KVEventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvserve-kv-events", daemon=True)
         self._thread.start()
+        self.record(AllBlocksCleared())       # a restarted engine's subscribers forget what it held before
         log.info("KV events: publishing on %s%s", config.endpoint,
                  f", replay on {config.replay_endpoint}" if config.replay_endpoint else "")
 
