@@ -186,8 +186,8 @@ def test_stored_minus_removed_is_what_the_pool_and_the_tier_hold(ckpt, tmp_path,
                                                           max_position_embeddings=256)
     pub, replay = endpoints()
     llm = LLM(str(model), dtype="float32", block_size=BS, num_kv_blocks=10 if arch == "llama" else 16,
-              kv_offload=f"disk:{tmp_path / 'tier'}", kv_offload_size="1MiB", preemption_mode="recompute", kv_events_endpoint=pub,
-              kv_events_replay_endpoint=replay, kv_events_topic="kv")
+              kv_offload=f"disk:{tmp_path / 'tier'}", kv_offload_size="1MiB", preemption_mode="recompute",
+              kv_events_endpoint=pub, kv_events_replay_endpoint=replay, kv_events_topic="kv")
     sub = Subscriber(pub, replay, "kv")
     try:
         connected(sub, llm)
