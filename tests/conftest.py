@@ -46,8 +46,8 @@ def _threads():
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A redis-server of the session (each xdist worker's own); tests that share it flush it first."""
-    from redis_server import RedisServer
+    from redis_helper import start_redis
 
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server = start_redis(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()

@@ -13,12 +13,12 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.serve import free_port
 from kvserve.config import EngineConfig
 from kvserve.kv.blocks import block_key
 from kvserve.kv import events as events_module
 from kvserve.kv.events import KVEventPublisher, KVEventsConfig
 from kvserve.server.metrics import EngineCollector
-from redis_server import free_port
 from tiny_models import make_checkpoint
 
 BS = 4

@@ -15,7 +15,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.kv.tiers import RedisTier, TierCompat
-from redis_server import RedisServer
+from redis_helper import start_redis
 from tiny_models import make_checkpoint
 
 BS = 4
@@ -128,7 +128,7 @@ def test_a_corrupt_block_is_dropped_counted_and_recomputed(ckpt, redis_url, redi
 
 
 def test_a_killed_redis_costs_hits_never_a_request_and_is_reconnected(ckpt, tmp_path):
-    server = RedisServer(tmp_path)
+    server = start_redis(tmp_path)
     try:
         llm = shared(ckpt, server.url)
         llm.engine.connector.tier.retry_seconds = 0.2
@@ -156,7 +156,7 @@ def test_a_killed_redis_costs_hits_never_a_request_and_is_reconnected(ckpt, tmp_
 def test_a_full_redis_costs_hits_never_a_request(ckpt, tmp_path, policy):
     """maxmemory some 70 blocks past what the empty server uses, and 240 blocks written: with LRU, Redis evicts
     the oldest blocks (a later engine computes them again); without eviction, writes fail and are counted."""
-    server = RedisServer(tmp_path)
+    server = start_redis(tmp_path)
     try:
         client = server.client()
         used = client.info("memory")["used_memory"]
@@ -194,7 +194,7 @@ def test_engines_of_another_layout_or_salt_never_share_blocks(ckpt, redis_url):
 
 def test_an_unreachable_redis_at_start_up_serves_without_it(ckpt):
     """A server that is not there: the engine starts, answers, counts the failure."""
-    from redis_server import free_port
+    from kvserve.bench.serve import free_port
 
     llm = shared(ckpt, f"redis://127.0.0.1:{free_port()}/0")
     assert tokens(llm.generate(prompts(SYSTEM + QUESTIONS[0]), GREEDY, use_tqdm=False)) == \
