@@ -369,12 +369,24 @@ class EngineConfig:
                                                           "its own, a sliding group only its window)")
     kv_offload: str | None = option(None, "a second tier for the blocks the prefix cache evicts: disk:PATH keeps them "
                                           "in files that a restarted engine finds; cpu (CUDA only) in pinned host "
-                                          "memory", metavar="disk:PATH|cpu")
+                                          "memory; redis://HOST:PORT[/DB] in a Redis server that replicas share "
+                                          "(written through: each full block as soon as it is computed)",
+                                    metavar="disk:PATH|cpu|redis://HOST:PORT")
     kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB)")
     preemption_mode: str | None = option(None, "with --kv-offload, what a preempted sequence's blocks do: swap "
                                                "(written to the tier and read back when it resumes) or recompute; "
                                                "by default, whichever a prefill and a transfer timed at start-up "
                                                "say costs less", choices=_preemption_modes)
+    kv_events_endpoint: str | None = option(None, "publish KV cache events (vLLM's format: ZeroMQ PUB, msgpack) on "
+                                                  "this address, bound, e.g. tcp://*:5557 (default: none published)")
+    kv_events_replay_endpoint: str | None = option(None, "answer replay requests of missed events on this address "
+                                                         "(ZeroMQ ROUTER), e.g. tcp://*:5558")
+    kv_events_topic: str = option("", "the topic of every KV events message")
+    kv_events_buffer_steps: int = option(10_000, "KV event batches kept for replay")
+    kv_events_hwm: int = option(100_000, "the high-water mark of the KV events socket: messages queued per "
+                                         "subscriber before ZeroMQ drops them")
+    kv_events_max_queue_size: int = option(100_000, "KV events waiting for the publisher thread; past it an event is "
+                                                    "dropped and counted (a step never waits)")
     quantization: str | None = option(None, "weight-only quantization of every linear layer (lm_head too) at load, "
                                             "CPU only: int8 per output channel, int4 in groups of 32 with a scale "
                                             "and a minimum each", choices=QUANTIZATIONS)
@@ -429,9 +441,25 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.step_timeout is not None and not self.step_timeout > 0:
             raise ValueError(f"step_timeout must be a positive number of seconds (or None), got {self.step_timeout}")
+        self.kv_events_config()
+        if self.kv_events_endpoint is not None and not (self.cache_mode == "paged" and self.enable_prefix_caching):
+            raise ValueError("kv_events_endpoint publishes the prefix cache's blocks: it needs cache_mode 'paged' and "
+                             "enable_prefix_caching")
         if self.tensor_parallel_size > 1 and self.kv_offload is not None:
             raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
                              f"writes rank 0's pool only")
+
+
+    def kv_events_config(self):
+        """vLLM's KVEventsConfig of the kv_events_* fields (kv/events.py), or None without an endpoint."""
+        from kvserve.kv.events import KVEventsConfig     # kvserve.kv imports this module
+
+        if self.kv_events_endpoint is None:
+            if self.kv_events_replay_endpoint is not None:
+                raise ValueError("kv_events_replay_endpoint replays published events: it needs kv_events_endpoint")
+            return None
+        return KVEventsConfig(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic,
+                              self.kv_events_buffer_steps, self.kv_events_hwm, self.kv_events_max_queue_size)
 
 
 @dataclass

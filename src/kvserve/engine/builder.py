@@ -21,13 +21,13 @@ from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kernels import library
 from kvserve.kv import KVCache, KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache, NoKVStorage
+from kvserve.kv.events import KVEventPublisher, create_publisher
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
 from kvserve.kv.groups import is_hybrid, layer_groups
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.kv.storage import block_spec
-from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVConnector, NoConnector,
-                              OffloadingConnector, SwapCosts, TierCompat, measure_prefill, model_identity,
-                              parse_kv_offload)
+from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, KVConnector, NoConnector, OffloadingConnector, SwapCosts,
+                              TierCompat, create_tier, measure_prefill, model_identity, parse_kv_offload)
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gemm_choice import GemmChoice, choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
@@ -66,6 +66,7 @@ class EngineParts:
     kv_spec: KVSpec                     # a block's: one layer group's pages
     kv: KVCache
     storage: KVStorage | NoKVStorage
+    kv_events: KVEventPublisher         # the KV cache events of kv_events_endpoint (a publisher of none without)
     connector: KVConnector
     scheduler: Scheduler
     final_only: set[str]                # requests reported only once finished (the executors read it too)
@@ -221,6 +222,8 @@ class EngineBuilder:
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, batched, self.max_model_len,
                                                 config.long_prefill_token_threshold)
         self.cache_config, self.kv, self.storage = self._init_cache(config)
+        self.kv_events = create_publisher(config.kv_events_config())
+        self.kv.record_events(self.kv_events.sink("GPU" if self.device.type == "cuda" else "CPU", self.kv.block_size))
         self.connector = self._init_connector(config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.cache_config.watermark,
                                    config.enable_prefix_caching and config.cache_mode == "paged", self.connector)
@@ -290,24 +293,19 @@ class EngineBuilder:
     # ---- the second tier --------------------------------------------------------------------
 
     def _init_connector(self, config: EngineConfig) -> KVConnector:
-        """The second tier of kv_offload, fed by the pool's evictions (NoConnector without one)."""
+        """The second tier of kv_offload, fed by the pool's evictions, its blocks announced to the KV events'
+        subscribers (NoConnector without one)."""
         spec = parse_kv_offload(config.kv_offload)
         if spec is None:
             return NoConnector()
         size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
-        kv_spec = self.kv_spec
-        if spec.kind == "cpu":
-            if self.device.type != "cuda":
-                raise ValueError(f"kv_offload 'cpu' keeps blocks in host memory, where this engine's KV pool already "
-                                 f"is (device {self.device.type}): use kv_offload='disk:PATH' for a second tier")
-            tier = HostTier(size, kv_spec.bytes_per_block, pin_memory=True)
-        else:
-            groups = self.layer_groups
-            compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
-                                kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
-                                kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
-                                layer_groups=tuple((g.sliding_window, g.layers) for g in groups if len(groups) > 1))
-            tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
+        kv_spec, groups = self.kv_spec, self.layer_groups
+        compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
+                            kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
+                            kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
+                            layer_groups=tuple((g.sliding_window, g.layers) for g in groups if len(groups) > 1),
+                            tp_size=config.tensor_parallel_size)
+        tier = create_tier(spec, size, compat, kv_spec.bytes_per_block, self.device, self.kv_events)
         offload = OffloadingConnector(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,
                                       self.device)
         offload.preemption_mode = config.preemption_mode

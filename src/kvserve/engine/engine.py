@@ -32,8 +32,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler,
                                        self.final_only, self.device, seq_ids)
         self.requests = self.outputs.requests
-        # with kv_offload: the pool's cached blocks go to the tier when the engine closes, is collected, or at exit
-        self._close_connector = weakref.finalize(self, self.connector.close)
+        # when the engine closes, is collected, or at exit: with kv_offload the pool's cached blocks go to the tier,
+        # then the KV events publisher sends the last events (the tier's too)
+        self._close_connector = weakref.finalize(self, _close_in_turn, self.connector, self.kv_events)
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None, cache_salt: str | None = None,
@@ -114,6 +115,7 @@ class LLMEngine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_offload": self.config.kv_offload,
             **self.connector.stats(),
+            **self.kv_events.stats(),
             "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
         }
 
@@ -121,7 +123,7 @@ class LLMEngine:
         """Release what outlives a step: with kv_offload, the tier's reader stops (a read under way finishes,
         the requests of those not started compute their blocks instead), the pool's cached blocks go to the
         tier (a disk tier keeps them for the next engine) and its writer stops; the tier takes no block
-        after (it still serves what it holds, read at once)."""
+        after (it still serves what it holds, read at once); then the KV events publisher sends what it holds."""
         self._close_connector()
 
     def shutdown(self) -> None:
@@ -132,3 +134,9 @@ class LLMEngine:
             if self.rank_threads is not None:
                 torch.set_num_threads(self.rank_threads)
                 self.rank_threads = None
+
+
+def _close_in_turn(*parts) -> None:
+    """Close each part in turn (the tier before the events publisher, so that its last events are sent)."""
+    for part in parts:
+        part.close()

@@ -1,10 +1,12 @@
 """OffloadingConnector: a second tier bound to an engine's pool and pages, as the scheduler's KVConnector.
 
 A block the pool drops from its prefix cache to reuse it is copied out at once (its pages are about to be
-overwritten) and handed to the tier. A new request's prefix lookup consults the pool, then the tier: the
-blocks the tier holds right after the pool's hits are read and checked by a background reader while the
-other sequences go on stepping, loaded into fresh pool blocks reserved for them before the request's first
-step, and from then on are ordinary cached blocks of the pool. A preempted sequence's full blocks may go to
+overwritten) and handed to the tier. A write-through tier (one that other engines share) also gets each full
+block once the step that computes it has run (`commit`), so that another engine finds it at once. A new
+request's prefix lookup consults the pool, then the tier: the blocks the tier holds right after the pool's
+hits are read and checked by a background reader while the other sequences go on stepping, loaded into fresh
+pool blocks reserved for them before the request's first step, and from then on are ordinary cached blocks of
+the pool. A preempted sequence's full blocks may go to
 the tier instead of being recomputed, as the measured costs (or preemption_mode) say.
 """
 from __future__ import annotations
@@ -101,6 +103,10 @@ class OffloadingConnector(KVConnector):
         # runs meanwhile; its thread starts with the first read
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-offload-read")
         self._reads: dict[Future, int] = {}       # reads not yet taken by read_result -> their blocks
+        # blocks indexed since the last step ran, whose pages it wrote: a write-through tier's to save
+        self._computed: list[tuple[int, BlockKey]] = []
+        if tier.write_through:
+            pool.on_cache = lambda block, key: self._computed.append((block, key))
 
     def save(self, evicted: list[tuple[int, BlockKey]], wait: bool = False) -> None:
         """Copy the pages of blocks leaving the pool's prefix cache into the tier: those it lacks, as many
@@ -118,6 +124,14 @@ class OffloadingConnector(KVConnector):
         for (_, key), row in zip(todo, data):
             self.tier.put(key, row, wait)
 
+    def commit(self) -> None:
+        """The step ran: a write-through tier gets the blocks indexed before it (those the pool still holds
+        under the same key; one evicted meanwhile went to the tier by `save` already)."""
+        if not self._computed:
+            return
+        computed, self._computed = self._computed, []
+        self.save([(b, key) for b, key in computed if self.pool.keys[b] == key])
+
     def holds(self, key: BlockKey) -> bool:
         """Whether the tier holds the block of `key` (by hash; read() checks the rest)."""
         return self.tier.contains(key.hash)
@@ -125,16 +139,11 @@ class OffloadingConnector(KVConnector):
     def read(self, keys: list[BlockKey]) -> list[torch.Tensor]:
         """The bytes of the leading blocks of `keys` that the tier serves, checked: up to the first it
         cannot (gone, corrupt, another key's). The blocks after that one are computed, and the tier takes the
-        pool's copies of those it lacks when the pool evicts them: the files of the rest are checked after this
-        read (get removes a bad one), so that every bad one is replaced then, not one a request."""
-        out = []
-        for i, key in enumerate(keys):
-            data = self.tier.get(key)
-            if data is None:
-                if i + 1 < len(keys):
-                    self._check_later(keys[i + 1:])
-                break
-            out.append(data)
+        pool's copies of those it lacks when the pool evicts them: the rest are checked after this read (get
+        removes a bad one), so that every bad one is replaced then, not one a request."""
+        out = self.tier.get_prefix(keys)
+        if len(out) + 1 < len(keys):
+            self._check_later(keys[len(out) + 1:])
         return out
 
     def _check_later(self, keys: list[BlockKey]) -> None:
@@ -249,7 +258,7 @@ class OffloadingConnector(KVConnector):
         if self._closed:
             return
         self._closed = True
-        self.pool.on_evict = None
+        self.pool.on_evict = self.pool.on_cache = None
         self._reader.shutdown(wait=True, cancel_futures=True)
         try:
             if self.tier.persistent:
