@@ -40,9 +40,7 @@ FEATURES = {
     "n2": Feature(),                    # two greedy samples of each prompt, forked from one prompt
 }
 # pairs an engine refuses, and what its error says
-REFUSED: dict[frozenset, str] = {
-    frozenset({"tp2", "disk_tier"}): "kv_offload",
-}
+REFUSED: dict[frozenset, str] = {}
 # two values of one option (int8 and int4 weights, or pages) are no pair
 PAIRS = [frozenset(p) for p in itertools.combinations(FEATURES, 2)
          if not FEATURES[p[0]].kwargs.keys() & FEATURES[p[1]].kwargs.keys()]

@@ -347,7 +347,8 @@ class EngineConfig:
     kv_offload: str | None = option(None, "a second tier for the blocks the prefix cache evicts: disk:PATH keeps them "
                                           "in files that a restarted engine finds; cpu (CUDA only) in pinned host "
                                           "memory", metavar="disk:PATH|cpu")
-    kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB)")
+    kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB); per rank under "
+                                                     "tensor parallelism, each keeping its KV heads' pages")
     preemption_mode: str | None = option(None, "with --kv-offload, what a preempted sequence's blocks do: swap "
                                                "(written to the tier and read back when it resumes) or recompute; "
                                                "by default, whichever a prefill and a transfer timed at start-up "
@@ -406,9 +407,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.step_timeout is not None and not self.step_timeout > 0:
             raise ValueError(f"step_timeout must be a positive number of seconds (or None), got {self.step_timeout}")
-        if self.tensor_parallel_size > 1 and self.kv_offload is not None:
-            raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
-                             f"writes rank 0's pool only")
+        if self.tensor_parallel_size > 1 and self.kv_offload is not None and self.preemption_mode is None:
+            raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size} needs preemption_mode "
+                             f"'swap' or 'recompute': the start-up timing that chooses between them runs one rank")
 
 
 @dataclass

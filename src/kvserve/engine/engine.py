@@ -26,13 +26,13 @@ from kvserve.kv import KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache,
 from kvserve.kv.storage import block_spec
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
 from kvserve.kv.groups import is_hybrid, layer_groups
-from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, DiskTier, HostTier, KVConnector, NoConnector,
-                              OffloadingConnector, SwapCosts, TierCompat, measure_prefill, model_identity,
-                              parse_kv_offload)
+from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, KVConnector, NoConnector, OffloadingConnector, SwapCosts,
+                              TierCompat, TierConfig, measure_prefill, model_identity, parse_kv_offload)
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.model.gemm_choice import GemmChoice, choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.parallel.connector import ForwardedConnector
 from kvserve.parallel.sharding import check_tensor_parallel, shard_config
 from kvserve.parallel.worker import WorkerArgs
 from kvserve.parallel.workers import ForwardedStorage, Workers
@@ -246,35 +246,36 @@ class LLMEngine:
         return cache, kv, storage
 
     def _init_connector(self, config: EngineConfig) -> KVConnector:
-        """The second tier of kv_offload, fed by the pool's evictions; closed (the pool's cached blocks
-        written to it, its writer stopped) by close(), when the engine is collected, or at exit."""
+        """The second tier of kv_offload, fed by the pool's evictions (under tensor parallelism, a tier on each rank
+        for its pages: parallel/connector.py); closed (the pool's cached blocks written to it, its writer stopped)
+        by close(), when the engine is collected, or at exit."""
         spec = parse_kv_offload(config.kv_offload)
         self._close_connector = lambda: None
         if spec is None:
             return NoConnector()
         size = config.kv_offload_size or DEFAULT_KV_OFFLOAD_SIZE
         kv_spec = self.kv_spec
-        if spec.kind == "cpu":
-            if self.device.type != "cuda":
-                raise ValueError(f"kv_offload 'cpu' keeps blocks in host memory, where this engine's KV pool already "
-                                 f"is (device {self.device.type}): use kv_offload='disk:PATH' for a second tier")
-            tier = HostTier(size, kv_spec.bytes_per_block, pin_memory=True)
-        else:
-            compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
-                                kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
-                                kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
-                                layer_groups=tuple((g.sliding_window, g.layers) for g in self.layer_groups
-                                                   if len(self.layer_groups) > 1))
-            tier = DiskTier(spec.path, size, compat, kv_spec.bytes_per_block)
-        offload = OffloadingConnector(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,
+        if spec.kind == "cpu" and self.device.type != "cuda":
+            raise ValueError(f"kv_offload 'cpu' keeps blocks in host memory, where this engine's KV pool already "
+                             f"is (device {self.device.type}): use kv_offload='disk:PATH' for a second tier")
+        compat = TierCompat(model_identity(self.model_path), str(self.dtype).removeprefix("torch."),
+                            kv_spec.kv_cache_dtype, kv_spec.block_size, kv_spec.num_layers, kv_spec.num_kv_heads,
+                            kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
+                            tp_size=config.tensor_parallel_size,
+                            layer_groups=tuple((g.sliding_window, g.layers) for g in self.layer_groups
+                                               if len(self.layer_groups) > 1))
+        tiers = TierConfig(spec, size, compat, kv_spec.bytes_per_block)
+        offload = OffloadingConnector(tiers.build(), self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,
                                       self.device)
         offload.preemption_mode = config.preemption_mode
         if config.preemption_mode is None:
             offload.swap_costs = self._measure_swap_costs(offload)
-        self.kv.pool.on_evict = offload.save
-        self._close_connector = weakref.finalize(self, offload.close)
-        log.info("KV offload: %s, %.2f GiB", config.kv_offload, size / 2**30)
-        return offload
+        connector = offload if self.workers is None else ForwardedConnector(offload, self.workers, tiers)
+        self.kv.pool.on_evict = connector.save
+        self._close_connector = weakref.finalize(self, connector.close)
+        log.info("KV offload: %s, %.2f GiB%s", config.kv_offload, size / 2**30,
+                 f" on each of {config.tensor_parallel_size} ranks" if self.workers is not None else "")
+        return connector
 
     def _measure_swap_costs(self, offload: OffloadingConnector) -> SwapCosts:
         """What a preempted sequence costs to recompute (prefills of the model, without a cache) and to swap

@@ -5,7 +5,7 @@ come back instead of being recomputed (kv/tiers/offloading.py binds a tier to th
 by the prefix cache's chained block hash (kv/blocks.py), and checked against the whole key (parent hash,
 tokens, salt) on every read, so that a hash collision never serves a block. What makes blocks of two
 engines interchangeable is the `TierCompat` key: model identity, dtype, page codec, block size, layout and
-tensor-parallel rank.
+rank layout (under tensor parallelism each rank keeps its own heads' pages in a tier of its own).
 """
 from __future__ import annotations
 
@@ -76,15 +76,19 @@ class TierCompat:
     num_kv_heads: int
     head_dim: int
     skip_layers: tuple[int, ...] = ()
-    tp_rank: int = 0
+    tp_rank: int = 0           # the rank whose KV heads' pages the blocks hold ...
+    tp_size: int = 1           # ... of this many: an engine of another rank layout never reads them
     # a hybrid cache's layer groups, (sliding window, layers) each: a block holds one group's layers' pages
     layer_groups: tuple[tuple[int | None, tuple[int, ...]], ...] = ()
 
     @property
     def digest(self) -> str:
         fields = asdict(self)
-        if not self.layer_groups:     # so that the directories of engines without layer groups stay theirs
+        # so that the directories of engines without layer groups, or of one rank, stay theirs
+        if not self.layer_groups:
             del fields["layer_groups"]
+        if self.tp_size == 1:
+            del fields["tp_size"]
         return hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 def _salt_digest(salt: str | None) -> str | None:
