@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvserve import LLM, SamplingParams
 from kvserve.cli import build_parser, engine_kwargs
-from kvserve.config import EngineConfig
 from kvserve.engine import kv_state
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv.blocks import BlockKey, block_key
