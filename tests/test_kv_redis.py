@@ -155,7 +155,8 @@ def test_a_killed_redis_costs_hits_never_a_request_and_is_reconnected(ckpt, tmp_
 @pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
 def test_a_full_redis_costs_hits_never_a_request(ckpt, tmp_path, policy):
     """maxmemory some 70 blocks past what the empty server uses, and 240 blocks written: with LRU, Redis evicts
-    the oldest blocks (a later engine computes them again); without eviction, writes fail and are counted."""
+    the oldest blocks (a later engine computes them again); without eviction, writes fail and are counted (which
+    blocks stay then depends on when the tier backs off from the failures)."""
     server = start_redis(tmp_path)
     try:
         client = server.client()
@@ -172,7 +173,8 @@ def test_a_full_redis_costs_hits_never_a_request(ckpt, tmp_path, policy):
             assert llm.stats()["kv_offload_errors"] > 0
         later = shared(ckpt, server.url)
         assert tokens(later.generate(prompts(*many[:2]), GREEDY, use_tqdm=False)) == reference(ckpt, many[:2])
-        assert later.stats()["kv_offload_hit_tokens"] < 2 * 40          # the first prompts' blocks went
+        if policy == "allkeys-lru":
+            assert later.stats()["kv_offload_hit_tokens"] < 2 * 40      # the first prompts' blocks went
     finally:
         server.stop()
 
