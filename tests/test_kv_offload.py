@@ -602,13 +602,13 @@ def test_failed_writes_are_counted_and_change_nothing(ckpt, tmp_path, monkeypatc
 
 def test_a_full_write_queue_skips_blocks_and_never_blocks_a_step(ckpt, tmp_path, monkeypatch):
     release = threading.Event()
-    store = DiskTier._store
+    store = DiskTier._store_file
 
     def stalled(self, key, data):
         release.wait(60)
         store(self, key, data)
 
-    monkeypatch.setattr(DiskTier, "_store", stalled)
+    monkeypatch.setattr(DiskTier, "_store_file", stalled)
     monkeypatch.setattr(disk_module, "WRITE_QUEUE_BYTES", 1)      # a queue of one block
     llm = tiered(ckpt, tmp_path / "tier")
     outs = llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
@@ -616,6 +616,26 @@ def test_a_full_write_queue_skips_blocks_and_never_blocks_a_step(ckpt, tmp_path,
     assert stats["kv_offload_skipped"] > 0
     release.set()
     llm.engine.connector.tier.flush()
+    assert_same(outs, reference(ckpt, [A, B, C]))
+
+
+def test_a_writer_that_fails_counts_its_blocks_and_goes_on(ckpt, tmp_path, monkeypatch):
+    """A write that raises costs its blocks (counted as errors), never the writer: later blocks are stored and a
+    flush returns."""
+    store, failed = DiskTier._store_file, []
+
+    def first_fails(self, key, data):
+        if not failed:
+            failed.append(key)
+            raise RuntimeError("a write that fails")
+        store(self, key, data)
+
+    monkeypatch.setattr(DiskTier, "_store_file", first_fails)
+    llm = tiered(ckpt, tmp_path / "tier")
+    outs = llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
+    llm.engine.connector.tier.flush()
+    stats = llm.stats()
+    assert failed and stats["kv_offload_errors"] == 1 and stats["kv_offload_blocks_stored"] > 0
     assert_same(outs, reference(ckpt, [A, B, C]))
 
 
