@@ -230,3 +230,38 @@ def test_the_tier_alone(redis_url):
     assert tier.get(type(other)(keys[0].hash, other.parent_hash, other.token_ids, other.cache_salt)) is None
     assert tier.num_blocks == 3 and tier.contains(keys[1].hash) and not tier.contains(keys[3].hash)
     tier.close()
+
+
+def test_an_idle_server_reports_blocks_its_writer_stored_after_the_last_step(ckpt, redis_url):
+    """The engine core sends its stats again while idle once they change: /metrics shows the blocks the tier's
+    writer stored after the last step, not the count as of that step."""
+    import multiprocessing
+    import threading
+
+    from kvserve.server.engine_core import EngineCore
+
+    llm = shared(ckpt, redis_url, num_kv_blocks=64)
+    tier, release = llm.engine.connector.tier, threading.Event()
+    store = tier._store
+    tier._store = lambda blocks: (release.wait(60), store(blocks))        # the writer waits for the request's end
+    ours, theirs = multiprocessing.Pipe()
+    threading.Thread(target=EngineCore(llm.engine, theirs).run, daemon=True).start()
+    try:
+        assert ours.recv()[0] == "ready"
+        ours.send(("add", "r", {"prompt_token_ids": SYSTEM + QUESTIONS[0]}, GREEDY, None))
+        stats, finished = None, False
+        while not finished:
+            message = ours.recv()
+            if message[0] == "outputs":
+                stats, finished = message[2], any(o.finished for o in message[1])
+        assert stats["kv_offload_blocks_stored"] == 0
+        release.set()
+        while stats["kv_offload_blocks_stored"] < len(SYSTEM) // BS:
+            assert ours.poll(30), "the idle engine never reported the blocks its tier's writer stored"
+            message = ours.recv()
+            stats = message[1] if message[0] == "stats" else stats
+    finally:
+        release.set()
+        ours.send(("shutdown",))
+        while ours.recv()[0] != "stopped":
+            pass
