@@ -41,3 +41,13 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(1)   # tiny models gain nothing from threads, and a busy machine stalls them
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A redis-server of the session (each xdist worker's own); tests that share it flush it first."""
+    from redis_helper import start_redis
+
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()

@@ -249,8 +249,8 @@ def test_final_only_requests_are_reported_once_finished(ckpt):
         reports += [(out.request_id, out.finished, len(out.outputs[0].token_ids)) for out in engine.step()]
     assert [r for r in reports if r[0] == "stream"] == [("stream", i == 3, i) for i in (1, 2, 3)]
     assert [r for r in reports if r[0] != "stream"] == [("final", True, 3), ("final-n", True, 3)]
-    assert not engine.requests and not engine._final_only
+    assert not engine.requests and not engine.final_only
     # an aborted one is forgotten too
     engine.add_request("gone", {"prompt_token_ids": [5]}, params, final_only=True)
     engine.abort_request("gone")
-    assert not engine._final_only
+    assert not engine.final_only

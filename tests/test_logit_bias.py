@@ -69,7 +69,7 @@ def test_logprobs_are_the_models_before_the_bias():
 def test_no_bias_builds_nothing(monkeypatch):
     """The bias tensors are made only in a step where some row has a bias."""
     calls = []
-    monkeypatch.setattr(sampling, "_add_logit_bias", lambda logits, params: calls.append(1) or logits)
+    monkeypatch.setattr(sampling, "_processed", lambda logits, *args: calls.append(1) or logits)
     Sampler()(random_logits(4), [SamplingParams(temperature=0), SamplingParams(temperature=1.0, logit_bias={})] * 2,
               [None] * 4)
     assert not calls

@@ -100,15 +100,16 @@ def test_stop_token_and_eos(llm):
     out = gen(llm, PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_tok]))[0]
     assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
     assert out.stop_reason == stop_tok
-    eos = llm.engine.eos_token_ids
+    outputs = llm.engine.outputs
+    eos = outputs.eos_token_ids
     try:
-        llm.engine.eos_token_ids = {stop_tok}
+        outputs.eos_token_ids = {stop_tok}
         out = gen(llm, PROMPTS[1], SamplingParams(max_tokens=10, temperature=0))[0]
         assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
         ignored = gen(llm, PROMPTS[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
         assert ignored.token_ids == base.token_ids and ignored.finish_reason == "length"
     finally:
-        llm.engine.eos_token_ids = eos
+        outputs.eos_token_ids = eos
 
 
 def metaspace_tokenizer():

@@ -7,9 +7,12 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -448,3 +451,103 @@ def test_the_engine_process_reports_a_bad_model_and_stops_with_the_server(ckpt, 
         assert httpx.get(f"{base}/health").status_code == 200
         assert core.is_alive()
     assert not core.is_alive() and core.exitcode == 0
+
+
+# ---- `kvserve serve` as a service manager runs it -------------------------------------
+
+def serve_command(ckpt, port: int, env: dict | None = None) -> subprocess.Popen:
+    """`kvserve serve` in a process group (and session) of its own, as systemd or a terminal starts it."""
+    command = [sys.executable, "-m", "kvserve", "serve", "--model", str(ckpt), "--port", str(port), "--block-size", "4",
+               "--num-kv-blocks", "256", "--max-model-len", "128"]
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, **(env or {})})
+
+
+def healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of a process group still running (zombies are not)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes multiprocessing has spawned from process `pid` (its engine process)."""
+    spawned = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                spawned.append(int(child))
+        except OSError:         # gone meanwhile
+            continue
+    return spawned
+
+
+# the tests of `kvserve serve`'s processes read them from /proc
+READS_PROC = Path(f"/proc/self/task/{os.getpid()}/children").exists()
+
+
+def stopped(proc: subprocess.Popen) -> str:
+    """Wait for the server to exit (killing its group if it never does) and for its group to be gone; its output."""
+    try:
+        out, _ = proc.communicate(timeout=SHUTDOWN_GRACE_S + 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    wait_for(lambda: not group_members(proc.pid), "every process of the server's group has exited")
+    return out
+
+
+@pytest.mark.skipif(not READS_PROC, reason="reads processes from /proc")
+def test_sigterm_to_the_process_group_shuts_the_server_down_once_and_quietly(ckpt):
+    """systemd stops a service with SIGTERM to all its processes: the engine process goes on until the server, which
+    finishes the requests in flight, tells it to stop; it is never restarted. (The key comes from the environment.)"""
+    port = free_port()
+    proc = serve_command(ckpt, port, env={"KVSERVE_API_KEY": KEY})
+    base, lines = f"http://127.0.0.1:{port}", []
+    try:
+        wait_for(lambda: healthy(base), "the server is up")
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        body = {"prompt": "x", "max_tokens": 120, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=120) as r:
+            for line in filter(None, r.iter_lines()):
+                lines.append(line)
+                if len(lines) == 1:
+                    os.killpg(proc.pid, signal.SIGTERM)
+    finally:
+        out = stopped(proc)
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"] == 120
+    assert "restart" not in out and "running again" not in out and "Traceback" not in out, out
+    assert proc.returncode == -signal.SIGTERM
+
+
+@pytest.mark.skipif(not READS_PROC, reason="reads processes from /proc")
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_ctrl_c_stops_the_server_without_a_traceback(ckpt, when):
+    """Ctrl+C reaches the terminal's process group: the server stops (after its engine process, which it started or
+    was starting) with exit code 130 and no traceback."""
+    port = free_port()
+    proc = serve_command(ckpt, port)
+    try:
+        if when == "starting":
+            wait_for(lambda: spawned_children(proc.pid), "the engine process is being started")
+        else:
+            wait_for(lambda: healthy(f"http://127.0.0.1:{port}"), "the server is up")
+        os.killpg(proc.pid, signal.SIGINT)
+    finally:
+        out = stopped(proc)
+    assert proc.returncode == 130 and "Traceback" not in out and "KeyboardInterrupt" not in out, out

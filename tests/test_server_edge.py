@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import fastapi.routing
 import httpx
@@ -13,13 +15,14 @@ import pytest
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import ServerConfig, build_app
-from kvserve.server.http import MAX_HEAD_BYTES
+from kvserve.server.http import MAX_HEAD_BYTES, PARSE_OFF_LOOP_BYTES
+from kvserve.server.tokenization import UTILITY_TOKENIZER_THREADS
 from test_server import ENGINE_ARGS, KEY, MODEL, ServerThread, wait_for
 from tiny_models import make_checkpoint
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EDGE = ServerConfig(api_key=KEY, max_body_bytes=2 * 2**20, request_read_timeout=3, max_n_sequences=16,
-                    max_completion_prompts=4)
+                    max_completion_prompts=4, max_request_sequences=32, max_request_tokens=1700)
 
 
 @pytest.fixture(scope="module")
@@ -92,23 +95,79 @@ def closed(sock: socket.socket) -> bool:
 
 # ---- never stall for one request -------------------------------------------------------
 
-def test_a_long_tokenize_does_not_hold_the_other_endpoints(served, url):
-    big = json.dumps({"prompt": "y" * 1_000_000}).encode()       # seconds of the tokenizer's time
-    with connect(served.port) as sock:
-        sock.sendall(request("POST", "/tokenize", big, {**AUTH, "Content-Type": "application/json"}))
+def test_tokenize_calls_in_flight_never_delay_a_request_s_prompt(served, url, monkeypatch):
+    """Six /tokenize calls held inside the tokenizer (as long texts hold it) take all the threads /tokenize has:
+    a completion's prompt is encoded in threads of its own, and the completion is answered meanwhile."""
+    tok = served.server.config.app.state.async_engine.engine.tokenizer     # the HTTP side's
+    encode, entered, release = tok.encode, threading.Semaphore(0), threading.Event()
 
-        def tokenize_body_arrived():
-            return any(p.cycle is not None and p.cycle.scope["path"] == "/tokenize" and not p.cycle.more_body
-                       for p in list(served.server.server_state.connections))
-        wait_for(tokenize_body_arrived, "the server has the whole /tokenize body")
-        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
-        sock.setblocking(False)
-        with pytest.raises(BlockingIOError):         # /health answered while the text is still being tokenized
-            sock.recv(1)
-        sock.setblocking(True)
-        status, _, body = read_response(sock)
-    tokens = json.loads(body)
-    assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0
+    def held(text, *args, **kwargs):
+        if text.startswith("held"):
+            entered.release()
+            release.wait()
+        return encode(text, *args, **kwargs)
+    monkeypatch.setattr(tok, "encode", held)
+    with ThreadPoolExecutor(6) as pool:
+        try:
+            calls = [pool.submit(httpx.post, f"{url}/tokenize", json={"prompt": f"held {i}"}, headers=AUTH, timeout=120)
+                     for i in range(6)]
+            for _ in range(UTILITY_TOKENIZER_THREADS):
+                assert entered.acquire(timeout=120), "the /tokenize calls never reached the tokenizer"
+            r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 2},
+                           headers=AUTH, timeout=120)
+            assert r.status_code == 200 and not any(call.done() for call in calls)
+        finally:
+            release.set()
+        assert all(call.result().status_code == 200 for call in calls)
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(served, url, monkeypatch):
+    """A body of megabytes of token ids is parsed in a worker thread: /health is answered while it is parsed (its
+    JSON decoding held here until then)."""
+    loads, parsing, release = json.loads, threading.Event(), threading.Event()
+
+    def held(text, *args, **kwargs):
+        if len(text) > PARSE_OFF_LOOP_BYTES:
+            parsing.set()
+            release.wait()
+        return loads(text, *args, **kwargs)
+    monkeypatch.setattr(json, "loads", held)
+    big = {"model": MODEL, "prompt": list(range(300)) * 1000, "max_tokens": 1}
+    assert len(json.dumps(big)) > PARSE_OFF_LOOP_BYTES
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            call = pool.submit(httpx.post, f"{url}/v1/completions", json=big, headers=AUTH, timeout=120)
+            assert parsing.wait(timeout=120), "the body was never parsed"
+            assert httpx.get(f"{url}/health", timeout=120).status_code == 200 and not call.done()
+        finally:
+            release.set()
+        r = call.result()
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value, cap", [
+    ("stop_token_ids", list(range(200_000)), "128"), ("stop_token_ids", list(range(129)), "128"),
+    ("logit_bias", {str(t): 1.0 for t in range(1025)}, "1024"), ("allowed_token_ids", list(range(1025)), "1024"),
+    ("bad_words", [f"w{i}" for i in range(129)], "128"), ("stop", ["a", "b", "c", "d", "e"], "4"),
+])
+def test_a_request_s_lists_past_vllm_s_caps_are_refused_naming_the_field(url, field, value, cap):
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "a", field: value}, headers=AUTH,
+                   timeout=60)
+    error = openai_error(r.content, 400)
+    assert r.status_code == 400 and error["param"] == field and field in error["message"] and cap in error["message"]
+
+
+@pytest.mark.parametrize("body, param, limit", [
+    ({"prompt": ["a", "b", "c", "d"], "n": 9}, "n", "--max-request-sequences"),          # 36 sequences
+    ({"prompt": ["a", "b"], "n": 8, "max_tokens": 120}, "max_tokens", "--max-request-tokens"),     # 1,920
+])
+def test_the_work_of_one_request_is_capped(url, body, param, limit):
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, headers=AUTH, timeout=60)
+    error = openai_error(r.content, 400)
+    assert r.status_code == 400 and error["param"] == param and limit in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 16}     # no max_tokens: what max_model_len leaves
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, **chat}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and openai_error(r.content, 400)["param"] == "max_tokens"
 
 
 def test_json_bodies_are_not_encoded_item_by_item_on_the_event_loop(in_thread, monkeypatch):
@@ -127,8 +186,9 @@ def test_json_bodies_are_not_encoded_item_by_item_on_the_event_loop(in_thread, m
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(url):
-    for path, body in (("/v1/completions", {"prompt": "y" * 200_000}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 200_000}]})):
+    messages = [{"role": "user", "content": "y" * 200_000}]
+    for path, body in (("/v1/completions", {"prompt": "y" * 200_000}), ("/v1/chat/completions", {"messages": messages}),
+                       ("/tokenize", {"prompt": "y" * 200_000}), ("/tokenize", {"messages": messages})):
         r = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, headers=AUTH, timeout=60)
         assert r.status_code == 400
         message = r.json()["error"]["message"]
@@ -163,9 +223,9 @@ def test_a_request_head_past_the_size_limit_is_refused(served):
         assert status == 431 and headers["connection"] == "close"
         assert str(MAX_HEAD_BYTES) in openai_error(body, 431)["message"]
     # a small head and a large body in one write: only the head counts
-    body = json.dumps({"prompt": "y" * (4 * MAX_HEAD_BYTES)}).encode()
+    body = json.dumps({"tokens": [5] * (2 * MAX_HEAD_BYTES)}).encode()
     with connect(served.port) as sock:
-        sock.sendall(request("POST", "/tokenize", body, {**AUTH, "Content-Type": "application/json"}))
+        sock.sendall(request("POST", "/detokenize", body, {**AUTH, "Content-Type": "application/json"}))
         assert read_response(sock)[0] == 200
 
 
@@ -296,4 +356,11 @@ def test_the_api_docs_are_off_unless_asked_for(url, ckpt):
         assert httpx.get(f"{url}{path}", headers=AUTH).status_code == 404
     engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_ARGS))
     with ServerThread(build_app(engine, MODEL, ServerConfig(enable_docs=True))) as base:
-        assert httpx.get(f"{base}/openapi.json").json()["info"]["title"] == "kvserve"
+        schema = httpx.get(f"{base}/openapi.json").json()
+        assert schema["info"]["title"] == "kvserve"
+        # the bodies the endpoints parse themselves are documented as FastAPI documents a body parameter
+        for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages"),
+                            ("/tokenize", "add_special_tokens"), ("/detokenize", "tokens")):
+            ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            assert field in schema["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]
+        assert "ChatMessage" in schema["components"]["schemas"]

@@ -143,8 +143,76 @@ def test_return_token_ids_gives_the_prompt_s_and_the_completion_s(url, offline):
 
 def test_unknown_fields_are_ignored_and_logged(url, caplog):
     with caplog.at_level(logging.WARNING, logger="kvserve.server.protocol"):
-        assert complete(url, max_tokens=2, not_a_field=1).status_code == 200
+        assert complete(url, max_tokens=2, not_a_field=1, guided_json=None).status_code == 200
     assert any("not_a_field" in r.getMessage() for r in caplog.records)
+    assert not any("guided_json" in r.getMessage() for r in caplog.records)     # vLLM's: known, and asks nothing
+
+
+X = 90                                  # "x" in the tiny tokenizer; "xa" is its tokens 90 and 67
+
+
+@pytest.mark.parametrize("fields", [
+    dict(min_tokens=4, logit_bias={1: 100.0}),                          # EOS (1) forced, held back 4 tokens
+    dict(min_tokens=3, logit_bias={X: 100.0}, stop=["x"]),              # no stop string before min_tokens
+    dict(logit_bias={X: 100.0}, stop=["x"], include_stop_str_in_output=True),
+    dict(logit_bias={X: 100.0}, stop_token_ids=[X], include_stop_str_in_output=True),
+    dict(logit_bias={0: 100.0}, skip_special_tokens=False),             # "<s>" written out
+    dict(logit_bias={0: 100.0}, skip_special_tokens=False, spaces_between_special_tokens=False),
+    dict(allowed_token_ids=[7, 50, 200]),
+    dict(logit_bias={X: 100.0, 67: 100.0}, bad_words=["xa"]),
+    dict(truncate_prompt_tokens=3),
+], ids=["min_tokens-eos", "min_tokens-stop", "include_stop_str", "include_stop_token", "skip_special_tokens",
+        "spaces_between", "allowed_token_ids", "bad_words", "truncate_prompt_tokens"])
+def test_vllm_s_sampling_fields_are_honoured_as_offline(url, offline, fields):
+    """Each field as vLLM defines it (tests/test_sampling_fields.py): the server answers what the offline API
+    does, streamed or not."""
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, **fields), use_tqdm=False)[0]
+    body = {**fields, "logit_bias": {str(t): b for t, b in fields.get("logit_bias", {}).items()}}
+    choice = complete(url, max_tokens=8, temperature=0, return_token_ids=True, **body).json()["choices"][0]
+    assert (choice["text"], choice["token_ids"]) == (ref.outputs[0].text, ref.outputs[0].token_ids)
+    assert choice["prompt_token_ids"] == ref.prompt_token_ids
+    assert choice["finish_reason"] == ref.outputs[0].finish_reason
+    streamed = complete(url, max_tokens=8, temperature=0, stream=True, **body)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == ref.outputs[0].text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
+    ("/v1/completions", {"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"priority": 1}, "priority"),
+    ("/v1/completions", {"prompt_logprobs": 2}, "prompt_logprobs"),
+    ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
+    ("/v1/completions", {"length_penalty": 2.0}, "length_penalty"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/tokenize", {"return_token_strs": True}, "return_token_strs"),
+])
+def test_vllm_s_fields_kvserve_lacks_are_refused_by_name(url, path, body, param):
+    base = {"prompt": PROMPT} if path != "/v1/chat/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{url}{path}", json={**base, **body}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and f"{param} is not supported" in error["message"]
+
+
+def test_vllm_s_fields_that_ask_for_nothing_are_accepted(url):
+    inert = {"use_beam_search": False, "guided_json": None, "priority": 0, "length_penalty": 1,
+             "add_special_tokens": True, "structured_outputs": None, "prompt_logprobs": None}
+    assert complete(url, max_tokens=2, **inert).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": False,
+            "add_special_tokens": False, "continue_final_message": False, "include_reasoning": True}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
+def test_tokenize_takes_a_prompt_or_messages(url):
+    both = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    for body in (both, {}):
+        r = httpx.post(f"{url}/tokenize", json=body, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "prompt and messages" in message and "JSON object" not in message
 
 
 # ---- chat templates --------------------------------------------------------------------

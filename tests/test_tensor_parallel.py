@@ -32,7 +32,7 @@ def _run(path, tp: int, params: SamplingParams, batches=(PROMPTS,), **kw):
     an LLM of `tp` ranks (shut down)."""
     llm = LLM(str(path), tensor_parallel_size=tp, dtype="float32", seed=0, **kw)
     logits = []
-    llm.engine.prompt_logits_hook = lambda seqs, step_logits, spans: logits.append(step_logits.clone())
+    llm.engine.outputs.prompt_logits_hook = lambda seqs, step_logits, spans: logits.append(step_logits.clone())
     try:
         outs = [out for prompts in batches for out in llm.generate(prompts, params, use_tqdm=False)]
         return outs, torch.cat(logits) if logits else torch.empty(0), llm.stats()

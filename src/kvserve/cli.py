@@ -4,11 +4,43 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from kvserve.arg_utils import add_engine_args, engine_kwargs
 from kvserve.config import ServerConfig
 from kvserve.engine.cpu_memory import reuse_freed_memory
 from kvserve.extras import MissingDependency
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is a number in [1, 65535], got {text!r}")
+    return port
+
+
+# --api-key's other sources, in this order after the flag: a file, then the environment (vLLM's variable too)
+API_KEY_VARIABLES = ("KVSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key requests must present: --api-key or the one line of --api-key-file, else the first of
+    API_KEY_VARIABLES that is set; None: none is asked. ValueError for both flags, or a file that cannot be read or
+    holds no key."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is None:
+        return args.api_key or next(filter(None, map(os.environ.get, API_KEY_VARIABLES)), None)
+    try:
+        key = Path(args.api_key_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {args.api_key_file}: cannot be read: {e}") from None
+    if not key or "\n" in key:
+        raise ValueError(f"--api-key-file {args.api_key_file}: must hold one key on one line")
+    return key
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -44,9 +76,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.tokenization import load_chat_template
 
     name = args.served_model_name or args.model or "kvserve-demo"
-    config = ServerConfig(api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+    config = ServerConfig(api_key=api_key(args), max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                           request_read_timeout=args.request_read_timeout, max_connections=args.max_connections,
                           max_n_sequences=args.max_n_sequences, max_completion_prompts=args.max_completion_prompts,
+                          max_request_sequences=args.max_request_sequences, max_request_tokens=args.max_request_tokens,
                           chat_template=load_chat_template(args.chat_template), enable_docs=args.enable_docs,
                           kv_dashboard=args.kv_dashboard, kv_dashboard_content=args.kv_dashboard_content)
     app = build_app(EngineConfig(**engine_kwargs(args)), name, config)
@@ -72,8 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate, max_num_seqs=1)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--port", type=port_number, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (seen by anyone who can list processes: prefer "
+                        "--api-key-file, or the KVSERVE_API_KEY or VLLM_API_KEY environment variable)")
+    s.add_argument("--api-key-file", default=None, help="a file holding the key on its first line")
     s.add_argument("--served-model-name", default=None, help="the model name clients send")
     s.add_argument("--max-queue", type=int, default=None, help="requests in flight before 429")
     s.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
@@ -85,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest n (samples) of one request")
     s.add_argument("--max-completion-prompts", type=int, default=ServerConfig.max_completion_prompts,
                    help="the most prompts of one /v1/completions request")
+    s.add_argument("--max-request-sequences", type=int, default=ServerConfig.max_request_sequences,
+                   help="the most sequences (prompts x n) of one request")
+    s.add_argument("--max-request-tokens", type=int, default=ServerConfig.max_request_tokens,
+                   help="the most tokens one request's sequences may generate together (each up to its max_tokens, "
+                        "or what max_model_len leaves)")
     s.add_argument("--chat-template", default=None,
                    help="a chat template (jinja) for /v1/chat/completions and /tokenize: a file, or the template "
                         "itself; default: the model's own")
@@ -132,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `kvserve` command."""
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:       # Ctrl+C: what was running has stopped (a server after its shutdown); no traceback
+        code = 130
     from kvserve.parallel.torchrun import torchrun_env
 
     if torchrun_env() is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,14 +41,33 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 def parse_bytes(value: int | float | str) -> int:
     """Bytes from an int or a string such as '2GiB', '512MB', '1e9'."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise ValueError(f"memory size must be positive, got {value}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"memory size must be a finite positive number, got {value}")
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse memory size {value!r}: use bytes or a number with a unit "
                          f"such as 512MiB, 2GiB, 1.5GB")
     return parse_bytes(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The engine's device: `device` (cpu, cuda or cuda:N) where this machine has it, else ValueError saying why;
+    None: cuda where torch sees a GPU, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: kvserve runs on cpu or cuda (cuda:N)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if dev.index is not None and dev.index >= count or not count:
+            raise ValueError(f"device {device!r}: this machine has {count or 'no'} CUDA GPU{'s' * (count != 1)} "
+                             f"that torch can use; use device cpu")
+    return dev
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -259,7 +279,10 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            try:
+                self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
@@ -350,12 +373,25 @@ class EngineConfig:
                                                           "its own, a sliding group only its window)")
     kv_offload: str | None = option(None, "a second tier for the blocks the prefix cache evicts: disk:PATH keeps them "
                                           "in files that a restarted engine finds; cpu (CUDA only) in pinned host "
-                                          "memory", metavar="disk:PATH|cpu")
-    kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB)")
+                                          "memory; redis://HOST:PORT[/DB] in a Redis server that replicas share "
+                                          "(written through: each full block as soon as it is computed)",
+                                    metavar="disk:PATH|cpu|redis://HOST:PORT")
+    kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB); per rank under "
+                                                     "tensor parallelism, each keeping its KV heads' pages")
     preemption_mode: str | None = option(None, "with --kv-offload, what a preempted sequence's blocks do: swap "
                                                "(written to the tier and read back when it resumes) or recompute; "
                                                "by default, whichever a prefill and a transfer timed at start-up "
                                                "say costs less", choices=_preemption_modes)
+    kv_events_endpoint: str | None = option(None, "publish KV cache events (vLLM's format: ZeroMQ PUB, msgpack) on "
+                                                  "this address, bound, e.g. tcp://*:5557 (default: none published)")
+    kv_events_replay_endpoint: str | None = option(None, "answer replay requests of missed events on this address "
+                                                         "(ZeroMQ ROUTER), e.g. tcp://*:5558")
+    kv_events_topic: str = option("", "the topic of every KV events message")
+    kv_events_buffer_steps: int = option(10_000, "KV event batches kept for replay")
+    kv_events_hwm: int = option(100_000, "the high-water mark of the KV events socket: messages queued per "
+                                         "subscriber before ZeroMQ drops them")
+    kv_events_max_queue_size: int = option(100_000, "KV events waiting for the publisher thread; past it an event is "
+                                                    "dropped and counted (a step never waits)")
     quantization: str | None = option(None, "weight-only quantization of every linear layer (lm_head too) at load, "
                                             "CPU only: int8 per output channel, int4 in groups of 32 with a scale "
                                             "and a minimum each", choices=QUANTIZATIONS)
@@ -418,9 +454,22 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.step_timeout is not None and not self.step_timeout > 0:
             raise ValueError(f"step_timeout must be a positive number of seconds (or None), got {self.step_timeout}")
-        if self.tensor_parallel_size > 1 and self.kv_offload is not None:
-            raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
-                             f"writes rank 0's pool only")
+        self.kv_events_config()
+        if self.kv_events_endpoint is not None and not (self.cache_mode == "paged" and self.enable_prefix_caching):
+            raise ValueError("kv_events_endpoint publishes the prefix cache's blocks: it needs cache_mode 'paged' and "
+                             "enable_prefix_caching")
+
+
+    def kv_events_config(self):
+        """vLLM's KVEventsConfig of the kv_events_* fields (kv/events.py), or None without an endpoint."""
+        from kvserve.kv.events import KVEventsConfig     # kvserve.kv imports this module
+
+        if self.kv_events_endpoint is None:
+            if self.kv_events_replay_endpoint is not None:
+                raise ValueError("kv_events_replay_endpoint replays published events: it needs kv_events_endpoint")
+            return None
+        return KVEventsConfig(self.kv_events_endpoint, self.kv_events_replay_endpoint, self.kv_events_topic,
+                              self.kv_events_buffer_steps, self.kv_events_hwm, self.kv_events_max_queue_size)
 
 
 @dataclass
@@ -434,6 +483,10 @@ class ServerConfig:
     max_connections: int = 2048             # open connections; a new one past it gets a 503
     max_n_sequences: int = 128              # the largest n of a request (vLLM's VLLM_MAX_N_SEQUENCES)
     max_completion_prompts: int = 128       # prompts of one /v1/completions request (VLLM_MAX_COMPLETION_PROMPTS)
+    # the work of one request: its sequences (prompts x n; vLLM's default max_num_seqs, a batch), and the tokens
+    # they may generate together (max_tokens, or what max_model_len leaves, each)
+    max_request_sequences: int = 256
+    max_request_tokens: int = 2**20
     chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
     enable_docs: bool = False               # /docs, /redoc and /openapi.json
     kv_dashboard: bool = True               # /dashboard, /v1/kv/state and /v1/kv/blocks/{id}: the cache's structure
@@ -442,7 +495,7 @@ class ServerConfig:
 
     def __post_init__(self):
         for name in ("max_body_bytes", "request_read_timeout", "max_connections", "max_n_sequences",
-                     "max_completion_prompts", "engine_start_attempts"):
+                     "max_completion_prompts", "max_request_sequences", "max_request_tokens", "engine_start_attempts"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_queue is not None and self.max_queue < 0:

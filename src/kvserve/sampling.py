@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -11,10 +11,19 @@ import torch
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 from kvserve.kv.eviction import parse_eviction
 from kvserve.kv.sparse import parse_sparse_attention
+from kvserve.text import valid_unicode
 
 _EPS = 1e-5
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0
+# The most entries of one request's lists, vLLM's defaults: each is looked at for every token the request samples
+MAX_STOP_STRINGS = 4                # VLLM_MAX_STOP_STRINGS
+MAX_STOP_TOKEN_IDS = 128            # VLLM_MAX_STOP_TOKEN_IDS
+MAX_LOGIT_BIAS_TOKENS = 1024        # vLLM's sampler: MAX_NUM_LOGIT_BIAS_TOKENS
+MAX_ALLOWED_TOKEN_IDS = 1024        # vLLM's sampler: MAX_NUM_ALLOWED_TOKEN_IDS
+MAX_BAD_WORDS = 128                 # VLLM_MAX_NUM_BAD_WORDS: words, and token sequences once tokenized
+MAX_BAD_WORDS_TOKENS = 1024         # VLLM_MAX_BAD_WORDS_TOTAL_TOKENS
+MAX_BAD_WORD_CHARS = 1024           # of one word: it is tokenized between two steps
 
 
 @dataclass
@@ -46,6 +55,17 @@ class SamplingParams:
     # this request's sparse decode attention ("quest:budget=2048,...", or "none"): overrides the engine's default
     # (kvserve.kv.sparse)
     sparse_attention: str | dict | None = None
+    # the fewest tokens to generate before an EOS or a stop token may be sampled, or a stop string end the text
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False    # the text keeps the stop string (or stop token) that ended it
+    # with skip_special_tokens=False: False writes adjacent added tokens without a space between them
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    # words never generated: the last token of a word's tokens is forbidden where it would complete the word
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens; -1: max_model_len of them
+    # the token sequences of bad_words, set by the engine with its tokenizer (update_from_tokenizer)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.n = _integer("n", self.n, 1)
@@ -60,8 +80,10 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed, 0, MAX_SEED - self.n,
                                  what=f"in [0, {MAX_SEED - self.n}] (sample i draws from seed + i)")
         self.stop = _stop_strings(self.stop)
-        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS) or []
+        self._stop_token_set = frozenset(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -69,6 +91,15 @@ class SamplingParams:
                 setattr(self, name, _integer(name, getattr(self, name), 0))
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)   # at most max_tokens
+        self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
+        if self.allowed_token_ids == []:
+            raise ValueError("allowed_token_ids must name at least one token (or be None)")
+        self.bad_words = _bad_words(self.bad_words)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got 0")
         if self.eviction is not None:
             try:
                 parse_eviction(self.eviction)
@@ -83,6 +114,44 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _EPS
+
+    @property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids as a set: a sampled token is looked up in it."""
+        return self._stop_token_set
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a token is drawn from logits this request changes (logit_bias, allowed_token_ids, bad_words,
+        min_tokens), not from the model's own."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.min_tokens)
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize bad_words as vLLM does (each word alone and after a space, where that makes other tokens
+        of the same number); ValueError past MAX_BAD_WORDS sequences or MAX_BAD_WORDS_TOKENS tokens."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or ():
+            for prefix in ("", " "):
+                ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if not ids:
+                    if not prefix:
+                        raise ValueError(f"bad_words: {word!r} is no token")
+                    continue
+                if not prefix or (ids[0] != sequences[-1][0] and len(ids) == len(sequences[-1])):
+                    sequences.append(ids)
+        total = sum(map(len, sequences))
+        if len(sequences) > MAX_BAD_WORDS or total > MAX_BAD_WORDS_TOKENS:
+            raise ValueError(f"bad_words make {len(sequences)} token sequences of {total} tokens; at most "
+                             f"{MAX_BAD_WORDS} sequences of {MAX_BAD_WORDS_TOKENS} tokens in all")
+        self.bad_words_token_ids = sequences
+
+
+def seeded_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
+    """The generator of sample `index` of a seeded request: it draws from seed + index, the same as a separate run
+    with that seed (None: the sampler's own)."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device).manual_seed(params.seed + index)
 
 
 def _integer(name: str, value, low: int, high: int | None = None, what: str = "") -> int:
@@ -112,32 +181,64 @@ def _real(name: str, value, low: float, high: float | None = None, low_open: boo
 
 
 def _stop_strings(stop) -> list[str]:
-    """A string or a list of non-empty strings, as a list."""
+    """A string or a list of up to MAX_STOP_STRINGS non-empty strings, as a list."""
     stops = [stop] if isinstance(stop, str) else stop
     if stops is None:
         return []
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    _at_most("stop", stops, MAX_STOP_STRINGS)
     if not all(stops):
         raise ValueError("stop strings must be non-empty")
+    for s in stops:
+        _valid_text("stop", s)
     return list(stops)
 
 
-def _stop_token_ids(ids) -> list[int]:
-    """None or a list of non-negative int token ids, as a list."""
+def _token_ids(name: str, ids, most: int) -> list[int] | None:
+    """None, or a list of up to `most` non-negative int token ids, as a list without repeats."""
     if ids is None:
-        return []
+        return None
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__} {ids!r}")
-    return [_integer(f"stop_token_ids[{i}]", t, 0) for i, t in enumerate(ids)]
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__} {ids!r}")
+    _at_most(name, ids, most)
+    return list(dict.fromkeys(_integer(f"{name}[{i}]", t, 0) for i, t in enumerate(ids)))
 
 
 def _logit_bias(bias) -> dict[int, float]:
-    """{token id: bias in [-100, 100]} with int ids and float biases."""
+    """{token id: bias in [-100, 100]} with int ids and float biases, up to MAX_LOGIT_BIAS_TOKENS of them."""
     if not isinstance(bias, Mapping):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__} {bias!r}")
+    _at_most("logit_bias", bias, MAX_LOGIT_BIAS_TOKENS)
     return {_integer("logit_bias token id", t, 0): _real(f"logit_bias[{t!r}]", b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
             for t, b in bias.items()}
+
+
+def _bad_words(words) -> list[str] | None:
+    """None, or a list of up to MAX_BAD_WORDS non-empty strings of up to MAX_BAD_WORD_CHARS, without repeats."""
+    if words is None:
+        return None
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+    _at_most("bad_words", words, MAX_BAD_WORDS)
+    for w in words:
+        if not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"bad_words must be words of up to {MAX_BAD_WORD_CHARS} characters, not blank; got "
+                             f"{w[:20]!r} ({len(w)} characters)")
+        _valid_text("bad_words", w)
+    return list(dict.fromkeys(words))
+
+
+def _at_most(name: str, items, most: int) -> None:
+    if len(items) > most:
+        raise ValueError(f"{name} has {len(items)} entries, more than {most}")
+
+
+def _valid_text(name: str, text: str) -> None:
+    try:
+        valid_unicode(text)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 @dataclass
@@ -187,19 +288,25 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return start + x.gather(1, cols).argmax(-1)
 
 
+# a row's tokens so far (its prompt's, then its outputs) and how many of them are its prompt's
+History = tuple[list[int], int]
+
+
 class Sampler:
     """Samples one token per row of logits [B, V], with each row's own parameters and generator."""
 
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, eos_token_ids: Collection[int] = ()):
         self.generator = generator
+        self.eos_token_ids = frozenset(eos_token_ids)     # forbidden with the stop tokens before min_tokens
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SampleResult:
-        """One token per row, drawn from the row's logits plus its logit_bias; the logprobs (of rows that ask)
-        are the model's own, before the bias and the temperature (vLLM's default, raw_logprobs)."""
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 histories: list[History] | None = None) -> SampleResult:
+        """One token per row, drawn from the row's logits as its params change them (SamplingParams.changes_logits;
+        bad_words and min_tokens read the row's `histories`); the logprobs (of rows that ask) are the model's own,
+        before those changes and the temperature (vLLM's default, raw_logprobs)."""
         raw = logits
-        if any(p.logit_bias for p in params):
-            logits = _add_logit_bias(logits, params)
+        if any(p.changes_logits for p in params):
+            logits = _processed(logits, params, histories or [([], 0)] * len(params), self.eos_token_ids)
         tokens = argmax(logits)
         sampled = not all(p.greedy for p in params)
         if sampled:
@@ -238,18 +345,46 @@ class Sampler:
         return out
 
 
-def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """A float32 copy of logits with each row's logit_bias added (the rows without one as they were)."""
+def _processed(logits: torch.Tensor, params: list[SamplingParams], histories: list[History],
+               eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """A float32 copy of logits with each row's logit_bias added, and -inf for the tokens a row may not sample:
+    those outside its allowed_token_ids, those that would complete one of its bad words, and, until it has
+    min_tokens outputs, EOS and its stop tokens (as vLLM's logits processors). Rows that change nothing stay
+    as they were."""
     rows, cols, values = [], [], []
-    for i, p in enumerate(params):
+    forbidden_rows, forbidden = [], []
+    out = logits.to(torch.float32, copy=True)
+    for i, (p, (tokens, prompt_len)) in enumerate(zip(params, histories)):
         for token, bias in (p.logit_bias or {}).items():
             rows.append(i)
             cols.append(token)
             values.append(bias)
-    dev = logits.device
-    biased = logits.to(torch.float32, copy=True)
-    biased[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(values, device=dev)
-    return biased
+        if p.allowed_token_ids:
+            keep = torch.zeros(out.shape[-1], dtype=torch.bool, device=out.device)
+            keep[p.allowed_token_ids] = True
+            out[i].masked_fill_(~keep, -math.inf)
+        banned = _bad_word_ends(p.bad_words_token_ids, tokens[prompt_len:]) if p.bad_words_token_ids else []
+        if len(tokens) - prompt_len < p.min_tokens:
+            banned += [*p.stop_token_set, *eos_token_ids]
+        forbidden_rows += [i] * len(banned)
+        forbidden += banned
+    dev = out.device
+    if rows:
+        out[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(values, device=dev)
+    if forbidden:
+        out[torch.tensor(forbidden_rows, device=dev), torch.tensor(forbidden, device=dev)] = -math.inf
+    return out
+
+
+def _bad_word_ends(sequences: list[list[int]], outputs: list[int]) -> list[int]:
+    """The last token of each bad word's tokens that the row's outputs end with all the others of (vLLM's rule: a
+    one-token word always)."""
+    ends = []
+    for seq in sequences:
+        before = len(seq) - 1
+        if before <= len(outputs) and (before == 0 or outputs[-before:] == seq[:-1]):
+            ends.append(seq[-1])
+    return ends
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, tuple[float, int]]]:

@@ -81,9 +81,9 @@ class Agreement:
 
 
 def quality(llm: LLM, ids: list[int], context: int, agreement: Agreement) -> dict:
-    llm.engine.prompt_logits_hook = agreement
+    llm.engine.outputs.prompt_logits_hook = agreement
     result = perplexity(llm, ids, context)
-    llm.engine.prompt_logits_hook = None
+    llm.engine.outputs.prompt_logits_hook = None
     out = {"perplexity": result.perplexity, "nll": result.nll, "peak_kv_bytes": result.peak_kv_bytes}
     if agreement.compare:
         out.update(kl=statistics.fmean(agreement.kl), top1_agreement=statistics.fmean(agreement.top1))

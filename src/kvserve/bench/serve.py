@@ -65,7 +65,8 @@ def _aiohttp() -> ModuleType:
     return optional_import("aiohttp", "kvserve bench serve")
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> RequestResult:
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int] | str,
+                      output_len: int) -> RequestResult:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     aiohttp = _aiohttp()
@@ -147,18 +148,28 @@ def start_server(args: argparse.Namespace, max_model_len: int) -> tuple[subproce
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    try:
+        wait_healthy(proc, url, "the server")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = 300) -> None:
+    """Return once `url`/health answers 200; RuntimeError naming `what` if the process exits or `timeout`
+    seconds pass first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
                 if r.status == 200:
-                    return proc, url
+                    return
         except OSError:
             time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not come up within 300 s")
+    raise RuntimeError(f"{what} did not come up within {timeout:.0f} s")
 
 
 class Offline:

@@ -127,7 +127,8 @@ class NativeMultiStep:
 
     def supports(self, step: Step) -> bool:
         """Decodes only, as many as the C step takes, of final-only requests (nobody sees the steps between)
-        that are greedy, with no logprobs, no eviction and no logit_bias (the C step takes the plain argmax),
+        that are greedy, with no logprobs, no eviction and logits they do not change (logit_bias, allowed_token_ids,
+        bad_words, min_tokens: the C step takes the plain argmax),
         while no request waits for a place or for its blocks from the second tier (it would wait the whole call);
         at least two steps before any sequence reaches its max_tokens or max_model_len.
         Then it reserves the blocks of all the steps (all or none: without them, the step is not taken)."""
@@ -139,7 +140,7 @@ class NativeMultiStep:
         for seq in sched.seqs:
             p = seq.params
             # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet)
-            if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.logit_bias
+            if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.changes_logits
                     or seq.request_id not in self.final_only or seq.num_computed_tokens + 1 < seq.num_tokens):
                 return False
             steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)

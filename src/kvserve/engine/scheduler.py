@@ -255,6 +255,7 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the model ran: advance each sequence past the tokens it computed (where the cache keeps them)."""
+        self.connector.commit()
         if self.kv.recomputes:
             return
         for seq, n in zip(out.seqs, out.num_new_tokens):
@@ -273,10 +274,11 @@ class Scheduler:
 
     def advance(self, seq: Sequence) -> None:
         """A decode of several steps at once computed one more token (the last step's): as commit, and the
-        blocks it filled indexed, as schedule indexes a step's."""
+        blocks it filled indexed, as schedule indexes a step's (their K/V are written: KVConnector.commit)."""
         self.kv.release_past_window(seq.seq_id, seq.num_tokens_in_cache + 1)
         seq.num_computed_tokens += 1
         self._cache_full_blocks(seq, seq.num_computed_tokens)
+        self.connector.commit()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Run `child`, forked from the running `parent` (Sequence.fork), over the parent's blocks, shared."""

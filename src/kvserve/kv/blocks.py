@@ -5,6 +5,10 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from kvserve.kv.events import EventSink
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,6 +27,7 @@ class BlockKey:
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
     cache_salt: str | None
+    HASH_BYTES: ClassVar[int] = 16      # of the chained hash; a layer group's suffix follows
 
     def in_group(self, group: int) -> BlockKey:
         """The key of the same tokens in layer group `group` of a hybrid cache, whose blocks hold other
@@ -31,10 +36,20 @@ class BlockKey:
             return self
         return BlockKey(self.hash + group.to_bytes(2, "little"), self.parent_hash, self.token_ids, self.cache_salt)
 
+    @property
+    def group(self) -> int:
+        """The layer group whose key this is (in_group)."""
+        return self.group_of(self.hash)
+
+    @staticmethod
+    def group_of(block_hash: bytes) -> int:
+        """The layer group of a key's hash (in_group's suffix; 0 without one)."""
+        return int.from_bytes(block_hash[BlockKey.HASH_BYTES:], "little")
+
 
 def block_key(parent_hash: bytes | None, token_ids: tuple[int, ...], cache_salt: str | None) -> BlockKey:
     """The key of a full block: a hash chained over its parent's hash, its tokens and the salt."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.blake2b(digest_size=BlockKey.HASH_BYTES)
     h.update(parent_hash or b"")
     h.update(repr((token_ids, cache_salt)).encode())
     return BlockKey(h.digest(), parent_hash, token_ids, cache_salt)
@@ -46,7 +61,9 @@ class BlockPool:
     A freed block that holds a full, hashed prefix stays in the index as a cached block: it counts
     as free, is handed out again on a prefix hit, and is evicted (least recently freed first) only
     when a free block is needed. `on_evict`, if set, is called with the (block, key) pairs of the cached
-    blocks an allocation takes, before the caller can overwrite their pages (the second tier copies them).
+    blocks an allocation takes, before the caller can overwrite their pages (the second tier copies them);
+    `on_cache` with each (block, key) indexed, whose pages the step under way writes (a write-through tier
+    saves them after it). `events`, if set, records each key indexed and each key dropped (KV events).
     """
 
     def __init__(self, num_blocks: int):
@@ -58,6 +75,8 @@ class BlockPool:
         self.keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
         self.on_evict: Callable[[list[tuple[int, BlockKey]]], None] | None = None
+        self.on_cache: Callable[[int, BlockKey], None] | None = None
+        self.events: EventSink | None = None
 
     @property
     def num_free(self) -> int:
@@ -115,6 +134,10 @@ class BlockPool:
         if self.keys[block_id] is None and key.hash not in self._cached:
             self.keys[block_id] = key
             self._cached[key.hash] = block_id
+            if self.events is not None:
+                self.events.stored(key)
+            if self.on_cache is not None:
+                self.on_cache(block_id, key)
 
     def uncache(self, block_id: int, key: BlockKey) -> None:
         """Forget that a block holds `key` (its K/V were never computed)."""
@@ -144,3 +167,5 @@ class BlockPool:
         if key is not None:
             del self._cached[key.hash]
             self.keys[block_id] = None
+            if self.events is not None:
+                self.events.removed(key.hash)

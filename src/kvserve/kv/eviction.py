@@ -47,6 +47,21 @@ class EvictionPolicy:
     def spec(self) -> str:
         return policy_spec(self)
 
+    def check_covers(self, window: int) -> None:
+        """Refuse (ValueError naming the policy and the option) a policy that would cut a sliding-window layer's
+        `window` (the widest of a model's): such a layer attends to the last W cached tokens, which must be the last W
+        positions. Every policy keeps its most recent tokens (sink its `window`, h2o its `recent`, snapkv its
+        `window`); with at least W of them, the full-attention layers see what the policy keeps and each sliding
+        layer exactly its window, as without a policy. h2o and snapkv then score tokens by the full-attention
+        layers' attention alone and evict whole blocks' worth (engine/evictor.py). With the hybrid cache, a policy
+        evicts (sink pins, h2o and snapkv compact) in the full-attention layer groups; each sliding group keeps its
+        window's blocks as they are."""
+        recent = getattr(self, self.recent_option)
+        if recent < window:
+            raise ValueError(f"eviction {self.spec()!r} with sliding-window layers (window {window}): "
+                             f"{self.name}'s {self.recent_option} ({recent}) must be at least {window} tokens, to keep "
+                             f"each such layer's window whole")
+
 
 @dataclass(frozen=True)
 class Sink(EvictionPolicy):

@@ -10,8 +10,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvserve.kv.blocks import BlockKey
+
+if TYPE_CHECKING:
+    from kvserve.kv.events import EventSink
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,12 @@ class KVCache(ABC):
     @abstractmethod
     def release(self, block_ids: list[int]) -> None:
         """Drop the sequence's ownership of blocks that `replace` or `rebuild` handed back."""
+
+    # ---- what the engine publishes --------------------------------------------------------
+
+    @abstractmethod
+    def record_events(self, sink: EventSink | None) -> None:
+        """Record to `sink` (KV events) each block the prefix cache indexes and each it drops, from now on."""
 
     # ---- what the engine shows ------------------------------------------------------------
 

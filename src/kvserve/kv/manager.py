@@ -21,11 +21,15 @@ now hold those tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvserve.kv.blocks import BlockKey, BlockPool, cdiv
 from kvserve.kv.groups import (FullAttentionTables, GroupPool, GroupTables, LayerGroup, SlidingWindowTables,
                                check_free)
 from kvserve.kv.interface import NO_HIT, BlockToLoad, KVCache, PrefixHit
+
+if TYPE_CHECKING:
+    from kvserve.kv.events import EventSink
 
 # a lookup's marker of a block the second tier holds (PrefixHit's None), while groups search their hits
 _IN_TIER = -1
@@ -224,6 +228,11 @@ class KVCacheManager(KVCache):
 
     def release(self, block_ids: list[int]) -> None:
         self.groups[0].release(block_ids)
+
+    # ---- what the engine publishes --------------------------------------------------------
+
+    def record_events(self, sink: EventSink | None) -> None:
+        self.pool.events = sink
 
     # ---- what the engine shows ------------------------------------------------------------
 

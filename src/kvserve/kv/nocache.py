@@ -81,6 +81,9 @@ class NoKVCache(KVCache):
 
     drop = replace = leading_blocks = rebuild = release = _no_pages
 
+    def record_events(self, sink) -> None:
+        """No prefix cache: nothing is ever indexed (the engine refuses KV events here)."""
+
     def group_tables(self, seq_id: int) -> list[list[int]]:
         return []
 

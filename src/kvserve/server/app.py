@@ -19,8 +19,8 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineError, EngineUnavailableError, QueueFullError
 from kvserve.server.dashboard import KVStateView, add_dashboard_routes
-from kvserve.server.errors import APIError, error_response
-from kvserve.server.http import APIKeyCheck, RequestBody, UnexpectedErrors
+from kvserve.server.errors import APIError, error_response, field_error
+from kvserve.server.http import APIKeyCheck, RequestBody, UnexpectedErrors, parse_body
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.server.tokenization import ServerTokenizer
@@ -35,6 +35,7 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
     server = AsyncEngine(engine, config.max_queue, start_attempts=config.engine_start_attempts)
     metrics = server.metrics = ServerMetrics(server.stats, model_name)
     tokenizer = ServerTokenizer(server.engine.tokenizer, server.engine.max_model_len, config.chat_template)
+    utility = tokenizer.utility()
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -42,6 +43,7 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
         yield
         await asyncio.to_thread(server.shutdown)
         tokenizer.close()
+        utility.close()
 
     docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="kvserve", lifespan=lifespan, **docs)
@@ -53,7 +55,7 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
     app.add_middleware(UnexpectedErrors)
     app.state.async_engine = server
     _add_error_handlers(app)
-    handlers = _Handlers(server, tokenizer, model_name, config)
+    handlers = _Handlers(server, tokenizer, utility, model_name, config)
 
     @app.get("/health")
     async def health() -> Response:
@@ -71,13 +73,38 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
                                             "max_model_len": server.engine.max_model_len}]}
 
     if config.kv_dashboard:
-        add_dashboard_routes(app, KVStateView(server, tokenizer, metrics, model_name,
+        add_dashboard_routes(app, KVStateView(server, utility, metrics, model_name,
                                               show_content=config.kv_dashboard_content))
-    app.post("/v1/completions")(handlers.completions)
-    app.post("/v1/chat/completions")(handlers.chat)
-    app.post("/tokenize")(handlers.tokenize)
-    app.post("/detokenize")(handlers.detokenize)
+    # the handlers read their bodies themselves (http.parse_body: a large one off the event loop)
+    bodies = {"/v1/completions": (handlers.completions, CompletionRequest),
+              "/v1/chat/completions": (handlers.chat, ChatCompletionRequest),
+              "/tokenize": (handlers.tokenize, TokenizeRequest),
+              "/detokenize": (handlers.detokenize, DetokenizeRequest)}
+    for path, (handler, _) in bodies.items():
+        app.post(path)(handler)
+    if config.enable_docs:
+        _document_bodies(app, {path: model for path, (_, model) in bodies.items()})
     return app
+
+
+def _document_bodies(app: FastAPI, bodies: dict) -> None:
+    """Put the request models of the endpoints that parse their own bodies into the OpenAPI schema, as FastAPI
+    does for a body parameter."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -91,11 +118,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0] if e.errors() else {}
         if first.get("type") == "json_invalid":     # its loc is a byte offset, not a field
             return error_response(APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error')}"))
-        if tuple(first.get("loc", ())) == ("body",):     # the body as a whole: no field to name
-            return error_response(APIError(400, _whole_body_error(first, e.body)))
-        param = _param(first.get("loc", ()))
+        if first.get("type") in ("missing", "model_type") and tuple(first.get("loc", ())) == ("body",):
+            return error_response(APIError(400, _whole_body_error(first, e.body)))     # no JSON object: no field
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        return error_response(APIError(400, f"{param}: {message}" if param else message, param))
+        field = _param(first.get("loc", ()))
+        if field:
+            message = f"{field}: {message}"
+        # a check of the whole request names the field it refuses in its context (protocol's vLLM fields), if any
+        return error_response(APIError(400, message, field or first.get("ctx", {}).get("param")))
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):
@@ -156,9 +186,11 @@ class _Handlers:
     token ids (a long /tokenize) or a large batch with logprobs would hold every other request for
     that long."""
 
-    def __init__(self, server: AsyncEngine, tokenizer: ServerTokenizer, model_name: str, config: ServerConfig):
+    def __init__(self, server: AsyncEngine, tokenizer: ServerTokenizer, utility: ServerTokenizer, model_name: str,
+                 config: ServerConfig):
         self.server = server
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer          # the requests' (their prompts, chat templates, echo)
+        self.utility = utility              # /tokenize's and /detokenize's, in threads of its own
         self.engine = server.engine
         self.model_name = model_name
         self.config = config
@@ -177,14 +209,31 @@ class _Handlers:
         if n > limits.max_n_sequences:
             raise APIError(400, f"n: {n} samples, more than the server's limit of {limits.max_n_sequences} "
                                 f"(--max-n-sequences)", "n")
+        if num_prompts * n > limits.max_request_sequences:
+            raise APIError(400, f"n: {num_prompts} prompts x n={n} make {num_prompts * n} sequences, more than the "
+                                f"server's limit of {limits.max_request_sequences} a request "
+                                f"(--max-request-sequences)", "n")
 
-    async def completions(self, req: CompletionRequest, raw: Request):
+    def _check_work(self, prompts: list[dict], params: SamplingParams, param: str) -> None:
+        """A 400 naming `param` (the request's max_tokens field) if the request's sequences may generate more tokens
+        together than the server's limit: each up to max_tokens, or what max_model_len leaves after its prompt."""
+        room = self.engine.max_model_len
+        total = sum(params.n * min(params.max_tokens or room, room - len(p["prompt_token_ids"])) for p in prompts)
+        if total > self.config.max_request_tokens:
+            raise APIError(400, f"{param}: {len(prompts) * params.n} sequences of up to "
+                                f"{params.max_tokens or 'max_model_len'} tokens may generate {total} tokens, more than "
+                                f"the server's limit of {self.config.max_request_tokens} a request "
+                                f"(--max-request-tokens)", param)
+
+    async def completions(self, raw: Request):
+        req = await parse_body(raw, CompletionRequest)
         self._check_model(req.model)
         texts = req.prompts()
         self._check_fan_out(len(texts), req.n)
         params = req.sampling_params(req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, self.vocab_size, req.logprobs,
                                      prompt_logprobs=req.logprobs if req.echo else None)
-        prompts = await asyncio.gather(*(self._prompt(p, True, "prompt") for p in texts))
+        prompts = await asyncio.gather(*(self._prompt(p, True, "prompt", params) for p in texts))
+        self._check_work(prompts, params, "max_tokens")
         self._check_kv(prompts, params)
         echo = [await self._echo_text(p) for p in prompts] if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -193,7 +242,8 @@ class _Handlers:
                                 req.logprobs or 0, echo)
         return await self._respond(req, raw, streams, fmt, params)
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request):
+    async def chat(self, raw: Request):
+        req = await parse_body(raw, ChatCompletionRequest)
         self._check_model(req.model)
         self._check_fan_out(1, req.n)
         top = req.top_logprobs or 0
@@ -201,7 +251,8 @@ class _Handlers:
                                      top if req.logprobs else None)
         text = await self.tokenizer.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
         # the template writes the special tokens it wants (a BOS, say): none added
-        prompt = await self._prompt(text, False, "messages")
+        prompt = await self._prompt(text, False, "messages", params)
+        self._check_work([prompt], params, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         self._check_kv([prompt], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [prompt], params, req.cache_salt)
@@ -221,21 +272,32 @@ class _Handlers:
         """Token ids in the response: asked for, or the only output there is (no tokenizer, no text)."""
         return req.return_token_ids or self.tokenizer.tokenizer is None
 
-    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool, param: str) -> dict:
+    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool, param: str,
+                      params: SamplingParams) -> dict:
         """The engine's prompt (text and token ids), tokenized here, off the event loop: the engine's
-        process only ever sees token ids."""
+        process only ever sees token ids. Its last tokens only with truncate_prompt_tokens (its text is then
+        none: the token ids are the prompt)."""
+        truncate = params.truncate_prompt_tokens
         if isinstance(prompt, str):
-            ids, text = await self.tokenizer.encode_prompt(prompt, add_special_tokens, param), prompt
+            ids = await self.tokenizer.encode_prompt(prompt, add_special_tokens, param, truncated=truncate is not None)
+            text = prompt
         else:
             ids, text = prompt, None
         max_model_len = self.engine.max_model_len
         if not ids:
             raise APIError(400, f"{param}: the prompt is empty (as token ids)", param)
-        if text is None and max(ids) >= self.vocab_size:
-            raise APIError(400, f"{param}: token id {max(ids)} is out of range [0, {self.vocab_size})", param)
+        if truncate is not None:
+            keep = max_model_len if truncate == -1 else truncate
+            if keep > max_model_len:
+                raise APIError(400, f"truncate_prompt_tokens ({truncate}) exceeds max_model_len ({max_model_len})",
+                               "truncate_prompt_tokens")
+            if len(ids) > keep:
+                ids, text = ids[-keep:], None
         if len(ids) >= max_model_len:
             raise APIError(400, f"{param}: the prompt is {len(ids)} tokens; with one to generate it exceeds "
                                 f"max_model_len ({max_model_len})", param)
+        if text is None and max(ids) >= self.vocab_size:
+            raise APIError(400, f"{param}: token id {max(ids)} is out of range [0, {self.vocab_size})", param)
         return {"prompt": text, "prompt_token_ids": ids}
 
     def _check_kv(self, prompts: list[dict], params: SamplingParams) -> None:
@@ -255,21 +317,24 @@ class _Handlers:
                                     f"{prompt_len}, need {need} tokens of KV cache; the whole cache holds {pool}: "
                                     f"ask for fewer samples or fewer max_tokens", "n")
 
-    async def tokenize(self, req: TokenizeRequest):
+    async def tokenize(self, raw: Request):
+        """A text's or a conversation's token ids, in the utility threads; as a prompt's, a text that can never
+        fit max_model_len is refused before it is encoded."""
+        req = await parse_body(raw, TokenizeRequest)
         self._check_model(req.model)
         if req.messages is not None:
-            text = await self.tokenizer.render_chat([m.for_template() for m in req.messages],
-                                                    req.add_generation_prompt)
-            tokens = await self.tokenizer.encode(text, False, "messages")
+            text = await self.utility.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
+            tokens = await self.utility.encode_prompt(text, False, "messages")
         else:
-            tokens = await self.tokenizer.encode(req.prompt, req.add_special_tokens)
+            tokens = await self.utility.encode_prompt(req.prompt, req.add_special_tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len})
 
-    async def detokenize(self, req: DetokenizeRequest):
+    async def detokenize(self, raw: Request):
+        req = await parse_body(raw, DetokenizeRequest)
         self._check_model(req.model)
         if req.tokens and max(req.tokens) >= self.vocab_size:
             raise APIError(400, f"tokens: token ids must be in [0, {self.vocab_size})", "tokens")
-        return JSONResponse({"prompt": await self.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await self.utility.decode(req.tokens)})
 
     async def _submit(self, rid: str, prompts: list, params, cache_salt) -> list[AsyncIterator[RequestOutput]]:
         streams = []
@@ -280,15 +345,15 @@ class _Handlers:
             for i in range(len(streams)):
                 self.server.abort(f"{rid}-{i}")
             if isinstance(e, ValueError):     # the engine refused the request
-                raise APIError(400, str(e)) from None
+                raise field_error(e, vars(params)) from None
             raise
         return streams
 
     async def _respond(self, req, raw: Request, streams, fmt, params):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            # Text that may be the start of a stop string waits until it cannot be.
-            hold = max((len(s) for s in params.stop), default=1) - 1
+            # Text that may be the start of a stop string waits until it cannot be (kept in the text, it need not).
+            hold = 0 if params.include_stop_str_in_output else max((len(s) for s in params.stop), default=1) - 1
             return StreamingResponse(_sse(fmt, _merge(streams), include_usage, hold),
                                      media_type="text/event-stream")
         finals = await _until_disconnect(raw, _last_outputs(streams))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import queue
@@ -105,6 +106,7 @@ class AsyncEngine:
             core = multiprocessing.get_context("spawn").Process(
                 target=run_engine_process, args=(engine, core_conn), name="kvserve-engine",
                 daemon=engine.tensor_parallel_size == 1)
+            atexit.register(_kill_if_running, core)
             core.start()
             core_conn.close()                 # so that a child that dies reads as the pipe's end
         else:
@@ -115,6 +117,10 @@ class AsyncEngine:
         except EOFError:
             core.join()
             raise ValueError(f"the engine process exited (code {core.exitcode}) before it was ready") from None
+        except BaseException:           # Ctrl+C while it starts, which it ignores: it is not wanted any more
+            if isinstance(core, BaseProcess):
+                _kill_if_running(core)
+            raise
         if ready[0] == "error":
             core.join()
             raise ValueError(ready[1])
@@ -361,6 +367,14 @@ class _Ready:
     def kv_pool_tokens(self) -> int:
         """Tokens the whole KV cache holds (0 without a cache)."""
         return self.stats["kv_blocks_total"] * self.stats["kv_block_size"]
+
+
+def _kill_if_running(core: BaseProcess) -> None:
+    """Kill an engine process that is still running, and reap it: at the server's exit, one that was not told to
+    stop (it ignores SIGTERM, all that multiprocessing sends its daemon processes before waiting for them)."""
+    if core.is_alive():
+        core.kill()
+        core.join()
 
 
 def _deliver(deliveries: list[tuple[asyncio.Queue, object]]) -> None:

@@ -20,6 +20,13 @@ class APIError(Exception):
         self.kind = kind or ERROR_TYPES.get(status, "invalid_request_error")
 
 
+def field_error(e: ValueError, fields) -> APIError:
+    """The 400 of an engine's or SamplingParams' ValueError, naming the field its message begins with ("seed must
+    be ...", "eviction: ...") where it is one of `fields`."""
+    field = str(e).split(" ", 1)[0].rstrip(":")
+    return APIError(400, str(e), field if field in fields else None)
+
+
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> bytes:
     """The JSON of an error. ASCII-escaped: a message that quotes the request (a lone surrogate
     included) always encodes."""

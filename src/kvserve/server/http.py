@@ -7,20 +7,33 @@
 - ASGI middleware, outermost first: UnexpectedErrors (any exception a 500 in OpenAI's shape, the
   connection kept), APIKeyCheck (401 before the body is read), RequestBody (the whole body read
   before the app sees it: 413 past the size limit, 408 past the read timeout).
+- parse_body: a JSON body read into its request model, as FastAPI would, but a large one in a worker thread.
 """
 from __future__ import annotations
 
 import asyncio
+import email.message
 import functools
 import hmac
+import json
 import logging
+from typing import TypeVar
 
 import uvicorn
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvserve.server.errors import APIError, error_body, send_error
 
 log = logging.getLogger(__name__)
+
+# A body past this many bytes is parsed and validated in a worker thread: megabytes of token ids take the
+# interpreter for a second, which on the event loop every other request (/health too) would wait for.
+PARSE_OFF_LOOP_BYTES = 64 * 2**10
+M = TypeVar("M", bound=BaseModel)
 
 
 # The most bytes a request's line and headers may take. uvicorn's httptools protocol sets no limit,
@@ -198,3 +211,42 @@ class RequestBody:
 
     def _too_large(self) -> APIError:
         return APIError(413, f"request body over {self.max_bytes} bytes (--max-body-bytes)")
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The request's JSON body as `model`, with FastAPI's errors for a body parameter (RequestValidationError,
+    HTTPException: the app's handlers answer them); a body over PARSE_OFF_LOOP_BYTES off the event loop."""
+    body = await request.body()
+    content_type = request.headers.get("content-type")
+    if len(body) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse, body, content_type, model)
+    return _parse(body, content_type, model)
+
+
+def _parse(body: bytes, content_type: str | None, model: type[M]) -> M:
+    if not body:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    value = body                     # a body not sent as JSON stays bytes, which no model takes
+    if _is_json(content_type):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": e.msg}}], body=e.doc) from e
+        except Exception as e:      # invalid UTF-8, nesting too deep: the cause says which
+            raise HTTPException(400, "There was an error parsing the body") from e
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
+        raise RequestValidationError(errors, body=value) from None
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (application/json or +json; none is not)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))

@@ -50,6 +50,18 @@ class EngineCollector:
         yield steps
         if "kv_offload_blocks" in stats:
             yield from self._offload(stats)
+        if "kv_events_published" in stats:
+            yield from self._events(stats)
+
+    def _events(self, stats: dict):
+        """The KV events publisher's counters (an engine with kv_events_endpoint)."""
+        yield self._gauge("kv_events_queued", "KV events waiting for the publisher thread.", stats["kv_events_queued"])
+        for name, doc in (("published", "KV events sent on the events socket."),
+                          ("batches", "KV event batches (messages) sent."),
+                          ("dropped", "KV events dropped: the publisher's queue was full.")):
+            family = CounterMetricFamily(f"kvserve:kv_events_{name}", doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), stats[f"kv_events_{name}"])
+            yield family
 
     def _offload(self, stats: dict):
         """The second KV tier's gauges and counters (an engine with kv_offload)."""

@@ -2,31 +2,48 @@
 
 Strict, as vLLM's models are: no bool, float or string where an integer belongs (`true`, `2.0` and
 `"5"` are not 1, 2 and 5), no NaN or infinity. Fields OpenAI or vLLM define are honoured or refused
-with a 400 naming them; fields nobody defines are ignored, and logged.
+with a 400 naming them (vLLM's that kvserve lacks are refused unless they ask for nothing); fields nobody
+defines are ignored, and logged.
 """
 from __future__ import annotations
 
+import json
 import logging
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       ValidationInfo, WrapValidator, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
-from kvserve.sampling import MAX_LOGIT_BIAS, SamplingParams
-from kvserve.server.errors import APIError
+from kvserve.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS,
+                              MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
+from kvserve.server.errors import APIError, field_error
+from kvserve.text import valid_unicode
 
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 
-
-def valid_unicode(text: str) -> str:
-    """text, if it can be encoded: no lone surrogate (which a JSON escape such as "\\ud800" makes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"not valid Unicode (a lone surrogate at character {e.start})") from None
-    return text
+# vLLM's request fields kvserve does not implement, each with the value that asks for nothing (vLLM's default):
+# a request that gives another value is refused, naming the field, until kvserve implements it
+VLLM_SAMPLING_FIELDS = {
+    "use_beam_search": False, "length_penalty": 1.0, "watermarking": False, "truncation_side": None,
+    "prompt_logprobs": None, "logprob_token_ids": None, "structured_outputs": None, "priority": 0,
+    "request_id": None, "session_id": None, "return_tokens_as_token_ids": False, "kv_transfer_params": None,
+    "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None,
+    "stream_interval": None, "routed_experts_prompt_start": 0, "logits_processors": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_json_object": False, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "structural_tag": None,
+}
+VLLM_COMPLETION_FIELDS = {"prompt_embeds": None, "add_special_tokens": True, "return_token_offsets": False,
+                          "return_mm_kwargs": True}
+VLLM_CHAT_FIELDS = {"echo": False, "continue_final_message": False, "add_special_tokens": False, "documents": None,
+                    "chat_template": None, "chat_template_kwargs": None, "mm_processor_kwargs": None,
+                    "media_io_kwargs": None, "reasoning_effort": None, "include_reasoning": True,
+                    "parallel_tool_calls": True, "return_prompt_text": False}
+VLLM_TOKENIZE_FIELDS = {"continue_final_message": False, "return_token_strs": False, "chat_template": None,
+                        "chat_template_kwargs": None, "mm_processor_kwargs": None, "tools": None}
 
 
 Text = Annotated[str, AfterValidator(valid_unicode)]
@@ -37,6 +54,15 @@ def _str_or_list(item):
     """A string or a list of `item`: a value's errors are those of the shape it has, not of both."""
     return Annotated[Annotated[Text, Tag("str")] | Annotated[list[item], Tag("list")],
                      Discriminator(lambda v: "str" if isinstance(v, str) else "list")]
+
+
+def _prompt_shape(value) -> str:
+    """Which of the prompt's shapes a value has (by its first item), so that only that one is tried: a union
+    tries them all, and a list of a million token ids failing as a list of strings costs a million errors."""
+    if isinstance(value, str) or not isinstance(value, list) or not value:
+        return "str" if isinstance(value, str) else "token_ids"
+    first = value[0]
+    return "texts" if isinstance(first, str) else "token_id_lists" if isinstance(first, list) else "token_ids"
 
 
 def _one_prompt_error(value, handler):
@@ -63,18 +89,29 @@ def _non_empty_prompts(prompt):
     return prompt
 
 
-Prompt = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], WrapValidator(_one_prompt_error),
-                   AfterValidator(_non_empty_prompts)]
+Prompt = Annotated[Annotated[str, Tag("str")] | Annotated[list[str], Tag("texts")]
+                   | Annotated[list[TokenId], Tag("token_ids")] | Annotated[list[list[TokenId]], Tag("token_id_lists")],
+                   Discriminator(_prompt_shape), WrapValidator(_one_prompt_error), AfterValidator(_non_empty_prompts)]
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # vLLM's fields this request lacks: refused unless they ask for nothing (their value here, or None)
+    vllm_fields: ClassVar[dict[str, object]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _log_ignored_fields(cls, data):
-        if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
-            ignored = data.keys() - cls.model_fields.keys()
+    def _check_unknown_fields(cls, data):
+        if not isinstance(data, dict):
+            return data
+        for name, inert in cls.vllm_fields.items():
+            value = data.get(name)
+            if value is not None and not (value == inert and isinstance(value, bool) == isinstance(inert, bool)):
+                also = "" if inert is None else f" (only its default, {json.dumps(inert)}, is accepted)"
+                raise PydanticCustomError("unsupported", "{message}",
+                                          {"message": f"{name} is not supported by kvserve{also}", "param": name})
+        if cls.model_config.get("extra") == "ignore":
+            ignored = data.keys() - cls.model_fields.keys() - cls.vllm_fields.keys()
             if ignored:
                 log.warning("ignoring fields of the request kvserve does not know: %s", sorted(map(repr, ignored)))
         return data
@@ -89,6 +126,8 @@ def _unsupported(name: str, why: str = "") -> ValueError:
 
 
 class _SamplingRequest(OpenAIBaseModel):
+    vllm_fields: ClassVar[dict[str, object]] = VLLM_SAMPLING_FIELDS
+
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -100,7 +139,8 @@ class _SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS_TOKENS)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     response_format: dict | None = None
@@ -109,7 +149,14 @@ class _SamplingRequest(OpenAIBaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)     # the prompt's last k tokens; -1: max_model_len
     cache_salt: Text | None = Field(None, min_length=1)
     return_token_ids: bool = False          # the token ids beside the text (prompt's and completion's)
     # kvserve's: this request's KV eviction policy (kvserve.kv.eviction) and sparse attention (kvserve.kv.sparse)
@@ -120,8 +167,8 @@ class _SamplingRequest(OpenAIBaseModel):
     @classmethod
     def _check_stop(cls, stop):
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
         return stop
 
     @field_validator("best_of")
@@ -171,13 +218,16 @@ class _SamplingRequest(OpenAIBaseModel):
                   "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "logprobs": logprobs,
                   "prompt_logprobs": prompt_logprobs, "eviction": self.eviction,
                   "sparse_attention": self.sparse_attention,
-                  "logit_bias": self._token_bias(vocab_size) if self.logit_bias else None}
+                  "logit_bias": self._token_bias(vocab_size) if self.logit_bias else None,
+                  "min_tokens": self.min_tokens, "include_stop_str_in_output": self.include_stop_str_in_output,
+                  "skip_special_tokens": self.skip_special_tokens,
+                  "spaces_between_special_tokens": self.spaces_between_special_tokens,
+                  "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
+                  "truncate_prompt_tokens": self.truncate_prompt_tokens}
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
-            # SamplingParams' messages begin with the field ("seed must be ...", "eviction: ...")
-            field = str(e).split(" ", 1)[0].rstrip(":")
-            raise APIError(400, str(e), field if field in kwargs else None) from None
+            raise field_error(e, kwargs) from None
 
     def _token_bias(self, vocab_size: int) -> dict[int, float]:
         """logit_bias with its keys (token ids written as strings, as OpenAI's API has them) as ints."""
@@ -190,6 +240,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
+    vllm_fields: ClassVar[dict[str, object]] = {**VLLM_SAMPLING_FIELDS, **VLLM_COMPLETION_FIELDS}
+
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -236,6 +288,8 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    vllm_fields: ClassVar[dict[str, object]] = {**VLLM_SAMPLING_FIELDS, **VLLM_CHAT_FIELDS}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -262,6 +316,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(OpenAIBaseModel):
+    vllm_fields: ClassVar[dict[str, object]] = VLLM_TOKENIZE_FIELDS
+
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None

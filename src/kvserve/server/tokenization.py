@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import copy
 import functools
 import logging
 import os
@@ -12,13 +13,16 @@ from pathlib import Path
 import jinja2
 
 from kvserve.server.errors import APIError
-from kvserve.server.protocol import valid_unicode
+from kvserve.text import valid_unicode
 
 log = logging.getLogger(__name__)
 
 # a few threads: the tokenizer's Rust code runs without the GIL, so a long text takes one thread
 # for its duration while the others, and the event loop, go on
 TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
+# the utility endpoints' (/tokenize, /detokenize, the dashboard's text) threads, apart from the requests': however
+# many such calls are in flight, a completion's prompt never queues behind them
+UTILITY_TOKENIZER_THREADS = max(1, TOKENIZER_THREADS // 2)
 
 
 def load_chat_template(template: str | None) -> str | None:
@@ -40,7 +44,8 @@ class ServerTokenizer:
     """Encodes, decodes and renders chat templates in a few worker threads, never on the event loop
     (a long text can hold a thread for seconds). Text that cannot fit the model is refused
     before it is encoded: no token covers more than `max_token_chars` characters (the longest entry
-    of the vocabulary), so a text longer than max_model_len times that is over max_model_len tokens."""
+    of the vocabulary), so a text longer than max_model_len times that is over max_model_len tokens.
+    `utility()` is the same tokenizer over threads of its own."""
 
     def __init__(self, tokenizer, max_model_len: int, chat_template: str | None = None):
         self.tokenizer = tokenizer
@@ -66,6 +71,13 @@ class ServerTokenizer:
             log.info("--chat-template refuses a one-message conversation (%s: %s); requests it refuses get a 400",
                      type(e).__name__, e)
 
+    def utility(self) -> ServerTokenizer:
+        """This tokenizer, with a pool of UTILITY_TOKENIZER_THREADS of its own: for the calls that serve no request
+        to the engine (/tokenize, /detokenize, the dashboard), which then never delay a request's prompt."""
+        other = copy.copy(self)
+        other._pool = ThreadPoolExecutor(UTILITY_TOKENIZER_THREADS, thread_name_prefix="kvserve-tokenizer-utility")
+        return other
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -76,17 +88,19 @@ class ServerTokenizer:
                                 f"(--skip-tokenizer-init): send prompt token ids", param)
         return self.tokenizer
 
-    async def encode_prompt(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """A prompt's token ids; a 400 for text that can never fit max_model_len, before encoding it."""
+    async def encode_prompt(self, text: str, add_special_tokens: bool, param: str = "prompt",
+                            truncated: bool = False) -> list[int]:
+        """A prompt's token ids; a 400 for text that can never fit max_model_len, before encoding it (unless it is
+        to be `truncated` to its last tokens: the body's size bounds it then)."""
         self.require("a text prompt", param)
-        if len(text) > self.max_prompt_chars:
+        if len(text) > self.max_prompt_chars and not truncated:
             raise APIError(400, f"{param} is {len(text)} characters; one longer than {self.max_prompt_chars} "
                                 f"(max_model_len {self.max_model_len} x {self.max_token_chars}, the most characters "
                                 f"one token covers) cannot fit max_model_len", param)
         return await self.encode(text, add_special_tokens, param)
 
     async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """Any text's token ids (/tokenize), in a worker thread."""
+        """Any text's token ids, in a worker thread."""
         tok = self.require("text", param)
         return await self._run(tok.encode, text, add_special_tokens=add_special_tokens)
 

@@ -51,6 +51,10 @@ class KVConnector(ABC):
         """Write a preempted sequence's full (block, key)s to the tier, all of them: its resumption loads them."""
 
     @abstractmethod
+    def commit(self) -> None:
+        """A step ran: the K/V of the blocks indexed before it are written (a write-through tier saves them)."""
+
+    @abstractmethod
     def count_admission(self, swap_in: bool, num_loaded: int, hit_tokens: int, miss_tokens: int) -> None:
         """Count what an admission took from the tier: the blocks a swapped-out sequence's resumption loaded, or
         the prefix tokens the tier served and the full blocks' tokens found in neither pool nor tier."""
@@ -91,6 +95,9 @@ class NoConnector(KVConnector):
 
     def swap_out(self, blocks: list[tuple[int, BlockKey]]) -> None:
         raise RuntimeError("there is no second KV tier to swap blocks out to")
+
+    def commit(self) -> None:
+        """Nothing to save."""
 
     def count_admission(self, swap_in: bool, num_loaded: int, hit_tokens: int, miss_tokens: int) -> None:
         """Nothing to count."""

@@ -5,24 +5,26 @@ writer stores it as one file, off the step's critical path (its queue is bounded
 is skipped, a step never waits). The disk tier keeps each compat key's blocks in a directory of its own, so
 engines of different models may share one root.
 
-One file a block: a magic string, a JSON header (its compat key and block key), the block's bytes (every
-layer's pages, quantized ones with their scales: KVStorage.read_blocks) and a checksum of all that. Files
-are written under a temporary name and renamed, so that a reader (this engine or another sharing the
-directory) never sees a partial block. At start-up the index is rebuilt from the files' headers, least
+One file a block, in the stored form of kv/tiers/blockformat.py (header, bytes, checksum). Files are written
+under a temporary name and renamed, so that a reader (this engine or another sharing the directory) never
+sees a partial block. At start-up the index is rebuilt from the files' headers, least
 recently used first (by modification time, which a read refreshes); a corrupt, truncated or incompatible
-file is removed when found and never served.
+file is removed when found and never served, and when a read stops at one, the files of the blocks after it
+are checked too (in the background: OffloadingConnector.read), so that the pool's copies of all the bad ones
+are written again when it evicts them.
+
+The directories are made 0700 and the files 0600: the blocks hold the prompts' token ids. The checksum finds
+accidents (torn writes, flipped bits), not forgery: whoever can write the directory can change what a prompt's
+cached blocks make the model say, so it must not be shared with anyone not trusted as the server is.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import queue
 import struct
 import threading
 import time
-import zlib
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -30,47 +32,38 @@ from pathlib import Path
 import torch
 
 from kvserve.kv.blocks import BlockKey
-from kvserve.kv.tiers.base import Tier, TierCompat, TierCounters, key_header
+from kvserve.kv.events import EventSink
+from kvserve.kv.tiers.base import TierCompat
+from kvserve.kv.tiers.blockformat import MAGIC, BlockFormat, CorruptBlock
+from kvserve.kv.tiers.queued import QueuedTier
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVSBLK01"
 SUFFIX = ".kvblock"
-# a CRC-32 of each file: it finds torn or altered bytes (the key in the header is checked apart), at
-# about twice the speed of a cryptographic hash on the path of every load
-DIGEST_BYTES = 4
 # blocks waiting for the disk writer, in bytes: past it an evicted block is skipped, not queued
 WRITE_QUEUE_BYTES = 256 * 2**20
 # a temporary file this old is a writer's that died before its rename (a live one renames in moments)
 STALE_TEMP_SECONDS = 3600
 
 
-class CorruptBlock(ValueError):
-    """A block file that cannot be served: truncated, altered, or of another layout."""
-
-
-class DiskTier(Tier):
+class DiskTier(QueuedTier):
     """Blocks as files in `root`/<compat digest>/, at most `capacity` bytes of them, least recently used
     removed first; written by a background thread from a bounded queue."""
 
     persistent = True
+    medium = "DISK"
 
     def __init__(self, root: Path, capacity: int, compat: TierCompat, block_bytes: int,
-                 queue_bytes: int | None = None):
-        self.root, self.capacity, self.compat, self.block_bytes = Path(root), capacity, compat, block_bytes
+                 queue_bytes: int | None = None, events: EventSink | None = None):
+        super().__init__(capacity, block_bytes, queue_bytes or WRITE_QUEUE_BYTES, events, "kvserve-kv-offload")
+        self.root, self.compat = Path(root), compat
+        self.format = BlockFormat(compat.digest, block_bytes)
         self.dir = self.root / compat.digest
-        self.counters = TierCounters()
-        self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()     # block hash -> file bytes, oldest use first
-        self._used = 0
-        self._pending: dict[bytes, tuple[BlockKey, torch.Tensor]] = {}   # queued, not yet on disk
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, (queue_bytes or WRITE_QUEUE_BYTES) // block_bytes))
         self._prepare()
         if self.file_bytes(BlockKey(b"", None, (0,) * compat.block_size, None)) > capacity:
             raise ValueError(f"kv_offload_size of {capacity} bytes holds no KV block file (a block is "
                              f"{block_bytes} bytes, and its header)")
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-offload", daemon=True)
         self._writer.start()
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -78,7 +71,8 @@ class DiskTier(Tier):
     def _prepare(self) -> None:
         """The directory exists and takes files; else a ValueError naming it, now rather than at every write."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, exist_ok=True)
             probe = self.dir / "probe"
             self._write_atomic(probe, [b"probe"])
             probe.unlink(missing_ok=True)
@@ -107,17 +101,19 @@ class DiskTier(Tier):
                     head = f.read(len(MAGIC) + 4)
                     if len(head) == len(MAGIC) + 4:
                         head += f.read(struct.unpack("<I", head[len(MAGIC):])[0])
-                    self._check_header(head, st.st_size, block_hash)
-                entries.append((st.st_mtime, block_hash, st.st_size))
+                    header, _ = self._check_header(head, st.st_size, block_hash)
+                entries.append((st.st_mtime, block_hash, st.st_size, header))
             except (CorruptBlock, ValueError) as e:
                 log.warning("kv_offload: removing %s: %s", path, e)
                 self.counters.errors += 1
                 _remove(path)
             except OSError:
                 continue       # gone meanwhile (another engine evicted it)
-        for _, block_hash, size in sorted(entries):
+        for _, block_hash, size, header in sorted(entries, key=lambda e: e[:3]):
             self._index[block_hash] = size
             self._used += size
+            self._stored(BlockKey(block_hash, header["parent"] and bytes.fromhex(header["parent"]),
+                                  tuple(header["tokens"]), None))
         with self._lock:
             self._make_room(0)
         if self._index:
@@ -125,47 +121,18 @@ class DiskTier(Tier):
 
     # ---- the file format -----------------------------------------------------------------------
 
-    def _header(self, key: BlockKey) -> bytes:
-        header = json.dumps({"compat": self.compat.digest, **key_header(key), "bytes": self.block_bytes})
-        return header.encode()
-
     def file_bytes(self, key: BlockKey) -> int:
-        return len(MAGIC) + 4 + len(self._header(key)) + self.block_bytes + DIGEST_BYTES
+        return self.format.size(key)
 
     def _check_header(self, raw: bytes | memoryview, size: int, block_hash: bytes) -> tuple[dict, int]:
         """The header of a file of `size` bytes beginning with `raw`, and where its block's bytes start;
         CorruptBlock unless it is this tier's block `block_hash`, whole."""
-        if len(raw) < len(MAGIC) + 4 or bytes(raw[:len(MAGIC)]) != MAGIC:
-            raise CorruptBlock("not a KV block file")
-        (length,) = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])
-        start = len(MAGIC) + 4 + length
-        if len(raw) < start:
-            raise CorruptBlock("truncated header")
-        try:
-            header = json.loads(bytes(raw[len(MAGIC) + 4:start]))
-        except ValueError as e:
-            raise CorruptBlock(f"unreadable header: {e}") from None
-        if header.get("compat") != self.compat.digest or header.get("bytes") != self.block_bytes:
-            raise CorruptBlock("a block of another model, dtype or layout")
-        if header.get("hash") != block_hash.hex():
-            raise CorruptBlock("its name is not its block's hash")
-        if size != start + self.block_bytes + DIGEST_BYTES:
-            raise CorruptBlock(f"{size} bytes, expected {start + self.block_bytes + DIGEST_BYTES}")
-        return header, start
+        return self.format.check_header(raw, size, block_hash)
 
     def _path(self, block_hash: bytes) -> Path:
         return self.dir / (block_hash.hex() + SUFFIX)
 
     # ---- reads ---------------------------------------------------------------------------------
-
-    def has(self, block_hash: bytes) -> bool:
-        with self._lock:
-            return block_hash in self._pending or block_hash in self._index
-
-    def touch(self, block_hash: bytes) -> None:
-        with self._lock:
-            if block_hash in self._index:
-                self._index.move_to_end(block_hash)
 
     def contains(self, block_hash: bytes) -> bool:
         """Also true for a file another engine sharing the directory has written."""
@@ -189,15 +156,16 @@ class DiskTier(Tier):
             return None
         try:
             header, start = self._check_header(memoryview(raw)[:got], size, key.hash)
-            if got != size or _checksum([memoryview(raw)[:size - DIGEST_BYTES]]) != bytes(raw[-DIGEST_BYTES:]):
-                raise CorruptBlock("checksum mismatch")
+            if got != size:
+                raise CorruptBlock(f"{got} bytes read of {size}")
+            self.format.check_sum(raw)
         except CorruptBlock as e:
             log.warning("kv_offload: removing %s: %s", path, e)
             self.counters.errors += 1
             self._forget(key.hash)
             _remove(path)
             return None
-        if header != {"compat": self.compat.digest, **key_header(key), "bytes": self.block_bytes}:
+        if not self.format.is_key(header, key):
             return None        # a colliding hash: another prefix's block
         with self._lock:
             # another engine's file: ours to account for now, unless our writer evicted it (and removed the
@@ -205,6 +173,7 @@ class DiskTier(Tier):
             if key.hash not in self._index and path.exists():
                 self._index[key.hash] = size
                 self._used += size
+                self._stored(key)
                 self._make_room(0)
             if key.hash in self._index:
                 self._index.move_to_end(key.hash)
@@ -232,46 +201,14 @@ class DiskTier(Tier):
             for path in paths:
                 _remove(path)
 
-    def _forget(self, block_hash: bytes) -> None:
-        with self._lock:
-            size = self._index.pop(block_hash, None)
-            if size is not None:
-                self._used -= size
-
     # ---- writes --------------------------------------------------------------------------------
 
-    def room(self) -> int:
-        return self._queue.maxsize - self._queue.qsize()
+    def _store(self, blocks: list[tuple[BlockKey, torch.Tensor]]) -> None:
+        for key, data in blocks:
+            self._store_file(key, data)
 
-    def put(self, key: BlockKey, data: torch.Tensor, wait: bool = False) -> bool:
-        """Queue a block (host-memory bytes, not to be changed after) for the writer; False when the queue
-        is full (unless `wait`) and the block is skipped."""
-        with self._lock:
-            if key.hash in self._pending or key.hash in self._index:
-                return True
-            self._pending[key.hash] = (key, data)
-        try:
-            self._queue.put((key, data), block=wait)
-        except queue.Full:
-            with self._lock:
-                del self._pending[key.hash]
-            self.counters.skipped += 1
-            return False
-        return True
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._store(*item)
-            finally:
-                self._queue.task_done()
-
-    def _store(self, key: BlockKey, data: torch.Tensor) -> None:
-        header = self._header(key)
-        parts = [MAGIC, struct.pack("<I", len(header)), header, data.numpy().data]
+    def _store_file(self, key: BlockKey, data: torch.Tensor) -> None:
+        parts = self.format.encode(key, data)
         size = self.file_bytes(key)
         path = self._path(key.hash)
         if size > self.capacity:       # a header longer than most (a salt, long token ids): it cannot fit
@@ -282,7 +219,7 @@ class DiskTier(Tier):
         try:
             with self._lock:
                 self._make_room(size)
-            self._write_atomic(path, [*parts, _checksum(parts)])
+            self._write_atomic(path, parts)
         except OSError as e:
             log.warning("kv_offload: cannot write %s: %s", path, e)
             self.counters.errors += 1
@@ -294,6 +231,7 @@ class DiskTier(Tier):
             if key.hash not in self._index:
                 self._index[key.hash] = size
                 self._used += size
+                self._stored(key)
             self._make_room(0)
             self.counters.blocks_stored += 1
             self.counters.bytes_written += size
@@ -302,7 +240,7 @@ class DiskTier(Tier):
         """Write under a temporary name, then rename: readers see the whole file or none."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.writelines(parts)
             os.replace(tmp, path)
         except OSError:
@@ -315,29 +253,8 @@ class DiskTier(Tier):
             block_hash, old = self._index.popitem(last=False)
             self._used -= old
             self.counters.evictions += 1
+            self._removed(block_hash)
             _remove(self._path(block_hash))
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._index)
-
-    def flush(self) -> None:
-        self._queue.join()
-
-    def close(self) -> None:
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
-
-def _checksum(parts: Iterable) -> bytes:
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return struct.pack("<I", crc)
 
 
 def _remove(path: Path) -> None:

@@ -8,6 +8,7 @@ from collections import OrderedDict
 import torch
 
 from kvserve.kv.blocks import BlockKey
+from kvserve.kv.events import EventSink
 from kvserve.kv.tiers.base import Tier, TierCounters, synchronize
 
 
@@ -17,8 +18,9 @@ class HostTier(Tier):
     being reused while the reader thread copies it out."""
 
     wants_host_memory = False
+    medium = "CPU"
 
-    def __init__(self, capacity: int, block_bytes: int, pin_memory: bool = False):
+    def __init__(self, capacity: int, block_bytes: int, pin_memory: bool = False, events: EventSink | None = None):
         slots = capacity // block_bytes
         if slots < 1:
             raise ValueError(f"kv_offload_size of {capacity} bytes holds no KV block ({block_bytes} bytes)")
@@ -27,6 +29,7 @@ class HostTier(Tier):
         self._index: OrderedDict[bytes, tuple[int, BlockKey]] = OrderedDict()
         self._free = list(range(slots - 1, -1, -1))
         self.counters = TierCounters()
+        self.events = events
         self._lock = threading.Lock()
 
     def has(self, block_hash: bytes) -> bool:
@@ -50,12 +53,14 @@ class HostTier(Tier):
             self._index.move_to_end(key.hash)
             return True
         if not self._free:
-            _, (slot, _) = self._index.popitem(last=False)
+            old, (slot, _) = self._index.popitem(last=False)
             self._free.append(slot)
             self.counters.evictions += 1
+            self._removed(old)
         slot = self._free.pop()
         self.slab[slot].copy_(data)
         self._index[key.hash] = (slot, key)
+        self._stored(key)
         self.counters.blocks_stored += 1
         self.counters.bytes_written += self.block_bytes
         return True
