@@ -119,6 +119,24 @@ def test_requests_choose_their_own(llama):
     assert engine.runner.sparse.blocks_read(10**6) is None
 
 
+def test_a_prompts_last_token_attends_densely_after_a_prefix_hit(llama):
+    """A prefix hit that leaves one prompt token to compute (a decode to the scheduler): that token attends densely,
+    as in a prefill, so that the tokens are those of the engine without prefix caching, by the C step a token a
+    call and several; the generated tokens' decodes stay sparse."""
+    prefix = PROMPTS[0][:120]                        # 30 blocks, past the budget
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for kw in ({}, {"num_scheduler_steps": 1}):
+        runs = []
+        for caching in (False, True):
+            llm = LLM(str(llama), block_size=4, num_kv_blocks=240, dtype="float32", sparse_attention=QUEST,
+                      enable_prefix_caching=caching, **kw)
+            runs.append([tokens(llm.generate([prefix + [last]], greedy, use_tqdm=False)) for last in (7, 9)])
+            stats = llm.stats()
+        assert runs[1] == runs[0], kw
+        assert stats["prefix_cache_hits"] == len(prefix) and 0 < stats["sparse_blocks_read"] < stats[
+            "sparse_blocks_total"]
+
+
 def test_metrics_count_the_blocks_read(llama):
     """/metrics' counters of sparse attention's reads are stats()'s."""
     from kvserve.server.metrics import EngineCollector

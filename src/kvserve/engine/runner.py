@@ -100,9 +100,11 @@ class ModelRunner:
             mass_requests=mass_requests,
             mass_layers=self.mass_layers,
         )
-        # the decodes' sparse attention (a prefill attends densely)
+        # the decodes' sparse attention; a prefill attends densely, the prompt's last token too where a prefix hit
+        # leaves it alone (a decode to the scheduler): the first token is the dense model's, cached prefix or not
         batch.sparse = self.sparse.decode([s.seq_id for s in sched.seqs],
-                                          [s.sparse if i < nd else None for i, s in enumerate(sched.seqs)],
+                                          [s.sparse if i < nd and s.num_computed_tokens >= s.num_prompt_tokens
+                                           else None for i, s in enumerate(sched.seqs)],
                                           0 if block_tables is None else block_tables.shape[1])
         # each layer group's batch but the first's (this one): its slots and block tables
         batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
