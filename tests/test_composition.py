@@ -43,10 +43,7 @@ FEATURES = {
     "sparse": Feature({"sparse_attention": "quest:budget=16,recent=4,sinks=4,dense_layers=0"}, exact=False),
 }
 # pairs an engine refuses, and what its error says
-REFUSED: dict[frozenset, str] = {
-    # eviction drops the tokens whose blocks sparse attention keeps to choose from: an engine takes one of them
-    frozenset({"sink", "sparse"}): "sparse_attention keeps every token and reads some; eviction drops tokens",
-}
+REFUSED: dict[frozenset, str] = {}
 # two values of one option (int8 and int4 weights, or pages) are no pair
 PAIRS = [frozenset(p) for p in itertools.combinations(FEATURES, 2)
          if not FEATURES[p[0]].kwargs.keys() & FEATURES[p[1]].kwargs.keys()]

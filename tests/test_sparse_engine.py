@@ -166,8 +166,6 @@ def test_the_option_refuses_what_it_cannot_serve(llama):
     kw = dict(block_size=4, num_kv_blocks=64, dtype="float32")
     with pytest.raises(ValueError, match="the sdpa attention backend reads every block"):
         LLM(str(llama), sparse_attention=QUEST, attention_backend="sdpa", **kw)
-    with pytest.raises(ValueError, match="takes one of them"):
-        LLM(str(llama), sparse_attention=QUEST, eviction="sink:sinks=4,window=16", **kw)
     with pytest.raises(ValueError, match="needs a KV cache"):
         LLM(str(llama), sparse_attention=QUEST, cache_mode="none")
     with pytest.raises(ValueError, match="sparse_attention: malformed"):
@@ -175,25 +173,43 @@ def test_the_option_refuses_what_it_cannot_serve(llama):
     dense = LLM(str(llama), **kw)
     with pytest.raises(ValueError, match="needs an engine started with sparse_attention"):
         dense.generate(PROMPTS[:1], SamplingParams(sparse_attention=QUEST), use_tqdm=False)
-    sparse = LLM(str(llama), sparse_attention=QUEST, **kw)
-    with pytest.raises(ValueError, match="a request takes one of them"):
-        sparse.generate(PROMPTS[:1], SamplingParams(eviction="h2o:budget=16,recent=4"), use_tqdm=False)
-    sparse.generate(PROMPTS[:1], SamplingParams(eviction="h2o:budget=16,recent=4", sparse_attention="none"),
-                    use_tqdm=False)
     with pytest.raises(APIError) as e:
         CompletionRequest(model="m", prompt="x", sparse_attention="quest:budget=2").sampling_params(4, 384)
     assert e.value.status == 400 and e.value.param == "sparse_attention"
 
 
+@pytest.mark.parametrize("eviction", ["sink:sinks=4,window=40", "h2o:budget=44,recent=8", "snapkv:budget=44,window=8"])
+def test_eviction_keeps_the_tokens_sparse_attention_reads_some_of(llama, eviction):
+    """Beside an eviction policy: a budget past every cache is the policy alone, bit for bit; a smaller one reads
+    fewer blocks of the cache the policy keeps, whose summaries stay exact after every step (compactions, rotated
+    sinks)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone, _ = generate(llama, greedy, eviction=eviction)
+    outs, stats = generate(llama, greedy, eviction=eviction, sparse_attention="quest:budget=4096,recent=8,sinks=4")
+    assert tokens(outs) == tokens(alone) and stats["num_evicted_tokens"] > 0
+    llm = LLM(str(llama), block_size=4, num_kv_blocks=240, dtype="float32", eviction=eviction,
+              sparse_attention="quest:budget=16,recent=4,sinks=4,dense_layers=1")
+    engine, checked = llm.engine, 0
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+        checked += check_summaries(llm)
+    stats = llm.stats()
+    assert checked > 0 and stats["num_evicted_tokens"] > 0
+    assert 0 < stats["sparse_blocks_read"] < stats["sparse_blocks_total"]
+
+
 # ---- summaries stay exact: a property ------------------------------------------------------------------------------
 
 def check_summaries(llm: LLM) -> int:
-    """Every block a running sequence holds: its summary in every layer is the min and max of its cached keys (as
-    attention reads them), rounded outward to the model's dtype. Returns the blocks checked."""
+    """Every block a running sequence holds (of its cached tokens: an eviction policy's): its summary in every
+    layer is the min and max of its cached keys (as attention reads them), rounded outward to the model's dtype.
+    Returns the blocks checked."""
     engine = llm.engine
     storage, bs, checked = engine.storage, engine.kv.block_size, 0
     for seq in engine.scheduler.running:
-        n = seq.num_computed_tokens
+        n = seq.num_tokens_in_cache
         table = engine.kv.group_tables(seq.seq_id)[0][:cdiv(n, bs)]
         ids = torch.tensor(table)
         for i in range(engine.model_config.num_layers):

@@ -427,9 +427,6 @@ class EngineConfig:
         if self.sparse_attention is not None and self.cache_mode == "none":
             raise ValueError("sparse_attention reads some of a sequence's cached blocks: it needs a KV cache "
                              "(cache_mode 'paged' or 'contiguous')")
-        if parse_sparse_attention(self.sparse_attention) is not None and parse_eviction(self.eviction) is not None:
-            raise ValueError("sparse_attention keeps every token and reads some; eviction drops tokens: an engine "
-                             "takes one of them as its requests' default")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES and self.cache_mode != "paged":

@@ -42,7 +42,7 @@ class InputProcessor:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
         if policy is not None and self.widest_window is not None:
             policy.check_covers(self.widest_window)
-        sparse = request_sparse_attention(self.sparse, params.sparse_attention, policy)
+        sparse = request_sparse_attention(self.sparse, params.sparse_attention)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
         return Sequence(next(self.seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),

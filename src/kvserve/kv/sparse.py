@@ -8,6 +8,10 @@ sequence, layer and KV head (the query heads of a GQA group share one selection:
 the blocks holding the first `sinks` tokens, those holding the last `recent` tokens, and the best-bounded others
 up to `budget` tokens in all (in whole blocks), and attends exactly over them. Prefill, the first
 `dense_layers` layers, sliding-window layers and a sequence whose context is at most `budget` stay dense.
+
+Beside an eviction policy (kv/eviction.py), the policy decides which tokens the cache keeps and sparse attention
+which of the kept blocks a decode reads: the context is the cache (the sinks its first tokens, the recent window
+its last), and the summaries follow every rewrite of the policy's (compaction, rotated sinks).
 """
 from __future__ import annotations
 
@@ -59,17 +63,12 @@ def parse_sparse_attention(spec: str | dict | SparseAttention | None) -> SparseA
     return parse_policy(spec, POLICIES, "sparse_attention", _FORM, SparseAttention)
 
 
-def request_sparse_attention(default: SparseAttention | None, spec: str | dict | None,
-                             eviction: object | None) -> SparseAttention | None:
+def request_sparse_attention(default: SparseAttention | None, spec: str | dict | None) -> SparseAttention | None:
     """A request's sparse attention: its own `spec` (SamplingParams.sparse_attention; "none": dense), else the
     engine's `default`. ValueError for one the engine cannot serve: sparse attention where the engine keeps no page
-    summaries (started without sparse_attention), or beside an eviction policy (it drops tokens that sparse
-    attention keeps to choose from)."""
+    summaries (started without sparse_attention)."""
     policy = default if spec is None else parse_sparse_attention(spec)
     if policy is not None and default is None:
         raise ValueError("sparse_attention needs an engine started with sparse_attention (--sparse-attention): only "
                          "then does its cache keep the page summaries that the selection reads")
-    if policy is not None and eviction is not None:
-        raise ValueError("sparse_attention keeps every token and reads some, eviction drops tokens: a request takes "
-                         "one of them (sparse_attention 'none' beside an eviction policy)")
     return policy
