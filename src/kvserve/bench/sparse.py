@@ -147,10 +147,10 @@ def forced_decode(llm: LLM, windows: list[list[int]], prefill: int) -> list[torc
     rows: dict[int, list[torch.Tensor]] = {id(s.params): [] for s in seqs}
     sampler = engine.sampler
 
-    def recording(logits, params, generators):       # each sampling sequence's logits, by its own params
+    def recording(logits, params, generators, histories=None):     # each sampling sequence's logits, by its params
         for p, row in zip(params, logits.float()):
             rows[id(p)].append(row.clone())
-        return sampler(logits, params, generators)
+        return sampler(logits, params, generators, histories)
 
     engine.sampler = recording
     try:
