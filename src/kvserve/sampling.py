@@ -440,18 +440,15 @@ class RejectionSampler:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
 
-    def __call__(self, logits: torch.Tensor, draft_logits: torch.Tensor, drafts: list[list[int]],
-                 params: list[SamplingParams], generators: list[torch.Generator | None],
-                 histories: list[History]) -> list[DraftResult]:
-        """logits [B, V]: each sequence's logits after its last verified token; draft_logits [sum of drafts, V]:
-        after each of its drafts, sequence by sequence; its drafts, params, generator and tokens (History)."""
-        index, rows, starts = [], [], []
-        for i, (d, p, (tokens, prompt_len)) in enumerate(zip(drafts, params, histories)):
-            starts.append(len(index))
-            first = len(drafts) + len(index) - i
-            index += [i, *range(first, first + len(d))]
+    def __call__(self, logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+                 generators: list[torch.Generator | None], histories: list[History]) -> list[DraftResult]:
+        """logits [sum of (1 + drafts), V]: each sequence's rows in turn, after its last verified token then after each
+        of its drafts; its drafts, params, generator and tokens (History)."""
+        rows, starts = [], []
+        for d, p, (tokens, prompt_len) in zip(drafts, params, histories):
+            starts.append(len(rows))
             rows += [(p, (tokens + d[:j], prompt_len) if p.changes_logits else None) for j in range(len(d) + 1)]
-        raw = torch.cat((logits, draft_logits))[index]
+        raw = logits
         row_params = [p for p, _ in rows]
         processed = raw
         if any(p.changes_logits for p in params):

@@ -43,8 +43,8 @@ class DraftModelProposer(Proposer):
         self.max_model_len = min(max_model_len, mcfg.max_position_embeddings)
         backend = get_backend(config.attention_backend, device)
         native = native_decode_wanted(config, device, dtype, backend)
-        gemm = choose_gemm(mcfg, dtype, device, native)
-        self.model = load_model(path, mcfg, dtype, device, self.max_model_len, gemm.weight_format)
+        gemm = choose_gemm(mcfg, dtype, device, native, spec.quantization)
+        self.model = load_model(path, mcfg, dtype, device, self.max_model_len, gemm.weight_format, spec.quantization)
         gemm.apply(self.model)
         groups = [LayerGroup(None, tuple(range(mcfg.num_layers)))]      # windows, if any, applied by attention
         kv_spec = KVSpec.from_model(mcfg, dtype, config.block_size, resolve_kv_cache_dtype("auto", dtype))
@@ -58,6 +58,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(self.model, storage, self.kv, backend, device, executors)
         self.mirrors: dict[int, Sequence] = {}
         self.params = SamplingParams(temperature=0)
+        self.k = spec.num_speculative_tokens
 
     def retain(self, running: list[Sequence]) -> None:
         """The mirrors of sequences no longer running leave the draft's cache."""
@@ -108,16 +109,30 @@ class DraftModelProposer(Proposer):
     def _run(self, mirrors: list[Sequence], k: int) -> list[list[int]]:
         """k greedy tokens after each mirror's: one step that computes its uncomputed tokens, then k - 1 decodes."""
         sched = SchedulerOutput()
-        for m in sorted(mirrors, key=lambda m: m.num_tokens - m.num_computed_tokens > 1):   # decodes first
-            sched.add(m, m.num_tokens - m.num_computed_tokens)
-        sched.num_decodes = sum(n == 1 and m.num_computed_tokens > 0 for m, n in zip(sched.seqs, sched.num_new_tokens))
-        first = argmax(self.runner.run(sched).logits).tolist()
-        for m, n, token in zip(sched.seqs, sched.num_new_tokens, first):
+        for m in sorted(mirrors, key=lambda m: not self._catches_up(m)):        # decodes first
+            n = m.num_tokens - m.num_computed_tokens
+            if self._catches_up(m) and n > 1:
+                # the tokens after its first as rows of one query each, as a verification's drafts (engine/runner.py)
+                m.token_ids, m.spec_token_ids = m.token_ids[:1 - n], m.token_ids[1 - n:]
+            sched.add(m, n, len(m.spec_token_ids))
+        sched.num_decodes = sum(self._catches_up(m) for m in sched.seqs)
+        out = self.runner.run(sched)
+        last, end = [], 0          # each mirror's last row: a catch-up's among its rows of verify_logits
+        for i, num_spec in enumerate(out.num_drafts):
+            end += num_spec + 1 if num_spec else 0
+            last.append(out.verify_logits[end - 1] if num_spec else out.logits[i])
+        for m, n, token in zip(sched.seqs, sched.num_new_tokens, argmax(torch.stack(last)).tolist()):
+            m.token_ids += m.spec_token_ids + [token]
+            m.spec_token_ids = []
             m.num_computed_tokens += n
-            m.token_ids.append(token)
         if k > 1:
             self._decode(sched.seqs, k - 1)
         return [m.token_ids[-k:] for m in mirrors]
+
+    def _catches_up(self, mirror: Sequence) -> bool:
+        """A mirror behind by a verification's tokens (its computed ones and at most a round's drafts and one more),
+        not a prompt."""
+        return 0 < mirror.num_computed_tokens and mirror.num_tokens - mirror.num_computed_tokens <= self.k + 1
 
     def _decode(self, mirrors: list[Sequence], steps: int) -> None:
         """`steps` greedy decode steps of the mirrors, each appending its token: by one call of the C step where it

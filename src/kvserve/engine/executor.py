@@ -65,7 +65,7 @@ class StepInputs:
 @dataclass
 class StepOutput:
     """What a step computed. An executor gives the logits of every row of logits_indices in `logits`; the runner
-    then leaves there one row per sampling sequence, a verification's drafts' rows going to `draft_logits`."""
+    then leaves there one row per sampling sequence, and a verification's rows in `verify_logits` too."""
 
     logits: torch.Tensor           # [sampling sequences, vocab]
     sample_rows: list[int]
@@ -74,7 +74,8 @@ class StepOutput:
     attention_mass: dict[int, torch.Tensor]   # sequence -> [layers * KVH, context] mass, for eviction policies
     tokens: list[list[int]] | None = None     # [steps][sequences]: several decode steps' tokens, sampled already
     num_drafts: list[int] = field(default_factory=list)    # per sampling sequence: the drafts it verifies
-    draft_logits: torch.Tensor | None = None  # [drafts, vocab]: the logits after each draft, sequence by sequence
+    # each verifying sequence's rows in turn: the logits after its last verified token, then after each draft
+    verify_logits: torch.Tensor | None = None
 
 
 @dataclass

@@ -183,17 +183,19 @@ class ModelRunner:
 
 
 def _by_sequence(out: StepOutput, inputs: StepInputs) -> None:
-    """The output by the step's sequences: a verification's first logits row among the others' (`logits`), its
-    drafts' rows apart (`draft_logits`), and the attention mass by sequence, not by row."""
+    """The output by the step's sequences: each sampling sequence's first logits row in `logits`, the verifying ones'
+    rows apart (`verify_logits`), and the attention mass by sequence, not by row."""
     out.num_drafts = inputs.num_drafts
     if out.attention_mass:
         out.attention_mass = {inputs.row_seqs[row]: mass for row, mass in out.attention_mass.items()}
     if not any(inputs.num_drafts):
         return
-    first, drafts, at = [], [], 0
+    first, verified, at = [], [], 0
     for k in inputs.num_drafts:
         first.append(at)
-        drafts += range(at + 1, at + 1 + k)
+        if k:
+            verified += range(at, at + 1 + k)
         at += 1 + k
     logits = out.logits
-    out.logits, out.draft_logits = logits[first], logits[drafts]
+    out.verify_logits = logits if len(verified) == len(logits) else logits[verified]
+    out.logits = logits[first]

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.config import QUANTIZATIONS
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.eviction import EvictionPolicy
@@ -35,8 +36,9 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config: the method, the draft model of draft_model, how many drafts a step verifies,
-    the n-gram sizes of ngram, and the batch size past which no sequence proposes."""
+    """vLLM's speculative_config: the method, the draft model of draft_model (and its weights' quantization, as the
+    engine's `quantization` quantizes them at load), how many drafts a step verifies, the n-gram sizes of ngram, and
+    the batch size past which no sequence proposes."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -44,6 +46,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    quantization: str | None = None     # the draft model's weights quantized as it loads, as the engine's own
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -75,8 +78,12 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({spec['prompt_lookup_max']})")
         if spec["method"] == "draft_model" and not isinstance(spec.get("model"), str):
             raise ValueError("speculative_config: method draft_model needs 'model', the draft checkpoint's path")
-        if spec["method"] == "ngram" and spec.get("model") is not None:
-            raise ValueError("speculative_config: method ngram takes no 'model' (its drafts come from the text)")
+        if spec["method"] == "ngram" and (spec.get("model") is not None or spec.get("quantization") is not None):
+            raise ValueError("speculative_config: method ngram takes no 'model' nor 'quantization' (its drafts come "
+                             "from the text)")
+        if spec.get("quantization") not in (None, *QUANTIZATIONS):
+            raise ValueError(f"speculative_config: quantization must be one of {QUANTIZATIONS} (or null), got "
+                             f"{spec['quantization']!r}")
         return cls(**{k: v for k, v in spec.items() if v is not None})
 
 
@@ -217,8 +224,7 @@ class SpeculativeDecoding:
             return [], seqs, out.logits
         checked = [seqs[i] for i, k in enumerate(out.num_drafts) if k]
         rest = [i for i, k in enumerate(out.num_drafts) if not k]
-        results = self.rejection_sampler(out.logits[[i for i, k in enumerate(out.num_drafts) if k]],
-                                         out.draft_logits, [s.spec_token_ids for s in checked],
+        results = self.rejection_sampler(out.verify_logits, [s.spec_token_ids for s in checked],
                                          [s.params for s in checked], [s.generator for s in checked],
                                          [(s.token_ids, s.num_prompt_tokens) for s in checked])
         for seq, result in zip(checked, results):
@@ -228,7 +234,8 @@ class SpeculativeDecoding:
             seq.num_accepted_tokens += result.num_accepted
             seq.spec_token_ids = []
             self.scheduler.release_rejected(seq, result.num_accepted)
-        return [Verified(s, r) for s, r in zip(checked, results)], [seqs[i] for i in rest], out.logits[rest]
+        logits = out.logits[rest] if rest else out.logits[:0]
+        return [Verified(s, r) for s, r in zip(checked, results)], [seqs[i] for i in rest], logits
 
     def stats(self) -> dict:
         return self.counters.as_dict()
