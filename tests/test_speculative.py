@@ -278,7 +278,8 @@ def draft(tmp_path_factory):
 def test_a_draft_model_gives_plain_greedy_tokens(tiny_llama, draft, eager):
     prompts = PROMPTS + [PROMPTS[1]]
     params = [GREEDY] * 3 + [SamplingParams(n=2, max_tokens=30, temperature=0, ignore_eos=True)] * 2
-    kw = dict(enforce_eager=eager, block_size=4, num_kv_blocks=48, max_num_seqs=4)
+    # a pool that preempts, and a budget that cuts drafts short (a sequence then gains a token unverified)
+    kw = dict(enforce_eager=eager, block_size=4, num_kv_blocks=30, max_num_seqs=4, max_num_batched_tokens=12)
     reference = generate_ids(LLM(str(tiny_llama), **kw), prompts, params)
     # a random draft; the target as its own draft (every draft right); the target with int8 weights as its own
     for path, quantization, accepted in ((draft, None, None), (tiny_llama, None, 1.0), (tiny_llama, "int8", None)):

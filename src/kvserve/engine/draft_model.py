@@ -92,15 +92,16 @@ class DraftModelProposer(Proposer):
 
     def _mirror(self, seq: Sequence) -> Sequence:
         """The sequence's mirror with its tokens: the computed ones that still agree with them stay (the last round's
-        drafts the target accepted), the blocks past them go."""
+        drafts the target accepted), but its last token (computed again: its logits give the first draft), the blocks
+        past them go."""
         mirror = self.mirrors.get(seq.seq_id)
         if mirror is None:
             mirror = self.mirrors[seq.seq_id] = Sequence(seq.seq_id, seq.request_id, None, list(seq.token_ids),
                                                          self.params, 0, 0.0)
             return mirror
         computed = zip(mirror.token_ids[:mirror.num_computed_tokens], seq.token_ids)
-        mirror.num_computed_tokens = next((i for i, (a, b) in enumerate(computed) if a != b),
-                                          min(mirror.num_computed_tokens, seq.num_tokens))
+        agree = next((i for i, (a, b) in enumerate(computed) if a != b), mirror.num_computed_tokens)
+        mirror.num_computed_tokens = min(agree, seq.num_tokens - 1)
         mirror.token_ids = list(seq.token_ids)
         self.kv.truncate(mirror.seq_id, self.kv.blocks_for(mirror.num_computed_tokens))
         return mirror
