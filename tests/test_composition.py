@@ -1,7 +1,7 @@
 """Every pair of features composes: an engine with both gives the greedy tokens of the engine without those of the
 pair that must not change them (tensor parallelism, the disk tier, prefix caching, the hybrid cache's layer
-groups, n > 1 forks), with the ones that do change them (quantized weights and pages, sink eviction) kept; or
-it refuses the pair with a reason a user accepts, listed in REFUSED."""
+groups, n > 1 forks, n-gram speculation), with the ones that do change them (quantized weights and pages, sink
+eviction) kept; or it refuses the pair with a reason a user accepts, listed in REFUSED."""
 from __future__ import annotations
 
 import itertools
@@ -38,6 +38,10 @@ FEATURES = {
     "prefix_caching": Feature(),        # on; the engine without it: enable_prefix_caching=False
     "hybrid": Feature(),                # a Gemma-3-shaped model; without: one block table for every layer
     "n2": Feature(),                    # two greedy samples of each prompt, forked from one prompt
+    # drafts copied from earlier text, verified greedily: the tokens of plain decoding; a step a call, since a
+    # sequence without drafts would otherwise decode several greedy steps in one native call, proposing nothing
+    "ngram": Feature({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                             "prompt_lookup_max": 3}, "num_scheduler_steps": 1}),
 }
 # pairs an engine refuses, and what its error says
 REFUSED: dict[frozenset, str] = {}
@@ -117,6 +121,10 @@ def test_a_pair_of_features_composes(pair, models, tmp_path):
         assert stats["prefix_cache_hits"] + stats.get("kv_offload_hit_tokens", 0) > 0
     if "sink" in pair:
         assert stats["num_evicted_tokens"] > 0
+    if "ngram" in pair:       # drafts were verified; and some kept, but where the Gemma-3 model's ten tokens repeat
+        # too little for the lookup, and where sink eviction's window leaves room for few drafts before it evicts
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        assert stats["spec_decode_num_accepted_tokens"] > 0 or pair & {"hybrid", "sink"}
     if "hybrid" in pair:      # a group of the global layer, one of each sliding layer (window 8)
         assert [g["sliding_window"] for g in stats["kv_groups"]] == [None, 8, 8]
     for name in ("int8_pages", "int4_pages"):
