@@ -1,8 +1,8 @@
 """Every pair of features composes: an engine with both gives the greedy tokens of the engine without those of the
 pair that must not change them (tensor parallelism, the disk tier, prefix caching, the hybrid cache's layer
-groups, n > 1 forks), with the ones that do change them (quantized weights and pages, sink eviction, sparse
-attention under a budget smaller than the contexts) kept; or it refuses the pair with a reason a user accepts,
-listed in REFUSED."""
+groups, n > 1 forks, n-gram speculation), with the ones that do change them (quantized weights and pages, sink
+eviction, sparse attention under a budget smaller than the contexts) kept; or it refuses the pair with a reason a
+user accepts, listed in REFUSED."""
 from __future__ import annotations
 
 import itertools
@@ -41,6 +41,10 @@ FEATURES = {
     "n2": Feature(),                    # two greedy samples of each prompt, forked from one prompt
     # four of a context's blocks read (of up to eleven) in every layer that sees the whole context
     "sparse": Feature({"sparse_attention": "quest:budget=16,recent=4,sinks=4,dense_layers=0"}, exact=False),
+    # drafts copied from earlier text, verified greedily: the tokens of plain decoding; a step a call, since a
+    # sequence without drafts would otherwise decode several greedy steps in one native call, proposing nothing
+    "ngram": Feature({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                             "prompt_lookup_max": 3}, "num_scheduler_steps": 1}),
 }
 # pairs an engine refuses, and what its error says
 REFUSED: dict[frozenset, str] = {}
@@ -122,6 +126,10 @@ def test_a_pair_of_features_composes(pair, models, tmp_path):
         assert stats["num_evicted_tokens"] > 0
     if "sparse" in pair:
         assert 0 < stats["sparse_blocks_read"] < stats["sparse_blocks_total"]
+    if "ngram" in pair:       # drafts were verified; and some kept, but where the Gemma-3 model's ten tokens repeat
+        # too little for the lookup, and where sink eviction's window leaves room for few drafts before it evicts
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        assert stats["spec_decode_num_accepted_tokens"] > 0 or pair & {"hybrid", "sink"}
     if "hybrid" in pair:      # a group of the global layer, one of each sliding layer (window 8)
         assert [g["sliding_window"] for g in stats["kv_groups"]] == [None, 8, 8]
     for name in ("int8_pages", "int4_pages"):

@@ -265,6 +265,31 @@ def test_summaries_stay_exact_through_preemption_prefix_hits_forks_and_the_tier(
     assert (stats["kv_offload_swap_ins"] > 0) == (preemption_mode == "swap")
 
 
+@pytest.mark.parametrize("kw", [{}, {"enforce_eager": True}, {"kv_cache_dtype": "int8"}], ids=["c-step", "eager",
+                                                                                              "int8-pages"])
+def test_summaries_forget_the_drafts_a_verification_rejects(llama, kw):
+    """N-gram speculation beside sparse attention: a verification writes its drafts' keys into the summaries and
+    rejects most of them; after every step every block is summarised exactly (from the tokens it keeps), and the
+    tokens are those of sparse attention without speculation."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10] * 8, PROMPTS[1]]
+    expected, _ = generate(llama, params, prompts, sparse_attention=QUEST, num_scheduler_steps=1, **kw)
+    llm = LLM(str(llama), block_size=4, num_kv_blocks=240, dtype="float32", sparse_attention=QUEST,
+              speculative_config=ngram, num_scheduler_steps=1, **kw)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    got = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            got[out.request_id] = out.outputs[0].token_ids
+        check_summaries(llm)
+    stats = llm.stats()
+    assert [got[str(i)] for i in range(len(prompts))] == tokens(expected)
+    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
+    assert 0 < stats["sparse_blocks_read"] < stats["sparse_blocks_total"]
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow])
 @given(batches=st.lists(st.lists(request, min_size=1, max_size=4), min_size=1, max_size=3),

@@ -400,14 +400,26 @@ class EngineConfig:
                                               "server starts a new one); default: the largest of 120 s, 20x the "
                                               "slowest step seen, and 20x the slowest time per token seen for the "
                                               "step's tokens", metavar="SECONDS")
+    speculative_config: str | dict | None = option(None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                                                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                                                        '"prompt_lookup_max": 4} (drafts copied from earlier text) or '
+                                                        '{"model": PATH, "num_speculative_tokens": 4} (a draft model '
+                                                        'sharing the tokenizer); "disable_by_batch_size": no drafts '
+                                                        'while more sequences run', metavar="JSON")
 
     def __post_init__(self):
-        from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
+        from kvserve.engine.speculative import SpeculativeConfig, check_eviction   # they import this module
+        from kvserve.kv.eviction import parse_eviction
         from kvserve.kv.sparse import parse_sparse_attention
         from kvserve.kv.tiers import PREEMPTION_MODES, parse_kv_offload
 
-        parse_eviction(self.eviction)
+        eviction = parse_eviction(self.eviction)
         parse_sparse_attention(self.sparse_attention)
+        if SpeculativeConfig.parse(self.speculative_config) is not None:
+            if self.cache_mode == "none":
+                raise ValueError("speculative_config verifies drafts over the KV cache: it needs cache_mode 'paged' or "
+                                 "'contiguous' (none computes every token of a sequence at each step)")
+            check_eviction(eviction)
         parse_kv_offload(self.kv_offload)
         if self.kv_offload_size is not None:
             try:

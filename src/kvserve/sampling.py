@@ -317,15 +317,7 @@ class Sampler:
         return SampleResult(token_list, self._logprobs(raw, token_list, params))
 
     def _sample(self, logits, params, generators) -> torch.Tensor:
-        dev = logits.device
-        temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-        logits = logits / temp[:, None]
-        if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
-            logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = logits.softmax(-1)
-        if any(p.min_p for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0)
+        probs = _distribution(logits, params)
         # argmax(p / E) with E ~ Exp(1) samples from p; each seeded row draws from its own generator
         # so that its tokens do not depend on what else is in the batch.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -343,6 +335,21 @@ class Sampler:
             for i, entry in zip(rows, entries):
                 out[i] = entry
         return out
+
+
+def _distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's probabilities to draw from (float logits in): its temperature (1 for greedy rows), top-k, top-p,
+    min-p; min-p's masked tokens are not renormalized (argmax(p / E) draws alike)."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+    logits = logits / temp[:, None]
+    if any(p.top_k for p in params) or any(p.top_p < 1 for p in params):
+        logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    probs = logits.softmax(-1)
+    if any(p.min_p for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0)
+    return probs
 
 
 def _processed(logits: torch.Tensor, params: list[SamplingParams], histories: list[History],
@@ -418,3 +425,74 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     drop |= (mass_before >= p) & (p < 1)
     drop[:, 0] = False
     return logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+@dataclass
+class DraftResult:
+    """A verification's outcome for one sequence: its accepted drafts, then the token drawn after them."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, tuple[float, int]] | None]      # of each token, where the sequence asks
+    num_accepted: int
+
+
+class RejectionSampler:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) over the Sampler's distributions, for drafts
+    proposed deterministically (prompt lookup, a draft model's argmax): their distribution q is one-hot, so that
+    draft d is accepted with probability min(1, p(d) / q(d)) = p(d), and where it is rejected the token is drawn
+    from max(p - q, 0) renormalized, p less d; once every draft is accepted, one more from the last row's p. Each
+    token then follows the target's p exactly, as plain sampling would draw it. A greedy sequence accepts each draft
+    that is p's argmax and emits the argmax at the first that is not: the tokens of plain greedy decoding. p is what
+    the Sampler draws from: the request's logits processors (with its history and the drafts before the row),
+    temperature, top-k, top-p, min-p; a seeded sequence draws from its own generator."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def __call__(self, logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+                 generators: list[torch.Generator | None], histories: list[History]) -> list[DraftResult]:
+        """logits [sum of (1 + drafts), V]: each sequence's rows in turn, after its last verified token then after each
+        of its drafts; its drafts, params, generator and tokens (History)."""
+        rows, starts = [], []
+        for d, p, (tokens, prompt_len) in zip(drafts, params, histories):
+            starts.append(len(rows))
+            rows += [(p, (tokens + d[:j], prompt_len) if p.changes_logits else None) for j in range(len(d) + 1)]
+        raw = logits
+        row_params = [p for p, _ in rows]
+        processed = raw
+        if any(p.changes_logits for p in params):
+            processed = _processed(raw, row_params, [h or ([], 0) for _, h in rows], self.sampler.eos_token_ids)
+        best = argmax(processed).tolist()
+        probs = None
+        if not all(p.greedy for p in params):
+            probs = _distribution(processed.float(), row_params)
+            probs /= probs.sum(-1, keepdim=True)
+        results = []
+        for d, p, g, r in zip(drafts, params, generators, starts):
+            num_accepted, token = self._accept(d, p, g or self.sampler.generator, best[r:r + len(d) + 1],
+                                               None if p.greedy else probs[r:r + len(d) + 1])
+            tokens = d[:num_accepted] + [token]
+            lps = [None] * len(tokens)
+            if p.logprobs is not None:
+                lps = token_logprobs(raw[r:r + len(tokens)], tokens, [p.logprobs] * len(tokens))
+            results.append(DraftResult(tokens, lps, num_accepted))
+        return results
+
+    @staticmethod
+    def _accept(drafts: list[int], params: SamplingParams, generator: torch.Generator | None, best: list[int],
+                probs: torch.Tensor | None) -> tuple[int, int]:
+        """(drafts accepted, the token after them) of one sequence: `best` its rows' argmax, `probs` their
+        distributions (None: greedy)."""
+        if probs is None:
+            n = next((j for j, t in enumerate(drafts) if best[j] != t), len(drafts))
+            return n, best[n]
+        dev = probs.device
+        chance = probs[torch.arange(len(drafts), device=dev), torch.tensor(drafts, dtype=torch.long, device=dev)]
+        accepted = (torch.rand(len(drafts), device=dev, generator=generator) < chance).tolist()
+        n = accepted.index(False) if False in accepted else len(drafts)
+        dist = probs[n]
+        if n < len(drafts):           # max(p - q, 0) of a one-hot q: p less the rejected draft
+            dist = dist.clone()
+            dist[drafts[n]] = 0
+        noise = torch.empty_like(dist).exponential_(generator=generator)
+        return n, int((dist / noise).argmax())

@@ -1,6 +1,8 @@
 /* A whole decode step of a Llama-family decoder on the CPU in one call: embedding, every layer
  * (RMSNorm, QKV, RoPE, K/V written at their slots, paged attention, over the layer's sliding window where
- * it has one, O, RMSNorm, gate/up and SiLU, down) and the logits, for sequences of one new token each.
+ * it has one, O, RMSNorm, gate/up and SiLU, down) and the logits, for rows of one new token each: a
+ * sequence's one decode token, or one of the several tokens a verification of speculative drafts computes
+ * (its rows share the sequence's block table, each attending over one more token than the row before).
  * Gemma 2/3's layers too: (1 + weight) norms in float32, the norms around each sublayer's output, GeGLU,
  * scaled embeddings, soft-capped scores and logits, and Gemma 3's RoPE table of the sliding layers.
  *
@@ -243,23 +245,20 @@ static void add_and_norm(const Model *m, float *x, int t, void *added, const voi
     norm_row(m, x, t, weight, normed, gdt, buf);
 }
 
-/* A sequence's sparse attention in a step (kv/sparse.py): its options (params: Quest.params, budget < 0 where it
- * has none, or NULL), and where its reads are counted (decode_blocks): counts, and its row of the layer's record
- * (or NULL). */
+/* A row's sparse attention in a step (kv/sparse.py): its options (params: Quest.params, budget < 0 where it has
+ * none, or NULL), and where its reads are counted (decode_blocks): counts, and its row of the layer's record (or
+ * NULL). */
 typedef struct {
     const int64_t *params;
     int64_t *counts;
     uint8_t *record;
 } SparseTask;
 
-/* The heads of KV head kh of sequence t: its q, k and v heads (row t of the qkv rows, of gdt) into qkv (float32
- * rows), their RoPE and its K/V into the cache, and the attention of its query heads over its pages (the blocks
- * decode_blocks chooses, under sparse attention in a full-attention layer from the sequence's dense_layers on)
- * into its row of out (gdt). One task of the step's attention: its heads are no other task's. 0, or -1 where the
- * attention's memory ran out. */
-static int attend_task(const Model *m, const Layer *l, int li, const Cache *cache, int t, int kh, const void *rows,
-                        int gdt, float *qkv, int64_t position, int64_t slot, const int64_t *table, int64_t ctx,
-                        const float *cos_table, const float *sin_table, void *out, SparseTask sparse) {
+/* The heads of KV head kh of row t: its q, k and v heads (row t of the qkv rows, of gdt) into qkv (float32 rows),
+ * their RoPE, and its K/V written at its cache slot. The first task of the step's attention: its heads are no
+ * other task's. */
+static void store_task(const Model *m, const Layer *l, const Cache *cache, int t, int kh, const void *rows, int gdt,
+                       float *qkv, int64_t position, int64_t slot, const float *cos_table, const float *sin_table) {
     const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, groups = nh / nkv;
     const size_t qkv_size = (size_t)(nh + 2 * nkv) * d, q = (size_t)kh * groups * d;
     float *own = qkv + t * qkv_size;
@@ -270,8 +269,20 @@ static int attend_task(const Model *m, const Layer *l, int li, const Cache *cach
             load_row(own + (size_t)(nh + which * nkv + kh) * d, row + (size_t)(nh + which * nkv + kh) * d, gdt, d);
     }
     position_and_store(m, l, cache, own, kh, position, slot, cos_table, sin_table);
+}
+
+/* The attention of row t's query heads of KV head kh (their qkv rows as store_task left them) over its pages, the
+ * last ctx of its table's tokens (the blocks decode_blocks chooses, under sparse attention in a full-attention layer
+ * from the row's dense_layers on), into its row of out (gdt). The second task of the step's attention, once every
+ * row's K/V are in the pages: rows of one sequence (a verification's several tokens) read each other's. 0, or -1
+ * where the attention's memory ran out. */
+static int attend_task(const Model *m, const Layer *l, int li, const Cache *cache, int t, int kh, int gdt,
+                       const float *qkv, const int64_t *table, int64_t ctx, void *out, SparseTask sparse) {
+    const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, groups = nh / nkv;
+    const size_t qkv_size = (size_t)(nh + 2 * nkv) * d, q = (size_t)kh * groups * d;
     const size_t at = (size_t)t * nh * d + q;
     float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
+    const float *own = qkv + t * qkv_size;
     const int64_t *p = sparse.params;
     Blocks b = {table, ctx, NULL};
     if (p && p[0] >= 0 && !l->window &&
@@ -305,8 +316,10 @@ static void all_reduce(const Model *m, void *rows, int64_t count, int gdt, int *
     #pragma omp barrier
 }
 
-/* logits[t] (in the model's dtype) of the next token after input_ids[t], for n sequences decoding one
- * token each at `positions`, attending over their pages. A hybrid cache (kv/groups.py) has a block table
+/* logits[t] (in the model's dtype) of the next token after input_ids[t], for n rows of one token each at
+ * `positions`, attending over their pages: every row's K/V of a layer are written before any row of it attends,
+ * so that rows of one sequence (a verification's tokens, at consecutive positions and slots, each with a context
+ * one longer) see each other as a prompt's tokens would. A hybrid cache (kv/groups.py) has a block table
  * per layer group: layer l writes its K/V at slots[g][t] and reads block_tables[g] ([n][table_widths[g]])
  * of its group g = l->group (one group: g = 0 for every layer). RoPE's cos and sin: the tables of every
  * layer but those with local_rope, which read local_cos and local_sin. Sparse attention (kv/sparse.py): sparse
@@ -370,14 +383,19 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
             const int width = table_widths[l->group];
             const float *cos = l->local_rope ? local_cos : cos_table, *sin = l->local_rope ? local_sin : sin_table;
             project(&l->qkv, 0, dt, a, n, hdim, qkv_size, b);
+            #pragma omp for collapse(2) schedule(static)
+            for (int t = 0; t < n; t++)
+                for (int kh = 0; kh < nkv; kh++)
+                    store_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slot[t], cos, sin);
+            /* every row's K/V are written (the loop's barrier) before any row attends */
             #pragma omp for collapse(2) schedule(dynamic)
             for (int t = 0; t < n; t++)
                 for (int kh = 0; kh < nkv; kh++) {
                     const SparseTask sparse_task = {
                         sparse ? sparse + 4 * t : NULL, sparse_counts,
                         sparse_record ? sparse_record + ((int64_t)li * n + t) * record_width : NULL};
-                    if (attend_task(m, l, li, &cache, t, kh, b, gdt, qkv, positions[t], slot[t],
-                                    table + (int64_t)t * width, context_lens[t], cos, sin, a, sparse_task)) {
+                    if (attend_task(m, l, li, &cache, t, kh, gdt, qkv, table + (int64_t)t * width, context_lens[t], a,
+                                    sparse_task)) {
                         /* the rest of the step still runs (every thread must meet the barriers), and is discarded */
                         #pragma omp atomic write
                         failed = 1;

@@ -19,6 +19,7 @@ from kvserve.engine.executor import build_executors, native_decode_wanted
 from kvserve.engine.gpu_memory import dummy_forward, profile_kv_memory
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.speculative import NgramProposer, NoSpeculation, SpeculativeConfig, SpeculativeDecoding
 from kvserve.kernels import library
 from kvserve.kv import KVCache, KVCacheManager, KVSpec, KVStorage, LayerGroup, NoKVCache, NoKVStorage
 from kvserve.kv.events import KVEventPublisher, create_publisher
@@ -76,6 +77,7 @@ class EngineParts:
     runner: ModelRunner
     sampler: Sampler
     evictor: Evictor
+    speculator: SpeculativeDecoding | NoSpeculation    # drafts proposed and verified (speculative_config)
 
 
 def _rank_threads(size: int) -> int:
@@ -114,7 +116,25 @@ class EngineBuilder:
         # under tensor parallelism the evictor's changes to the pool are made on every rank
         storage = self.storage if self.workers is None else ForwardedStorage(self.storage, self.workers)
         self.evictor = Evictor(self.kv, storage, self.model, whole_blocks=bool(sliding))
+        self.speculator = self._speculator(config, storage)
         return EngineParts(**{f.name: getattr(self, f.name) for f in fields(EngineParts)})
+
+    def _speculator(self, config: EngineConfig, storage) -> SpeculativeDecoding | NoSpeculation:
+        """Speculative decoding by the proposer of speculative_config (NoSpeculation without one)."""
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is None:
+            return NoSpeculation()
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            from kvserve.engine.draft_model import DraftModelProposer
+            proposer = DraftModelProposer(spec, config, self.model_config, self.dtype, self.device, self.max_model_len,
+                                          self.cache_config.num_kv_blocks, self.scheduler_config.max_num_seqs)
+        log.info("speculative decoding: %s, %d tokens a step (none past %d running sequences)",
+                 spec.method if spec.model is None else f"draft model {spec.model}", spec.num_speculative_tokens,
+                 spec.disable_by_batch_size)
+        return SpeculativeDecoding(spec, proposer, self.sampler, self.scheduler, storage, self.max_model_len,
+                                   self.kv.block_size)
 
     # ---- the model and what it decides ------------------------------------------------------
 

@@ -29,7 +29,7 @@ class LLMEngine:
         seq_ids = count()
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.kv,
                                      self.scheduler_config, self.eviction, self.sliding_layers, self.device, seq_ids,
-                                     self.sparse)
+                                     self.sparse, self.speculator)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler,
                                        self.final_only, self.device, seq_ids)
         self.requests = self.outputs.requests
@@ -64,7 +64,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once (or, where nobody sees the steps between, several greedy decode steps
-        at once: engine/executor.py), sample; returns the requests that gained tokens."""
+        at once: engine/executor.py), verify the drafts it computed, sample; propose the next drafts (speculative
+        decoding: engine/speculative.py); returns the requests that gained tokens."""
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
@@ -75,13 +76,16 @@ class LLMEngine:
             raise
         self.scheduler.commit(sched)
         if out.tokens is not None:
-            return self.outputs.append_steps(sched, out.tokens)
-        self.evictor.after_step(sched.seqs, out.attention_mass)
+            outputs = self.outputs.append_steps(sched, out.tokens)
+            self.speculator.propose(sched.seqs, self.scheduler.running)
+            return outputs
         try:
+            # the drafts first: those rejected leave the cache before the evictor reads it
+            verified, seqs, logits = self.speculator.verify([sched.seqs[r] for r in out.sample_rows], out)
+            self.evictor.after_step(sched.seqs, out.attention_mass)
             if out.prompt_spans:
                 self.outputs.score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
-            seqs = [sched.seqs[r] for r in out.sample_rows]
-            logits = self.outputs.fork_samples(seqs, out.logits)
+            logits = self.outputs.fork_samples(seqs, logits)
             result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                   [(s.token_ids, s.num_prompt_tokens) for s in seqs])
         except BaseException:
@@ -89,9 +93,13 @@ class LLMEngine:
             for request_id in {s.request_id for s in sched.seqs}:
                 self.abort_request(request_id)
             raise
+        for v in verified:
+            self.outputs.append_tokens(v.seq, v.result.token_ids, v.result.logprobs)
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             self.outputs.append(seq, token, lp)
-        return self.outputs.reports(seqs)
+        gained = [v.seq for v in verified] + seqs
+        self.speculator.propose(gained, self.scheduler.running)
+        return self.outputs.reports(gained)
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of the blocks that running sequences hold."""
@@ -119,6 +127,7 @@ class LLMEngine:
             **self.connector.stats(),
             **self.kv_events.stats(),
             "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
+            **self.speculator.stats(),            # spec_decode_* (vLLM's), with a speculative_config
         }
 
     def close(self) -> None:

@@ -7,7 +7,8 @@ and its runner runs each step on the first of them that supports it, in this ord
                       input (vLLM's multi-step scheduling); CPU
   native              one decode step in one C call (csrc/decode_step.c), over full-precision or quantized
                       pages (int8, fp8, int4: written as kv/quant.py's codecs write them, bit for bit) and
-                      over each layer group's block tables of a hybrid cache; CPU
+                      over each layer group's block tables of a hybrid cache; a verification of speculative
+                      drafts too (a multi-token decode: a row per token, engine/runner.py); CPU
   cuda_graphs         one decode step replayed from the CUDA graph of its padded batch size; CUDA
   eager               the model op by op, by its attention backend: any step
   native_tp           native on every rank of a tensor-parallel engine (tensor_parallel_size > 1) on the
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
@@ -52,20 +53,29 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     batch: AttentionBatch
-    logits_indices: torch.Tensor   # flat index of the last token of each sequence that samples
+    # flat indices of each sequence that samples: its last token's, then (a verification) each of its drafts'
+    logits_indices: torch.Tensor
     sample_rows: list[int]         # which scheduled sequences sample this step
     prompt_indices: torch.Tensor   # flat indices whose logits score the next prompt token
     prompt_spans: list[tuple[int, int, int]]   # (row, first prompt token scored, count) per sequence
+    num_drafts: list[int] = field(default_factory=list)   # the drafts each sampling sequence verifies
+    row_seqs: list[int] = field(default_factory=list)     # each row's sequence (a verification has several rows)
 
 
 @dataclass
 class StepOutput:
+    """What a step computed. An executor gives the logits of every row of logits_indices in `logits`; the runner
+    then leaves there one row per sampling sequence, and a verification's rows in `verify_logits` too."""
+
     logits: torch.Tensor           # [sampling sequences, vocab]
     sample_rows: list[int]
     prompt_logits: torch.Tensor    # [scored prompt tokens, vocab], in prompt_spans order
     prompt_spans: list[tuple[int, int, int]]
-    attention_mass: dict[int, torch.Tensor]   # row -> [layers * KVH, context] mass, for eviction policies
+    attention_mass: dict[int, torch.Tensor]   # sequence -> [layers * KVH, context] mass, for eviction policies
     tokens: list[list[int]] | None = None     # [steps][sequences]: several decode steps' tokens, sampled already
+    num_drafts: list[int] = field(default_factory=list)    # per sampling sequence: the drafts it verifies
+    # each verifying sequence's rows in turn: the logits after its last verified token, then after each draft
+    verify_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -108,7 +118,7 @@ def _takes(native: NativeDecode, num_seqs: int) -> bool:
 def _logits(model: CausalLM, hidden: torch.Tensor, inputs: StepInputs) -> StepOutput:
     """The output of a forward's hidden states: the logits of the tokens that sample and of the prompt tokens
     scored, and the attention mass the layers gathered."""
-    num_sample = len(inputs.sample_rows)
+    num_sample = len(inputs.logits_indices)
     logits = model.compute_logits(hidden[torch.cat((inputs.logits_indices, inputs.prompt_indices))])
     mass = {row: torch.cat(layers) for row, layers in inputs.batch.mass.items()}
     return StepOutput(logits[:num_sample], inputs.sample_rows, logits[num_sample:], inputs.prompt_spans, mass)
@@ -126,16 +136,16 @@ class NativeMultiStep:
         self.max_model_len = max_model_len
 
     def supports(self, step: Step) -> bool:
-        """Decodes only, as many as the C step takes, of final-only requests (nobody sees the steps between)
-        that are greedy, with no logprobs, no eviction and logits they do not change (logit_bias, allowed_token_ids,
-        bad_words, min_tokens: the C step takes the plain argmax), none under sparse attention at its prompt's last
-        token,
+        """Decodes only, with no drafts to verify, as many as the C step takes, of final-only requests (nobody sees
+        the steps between) that are greedy, with no logprobs, no eviction and logits they do not change (logit_bias,
+        allowed_token_ids, bad_words, min_tokens: the C step takes the plain argmax), none under sparse attention at
+        its prompt's last token,
         while no request waits for a place or for its blocks from the second tier (it would wait the whole call);
         at least two steps before any sequence reaches its max_tokens or max_model_len.
         Then it reserves the blocks of all the steps (all or none: without them, the step is not taken)."""
         sched = step.sched
-        if (sched.num_decodes < len(sched.seqs) or self.scheduler.waiting or self.scheduler.loading
-                or not _takes(self.native, len(sched.seqs))):
+        if (sched.num_decodes < len(sched.seqs) or any(sched.num_spec_tokens) or self.scheduler.waiting
+                or self.scheduler.loading or not _takes(self.native, len(sched.seqs))):
             return False
         steps = self.max_steps
         for seq in sched.seqs:
@@ -169,13 +179,14 @@ class NativeStep:
         self.native = native
 
     def supports(self, step: Step) -> bool:
-        """As many decodes as the C step takes, for their logits only."""
-        return _takes(self.native, len(step.sched.seqs)) and decodes_for_logits(step.inputs)
+        """Decodes for their logits only (a verification's rows among them), as many rows as the C step takes."""
+        inputs = step.inputs
+        return decodes_for_logits(inputs) and _takes(self.native, len(inputs.batch.query_lens))
 
     def run(self, step: Step) -> StepOutput:
         inputs = step.inputs
         logits = self.native.run(inputs.input_ids, inputs.positions, inputs.batch)
-        if len(inputs.sample_rows) < len(logits):     # the others compute a prompt a token at a time
+        if len(inputs.logits_indices) < len(logits):     # the others compute a prompt a token at a time
             logits = logits[inputs.logits_indices]
         return StepOutput(logits, inputs.sample_rows, logits[:0], [], {})
 

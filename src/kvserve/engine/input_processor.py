@@ -19,13 +19,14 @@ from kvserve.text import valid_unicode
 
 class InputProcessor:
     """`eviction` and `sparse` are the engine's defaults (policy, sparse attention); `sliding_layers` each layer whose
-    window binds, and its window; `seq_ids` the engine's counter of sequence ids."""
+    window binds, and its window; `seq_ids` the engine's counter of sequence ids; `speculator` the engine's
+    speculative decoding (which refuses the policies it cannot keep exact)."""
 
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, kv: KVCache,
                  scheduler_config: SchedulerConfig, eviction: EvictionPolicy | None, sliding_layers: dict[int, int],
-                 device: torch.device, seq_ids: Iterator[int], sparse: SparseAttention | None = None):
+                 device: torch.device, seq_ids: Iterator[int], sparse: SparseAttention | None, speculator):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, model_config.vocab_size, max_model_len
-        self.kv, self.scheduler_config = kv, scheduler_config
+        self.kv, self.scheduler_config, self.speculator = kv, scheduler_config, speculator
         self.eviction, self.sparse, self.device, self.seq_ids = eviction, sparse, device, seq_ids
         self.widest_window = max(sliding_layers.values(), default=None)
 
@@ -43,6 +44,7 @@ class InputProcessor:
         if policy is not None and self.widest_window is not None:
             policy.check_covers(self.widest_window)
         sparse = request_sparse_attention(self.sparse, params.sparse_attention)
+        self.speculator.check_request(policy)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
         return Sequence(next(self.seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),

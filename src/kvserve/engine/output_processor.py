@@ -100,6 +100,17 @@ class OutputProcessor:
         if seq.num_output_tokens >= seq.max_tokens or (seq.num_tokens >= self.max_model_len and not bounded):
             self._finish(seq, "length")
 
+    def append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
+        """A verification's tokens of one sequence (its accepted drafts, then the token after them): taken as plain
+        decoding would take them, each computed token advancing the sequence (Scheduler.advance) before the next is
+        appended, up to the one that ends it; the rest are dropped with its blocks."""
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            if seq.is_finished:
+                return
+            if i:
+                self.scheduler.advance(seq)
+            self.append(seq, token, lp)
+
     def append_steps(self, sched: SchedulerOutput, tokens: list[list[int]]) -> list[RequestOutput]:
         """The tokens [steps][sequences] of several greedy decode steps run at once: each sequence takes them as
         one step at a time would, up to the one that ends it (a stop token or string); the rest are dropped with
@@ -160,6 +171,9 @@ class OutputProcessor:
         metrics = {"arrival_time": seq.arrival_time}
         if seq.first_token_time is not None:
             metrics["first_token_time"] = seq.first_token_time
+        if drafts := sum(s.num_draft_tokens for s in group):    # speculative decoding: its drafts, and those accepted
+            metrics["spec_decode_num_draft_tokens"] = drafts
+            metrics["spec_decode_num_accepted_tokens"] = sum(s.num_accepted_tokens for s in group)
         return RequestOutput(request_id, seq.prompt, seq.prompt_token_ids, completions, finished,
                              seq.num_cached_tokens, metrics, seq.prompt_logprobs)
 

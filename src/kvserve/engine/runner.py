@@ -54,24 +54,33 @@ class ModelRunner:
         return next((e.graphs for e in self.executors if isinstance(e, CudaGraphs)), None)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's flat inputs. A verification of drafts (SchedulerOutput.num_spec_tokens) is a multi-token
+        decode: each of its tokens is a row of one query, over the sequence's block table, one token more of
+        context than the row before (every backend, and the C step, writes a layer's K/V before any row attends),
+        and each of its rows gives logits: its last verified token's, then each draft's."""
         input_ids, starts, q_lens, ctx_lens, logits_indices, sample_rows = [], [], [], [], [], []
-        prompt_indices, prompt_spans, evicted, mass_requests = [], [], [], []
-        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+        prompt_indices, prompt_spans, evicted, mass_requests, row_seqs, num_drafts = [], [], [], [], [], []
+        for i, (seq, n, num_spec) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.num_spec_tokens)):
             start = seq.num_computed_tokens
             offset = len(input_ids)
-            input_ids += seq.token_ids[start:start + n]
-            starts.append(start)
-            q_lens.append(n)
-            # positions count every token (RoPE); the cache holds those not evicted
-            evicted.append(seq.num_evicted_tokens)
-            ctx_lens.append(seq.num_tokens_in_cache + n)
+            input_ids += seq.token_ids[start:start + n - num_spec]
+            if num_spec:
+                input_ids += seq.spec_token_ids[:num_spec]
+            for row_start, q in [(start + j, 1) for j in range(n)] if num_spec else [(start, n)]:
+                starts.append(row_start)
+                q_lens.append(q)
+                # positions count every token (RoPE); the cache holds those not evicted
+                evicted.append(seq.num_evicted_tokens)
+                ctx_lens.append(row_start - seq.num_evicted_tokens + q)
+                row_seqs.append(i)
             if seq.eviction is not None and seq.eviction.needs_scores and self.gathers_mass:
                 scored = self._scored_queries(seq, n)
-                if scored:
-                    mass_requests.append((i, offset + n - scored, scored, seq.eviction.mass_reduce))
-            if start + n == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
+                if scored:      # (never a verification's: a policy that scores every query refuses drafts)
+                    mass_requests.append((len(starts) - 1, offset + n - scored, scored, seq.eviction.mass_reduce))
+            if start + n - num_spec == seq.num_tokens:
+                logits_indices += range(offset + n - num_spec - 1, offset + n)
                 sample_rows.append(i)
+                num_drafts.append(num_spec)
             if seq.prompt_logprobs is not None:
                 # position p scores prompt token p + 1; skip tokens scored before a recomputation
                 first = max(start, len(seq.prompt_logprobs) - 1)
@@ -83,10 +92,10 @@ class ModelRunner:
         self.model.ensure_rope(max(s + n for s, n in zip(starts, q_lens)))
         # the cache holds the tokens not evicted: their places there
         cache_starts = [s - e for s, e in zip(starts, evicted)]
-        group_tables = self._group_tables(sched)
+        group_tables = self._group_tables(sched, row_seqs)
         tables = group_tables[0] if group_tables else None
         positions, slot_mapping, block_tables = self._places(starts, cache_starts, q_lens, len(input_ids), tables)
-        nd = sched.num_decodes
+        nd = sched.num_decodes + sum(sched.num_spec_tokens)     # rows of one query: a verification's each
         batch = AttentionBatch(
             num_decodes=nd,
             slot_mapping=slot_mapping,
@@ -100,22 +109,28 @@ class ModelRunner:
             mass_requests=mass_requests,
             mass_layers=self.mass_layers,
         )
-        # the decodes' sparse attention; a prefill attends densely, the prompt's last token too where a prefix hit
-        # leaves it alone (a decode to the scheduler): the first token is the dense model's, cached prefix or not
-        batch.sparse = self.sparse.decode([s.seq_id for s in sched.seqs],
-                                          [s.sparse if i < nd and s.num_computed_tokens >= s.num_prompt_tokens
-                                           else None for i, s in enumerate(sched.seqs)],
+        # the decode rows' sparse attention (each row of a verification its sequence's); a prefill attends densely,
+        # the prompt's last token too where a prefix hit leaves it alone (a decode to the scheduler): the first token
+        # is the dense model's, cached prefix or not
+        rows = [sched.seqs[i] for i in row_seqs]
+        batch.sparse = self.sparse.decode([s.seq_id for s in rows],
+                                          [s.sparse if r < nd and s.num_computed_tokens >= s.num_prompt_tokens
+                                           else None for r, s in enumerate(rows)],
                                           0 if block_tables is None else block_tables.shape[1])
         # each layer group's batch but the first's (this one): its slots and block tables
         batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
                         for t in group_tables[1:]]
         batch.layer_group = self.storage.layer_group
         return StepInputs(index_tensor(input_ids, dev), positions, batch, index_tensor(logits_indices, dev),
-                          sample_rows, index_tensor(prompt_indices, dev), prompt_spans)
+                          sample_rows, index_tensor(prompt_indices, dev), prompt_spans, num_drafts, row_seqs)
 
-    def _group_tables(self, sched: SchedulerOutput) -> list[list[list[int]]]:
-        """The step's block tables [layer group][sequence] (none where the engine keeps no cache)."""
-        return [list(tables) for tables in zip(*(self.kv.group_tables(s.seq_id) for s in sched.seqs))]
+    def _group_tables(self, sched: SchedulerOutput, row_seqs: list[int]) -> list[list[list[int]]]:
+        """The step's block tables [layer group][row] (none where the engine keeps no cache): each row's sequence's
+        (a verification's rows share theirs)."""
+        tables = [list(tables) for tables in zip(*(self.kv.group_tables(s.seq_id) for s in sched.seqs))]
+        if len(row_seqs) == len(sched.seqs):
+            return tables
+        return [[group[i] for i in row_seqs] for group in tables]
 
     def _group_batch(self, batch: AttentionBatch, tables: list[list[int]], starts: list[int],
                      cache_starts: list[int], q_lens: list[int], num_tokens: int) -> AttentionBatch:
@@ -167,9 +182,30 @@ class ModelRunner:
         executor = next(e for e in self.executors if e.supports(step))
         out = executor.run(step)
         self.steps[executor.name] += step.num_steps
+        if out.tokens is None:
+            _by_sequence(out, step.inputs)
         return out
 
     def _copy_and_prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's inputs, its copy-on-write blocks copied first (those of every block it reserved)."""
         self.storage.copy_blocks(sched.block_copies)
         return self.prepare(sched)
+
+
+def _by_sequence(out: StepOutput, inputs: StepInputs) -> None:
+    """The output by the step's sequences: each sampling sequence's first logits row in `logits`, the verifying ones'
+    rows apart (`verify_logits`), and the attention mass by sequence, not by row."""
+    out.num_drafts = inputs.num_drafts
+    if out.attention_mass:
+        out.attention_mass = {inputs.row_seqs[row]: mass for row, mass in out.attention_mass.items()}
+    if not any(inputs.num_drafts):
+        return
+    first, verified, at = [], [], 0
+    for k in inputs.num_drafts:
+        first.append(at)
+        if k:
+            verified += range(at, at + 1 + k)
+        at += 1 + k
+    logits = out.logits
+    out.verify_logits = logits if len(verified) == len(logits) else logits[verified]
+    out.logits = logits[first]

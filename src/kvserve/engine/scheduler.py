@@ -13,20 +13,23 @@ from kvserve.kv.tiers import KVConnector, NoConnector
 
 @dataclass
 class SchedulerOutput:
-    """The sequences of one step, decodes first, and how many new tokens each computes."""
+    """The sequences of one step, decodes first, and how many new tokens each computes: of a decode that verifies
+    speculative drafts, its one new token and the last num_spec_tokens, its drafts (Sequence.spec_token_ids)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_decodes: int = 0
+    num_spec_tokens: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.seqs
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, num_spec: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
+        self.num_spec_tokens.append(num_spec)
 
 
 @dataclass
@@ -96,24 +99,39 @@ class Scheduler:
             n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             if not n:
                 continue
-            if not self._reserve(seq, n, out):
+            num_spec = self._num_drafts(seq, n, budget)
+            if not self._reserve(seq, n + num_spec, out, num_spec):
                 preempted = True
                 continue
-            out.add(seq, n)
-            budget -= n
+            out.add(seq, n + num_spec, num_spec)
+            budget -= n + num_spec
         if not preempted:
             self._admit(out, budget)
-        is_decode = [self._is_decode(s, n) for s, n in zip(out.seqs, out.num_new_tokens)]
+        is_decode = [self._is_decode(*a) for a in zip(out.seqs, out.num_new_tokens, out.num_spec_tokens)]
         order = sorted(range(len(out.seqs)), key=lambda i: not is_decode[i])
         out.seqs = [out.seqs[i] for i in order]
         out.num_new_tokens = [out.num_new_tokens[i] for i in order]
+        out.num_spec_tokens = [out.num_spec_tokens[i] for i in order]
         out.num_decodes = sum(is_decode)
         return out
 
     @staticmethod
-    def _is_decode(seq: Sequence, n: int) -> bool:
-        """One new token after computed ones (never where the cache keeps nothing: nothing stays computed)."""
-        return n == 1 and seq.num_computed_tokens > 0
+    def _is_decode(seq: Sequence, n: int, num_spec: int = 0) -> bool:
+        """One new token after computed ones, and its drafts (never where the cache keeps nothing: nothing stays
+        computed)."""
+        return n - num_spec == 1 and seq.num_computed_tokens > 0
+
+    def _num_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of a running sequence's drafts this step verifies after its one new token: as many as the token
+        budget and the free blocks take (a draft never preempts anyone), none unless the step is the sequence's
+        decode. The drafts not taken are dropped: they are the tail of a guess."""
+        k = len(seq.spec_token_ids) if n == 1 == seq.num_tokens - seq.num_computed_tokens else 0
+        k = min(k, budget - n)
+        while k and self.kv.num_new_blocks(seq.seq_id, seq.num_tokens_in_cache, n + k) > self.kv.num_free_blocks:
+            k -= 1
+        if k < len(seq.spec_token_ids):
+            seq.spec_token_ids = seq.spec_token_ids[:k]
+        return k
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         """The tokens after the first num_computed that the sequence computes this step, within budget: at most
@@ -123,8 +141,9 @@ class Scheduler:
             return n if n <= budget else 0
         return min(n, budget, self.config.long_prefill_token_threshold)
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for n more tokens of a running sequence, preempting the newest others if needed."""
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, num_spec: int = 0) -> bool:
+        """Blocks for n more tokens of a running sequence, preempting the newest others if needed; the full blocks
+        of all but its last num_spec (drafts, not yet verified) indexed."""
         while (needed := self.kv.num_new_blocks(seq.seq_id, seq.num_tokens_in_cache, n)) > self.kv.num_free_blocks:
             victim = next(s for s in reversed(self.running) if s is seq or s not in out.seqs)
             self.preempt(victim, swap=self._should_swap(victim))
@@ -132,7 +151,7 @@ class Scheduler:
                 return False
         if needed:       # most decode steps write into the last block, theirs alone: nothing to take
             out.block_copies += self.kv.allocate(seq.seq_id, seq.num_tokens_in_cache, n)
-        self._cache_full_blocks(seq, seq.num_computed_tokens + n)
+        self._cache_full_blocks(seq, seq.num_computed_tokens + n - num_spec)
         return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -254,13 +273,21 @@ class Scheduler:
                 seq.num_indexed_blocks = computed
 
     def commit(self, out: SchedulerOutput) -> None:
-        """After the model ran: advance each sequence past the tokens it computed (where the cache keeps them)."""
+        """After the model ran: advance each sequence past the tokens it computed (where the cache keeps them), a
+        verification past its one new token only: its drafts' K/V are written, and `advance` takes each accepted
+        one in turn (release_rejected lets the others go)."""
         self.connector.commit()
         if self.kv.recomputes:
             return
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            self.kv.release_past_window(seq.seq_id, seq.num_tokens_in_cache + n)
-            seq.num_computed_tokens += n
+        for seq, n, num_spec in zip(out.seqs, out.num_new_tokens, out.num_spec_tokens):
+            self.kv.release_past_window(seq.seq_id, seq.num_tokens_in_cache + n - num_spec)
+            seq.num_computed_tokens += n - num_spec
+
+    def release_rejected(self, seq: Sequence, num_accepted: int) -> None:
+        """A verification accepted the first num_accepted of the sequence's drafts: the blocks past them return to the
+        pool (at the front of its free queue: they hold no prefix), so that its tables hold what plain decoding of
+        the same tokens holds. The accepted drafts' K/V stay; `advance` takes each as its token is appended."""
+        self.kv.truncate(seq.seq_id, self.kv.blocks_for(seq.num_tokens_in_cache + num_accepted))
 
     def reserve_ahead(self, out: SchedulerOutput, steps: int) -> bool:
         """Blocks for `steps` tokens of each of a step's decodes (the first already reserved), if the pool has
@@ -273,8 +300,9 @@ class Scheduler:
         return True
 
     def advance(self, seq: Sequence) -> None:
-        """A decode of several steps at once computed one more token (the last step's): as commit, and the
-        blocks it filled indexed, as schedule indexes a step's (their K/V are written: KVConnector.commit)."""
+        """A decode of several steps at once, or a verification, computed one more token (the last step's, or an
+        accepted draft): as commit, and the blocks it filled indexed, as schedule indexes a step's (their K/V are
+        written: KVConnector.commit)."""
         self.kv.release_past_window(seq.seq_id, seq.num_tokens_in_cache + 1)
         seq.num_computed_tokens += 1
         self._cache_full_blocks(seq, seq.num_computed_tokens)

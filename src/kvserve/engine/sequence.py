@@ -63,6 +63,11 @@ class Sequence:
     prompt_compacted: bool = False           # snapkv has made its choice
     # sparse decode attention: which cached blocks its decode steps read (kv/sparse.py); None: all of them
     sparse: SparseAttention | None = None
+    # speculative decoding (engine/speculative.py): the draft tokens proposed after token_ids, which the next
+    # step verifies (the scheduler may take fewer), and this sequence's drafts and accepted drafts so far
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -90,6 +95,7 @@ class Sequence:
         child.seq_id, child.generator = seq_id, generator
         child.token_ids, child.block_keys = list(self.token_ids), list(self.block_keys)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.spec_token_ids = []
         child.detokenize_stream = None
         return child
 
@@ -98,6 +104,7 @@ class Sequence:
         blocks it finds in the prefix cache and the second tier)."""
         self.num_computed_tokens = self.num_indexed_blocks = self.num_evicted_tokens = 0
         self.kv_scores, self.prompt_compacted = None, False
+        self.spec_token_ids = []
 
     @property
     def num_prompt_tokens(self) -> int:

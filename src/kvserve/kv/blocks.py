@@ -120,6 +120,14 @@ class BlockPool:
         if self.ref_counts[block_id] == 0:
             self._free[block_id] = None
 
+    def reuse_first(self, block_ids: list[int]) -> None:
+        """Move those of the blocks that are free and hold no prefix to the front of the free queue, in order: the
+        next allocations take them before any cached block, which they would evict (blocks written with tokens that
+        were then taken back, a verification's rejected drafts)."""
+        for b in reversed(block_ids):
+            if not self.ref_counts[b] and self.keys[b] is None:
+                self._free.move_to_end(b, last=False)
+
     def lookup(self, key: BlockKey) -> int | None:
         """The cached block holding exactly `key`'s tokens after the same prefix, if any."""
         block_id = self._cached.get(key.hash)

@@ -30,6 +30,8 @@ class EvictionPolicy:
     recent_option: ClassVar[str] = ""       # the option counting the most recent tokens, always kept
     # its cache holds a bounded window: only max_tokens ends a sequence, which may run past max_model_len
     bounds_context: ClassVar[bool] = False
+    # it scores the cache by every decode query's attention (speculative decoding's rejected drafts would count)
+    scores_decodes: ClassVar[bool] = False
 
     def max_cache_tokens(self, block_size: int) -> int | None:
         """The most tokens the cache of one sequence ever holds (None: unbounded)."""
@@ -43,6 +45,12 @@ class EvictionPolicy:
     def pinned_blocks(self, block_size: int) -> int:
         """Blocks it keeps outside a sequence's table, in each layer group that keeps every token."""
         return 0
+
+    def tokens_before_eviction(self, num_cached: int, block_size: int, prompt_compacted: bool) -> int | None:
+        """How many more tokens a cache of num_cached tokens takes with what the policy has evicted unchanged (it
+        evicts after the step whose tokens pass them); None: no more evictions. A speculative verification's queries
+        must see the cache plain decoding shows them (engine/speculative.py)."""
+        return None
 
     def spec(self) -> str:
         return policy_spec(self)
@@ -92,6 +100,10 @@ class Sink(EvictionPolicy):
         """The unrotated originals of its sink blocks."""
         return self.sink_blocks(block_size)
 
+    def tokens_before_eviction(self, num_cached: int, block_size: int, prompt_compacted: bool) -> int:
+        """Up to the count at which blocks_to_drop is no longer empty: the block after the sinks left the window."""
+        return max(0, self.window + (self.sink_blocks(block_size) + 1) * block_size - 1 - num_cached)
+
     def blocks_to_drop(self, num_cached: int, block_size: int) -> range:
         """Blocks of the table (after the sink blocks) whose tokens are all older than the window."""
         first = self.sink_blocks(block_size)
@@ -111,6 +123,7 @@ class H2O(EvictionPolicy):
 
     name: ClassVar[str] = "h2o"
     needs_scores: ClassVar[bool] = True
+    scores_decodes: ClassVar[bool] = True
     recent_option: ClassVar[str] = "recent"
     budget: int = 512
     recent: int = 64
@@ -126,6 +139,10 @@ class H2O(EvictionPolicy):
 
     def max_cache_tokens(self, block_size: int) -> int:
         return self.budget + block_size
+
+    def tokens_before_eviction(self, num_cached: int, block_size: int, prompt_compacted: bool) -> int:
+        """It may evict after any step."""
+        return 0
 
     def keep(self, scores: torch.Tensor, block_size: int, whole_blocks: bool = False) -> torch.Tensor | None:
         """Sorted indices of the tokens to keep, or None while within budget + a block: `budget` of them, or with
@@ -153,6 +170,10 @@ class SnapKV(EvictionPolicy):
     def __post_init__(self):
         _check(0 < self.window < self.budget and self.pool >= 1 and self.pool % 2 == 1,
                "snapkv needs 0 < window < budget and an odd pool >= 1")
+
+    def tokens_before_eviction(self, num_cached: int, block_size: int, prompt_compacted: bool) -> int | None:
+        """None once the prompt is compacted; before, it may compact after any step."""
+        return None if prompt_compacted else 0
 
     def keep(self, scores: torch.Tensor, block_size: int, whole_blocks: bool = False) -> torch.Tensor | None:
         """Sorted indices of the prompt tokens to keep, or None if the prompt fits the budget: `budget` of them, or

@@ -196,8 +196,11 @@ class GroupTables:
             self.pool.pool.uncache(block_id, key)
 
     def truncate(self, seq_id: int, num_blocks: int) -> None:
-        """Keep the first num_blocks entries of the sequence's table; let go of the blocks after."""
-        self.drop(seq_id, range(num_blocks, len(self.block_tables[seq_id])))
+        """Keep the first num_blocks entries of the sequence's table; let go of the blocks after (those that hold no
+        prefix first in line to be taken again: BlockPool.reuse_first)."""
+        dropped = self.block_tables[seq_id][num_blocks:]
+        self.drop(seq_id, range(num_blocks, num_blocks + len(dropped)))
+        self.pool.pool.reuse_first(dropped)
 
     # ---- lifetime -------------------------------------------------------------------------
 

@@ -122,7 +122,8 @@ class KVCache(ABC):
 
     @abstractmethod
     def truncate(self, seq_id: int, num_blocks: int) -> None:
-        """Keep the first num_blocks entries of the sequence's tables; let go of the blocks after."""
+        """Keep the first num_blocks entries of the sequence's tables; let go of the blocks after, those that hold
+        no prefix to be taken first by the next allocations (they would otherwise evict cached blocks)."""
 
     @abstractmethod
     def cache_blocks(self, seq_id: int, first: int, keys: list[BlockKey]) -> None:

@@ -103,6 +103,13 @@ class LayerPages(ABC):
         if self.summaries is not None:
             self.summaries.set_blocks(blocks, self.decoded_keys(blocks))
 
+    def summarize_prefix(self, block: int, count: int) -> None:
+        """The summary of one block from its first `count` tokens' keys alone (tokens written after them were
+        dropped: their keys must no longer widen it)."""
+        if self.summaries is not None:
+            ids = torch.tensor([block], device=self.summaries.data.device)
+            self.summaries.set_blocks(ids, self.decoded_keys(ids)[:, :, :count])
+
 
 class FullPages(LayerPages):
     """Pages in the model's dtype: `pages` itself (a view of the storage's one tensor of every such layer)."""

@@ -94,6 +94,14 @@ class KVStorage:
         """Model layer i's pages: those of its place in its group."""
         return self.layers[self.slots[i]]
 
+    def summarize_prefix(self, group_blocks: list[int], count: int) -> None:
+        """In every layer, the summary of its group's block (group_blocks[group]) from the block's first `count`
+        tokens: what a verification leaves of a block where it wrote drafts it then rejected. Nothing where the
+        storage keeps no summaries."""
+        if len(self.summaries):
+            for i in range(len(self.slots)):
+                self.layer(i).summarize_prefix(group_blocks[self.layer_group[i]], count)
+
     @property
     def device(self) -> torch.device:
         return self.kv.device

@@ -64,6 +64,11 @@ class ForwardedStorage:
         self.workers.queue("storage", "rewrite", (list(old_table), keep.cpu(), list(new_table)))
         self.storage.rewrite(old_table, keep, new_table)
 
+    def summarize_prefix(self, group_blocks: list[int], count: int) -> None:
+        """KVStorage.summarize_prefix, here and on every worker."""
+        self.workers.queue("storage", "summarize_prefix", (list(group_blocks), count))
+        self.storage.summarize_prefix(group_blocks, count)
+
     def rotate_keys(self, src: list[int], dst: list[int], rotate) -> None:
         """KVStorage.rotate_keys, here and on every worker (`rotate` is sent: a picklable callable)."""
         self.workers.queue("storage", "rotate_keys", (list(src), list(dst), rotate))

@@ -50,8 +50,22 @@ class EngineCollector:
         yield steps
         if "kv_offload_blocks" in stats:
             yield from self._offload(stats)
+        if "spec_decode_num_drafts" in stats:
+            yield from self._spec_decode(stats)
         if "kv_events_published" in stats:
             yield from self._events(stats)
+
+    def _spec_decode(self, stats: dict):
+        """Speculative decoding's counters, vLLM's (an engine with a speculative_config)."""
+        for name, doc in (("num_drafts", "Verifications of speculative drafts (one per sequence and step)."),
+                          ("num_draft_tokens", "Draft tokens verified."),
+                          ("num_accepted_tokens", "Draft tokens accepted.")):
+            yield self._counter(f"spec_decode_{name}", doc, stats[f"spec_decode_{name}"])
+        family = CounterMetricFamily("kvserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                                     "their position among a verification's drafts.", labels=[*self.labels, "position"])
+        for pos, count in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            family.add_metric([*self.labels.values(), str(pos)], count)
+        yield family
 
     def _events(self, stats: dict):
         """The KV events publisher's counters (an engine with kv_events_endpoint)."""
@@ -87,6 +101,11 @@ class EngineCollector:
             family = CounterMetricFamily(f"kvserve:kv_offload_{name}", doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), stats[f"kv_offload_{name}"])
             yield family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))
