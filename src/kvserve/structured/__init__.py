@@ -2,7 +2,7 @@
 
 params.py    StructuredOutputsParams (vLLM's fields), checked when made
 grammar.py   the Grammar a sequence advances token by token (NO_GRAMMAR: none)
-backend.py   the grammar engine, xgrammar: compiled constraints (cached) and each sequence's matcher
+backend.py   the grammar engine, llguidance: compiled constraints (cached) and each sequence's matcher
 manager.py   StructuredOutputManager: the engine's part: grammars for new requests, each step's masks
 """
 from kvserve.structured.params import StructuredOutputsParams

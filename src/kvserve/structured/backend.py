@@ -1,85 +1,66 @@
-"""The grammar engine, xgrammar: structured outputs compiled against the tokenizer's vocabulary (once per
-constraint), and each sequence's matcher over its compiled grammar."""
+"""The grammar engine, llguidance: structured outputs compiled against the tokenizer's vocabulary (once per
+constraint), and each sequence's matcher, a copy of its constraint's compiled one."""
 from __future__ import annotations
 
 import copy
 import json
-import os
-import re
 from collections import OrderedDict
 
+import llguidance
+import llguidance.hf
+import llguidance.torch
 import torch
-import xgrammar as xgr
 
 from kvserve.structured.params import StructuredOutputsParams
 
-# the compiled grammars kept for requests to come (vLLM's default for xgrammar's cache is 512 MiB; a compiled
-# grammar of a JSON schema over a 32k vocabulary takes tens of KiB)
-GRAMMAR_CACHE_BYTES = 64 * 2**20
-COMPILE_THREADS = min(8, os.cpu_count() or 1)
-
+# compiled constraints kept for the requests to come, least recently used first out
+GRAMMAR_CACHE_SIZE = 128
+# an error names what is wrong, not the parser's state
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+_WHAT = {"json": "the JSON schema", "json_object": "json_object", "regex": "the regex", "choice": "the choice",
+         "grammar": "the grammar (Lark or GBNF)"}
 # JSON schema keywords whose values are schemas: by name (a map of them), in a list, or one
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties",
                   "unevaluatedItems", "additionalItems", "not", "if", "then", "else")
-# keywords xgrammar compiles without enforcing them: a schema with one is refused rather than not followed
-_NOT_ENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
-# xgrammar's errors begin with the time and the C++ source line
-_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
-class XGrammarCompiler:
-    """Compiles structured outputs for one tokenizer (a Hugging Face one) and a model's vocabulary; each constraint
-    is compiled once and kept (least recently used first out, past GRAMMAR_CACHE_BYTES). A sequence ends its
-    grammar with one of `stop_token_ids` (the model's EOS)."""
+class GuidanceCompiler:
+    """Compiles structured outputs for one tokenizer (a Hugging Face fast one) and a model's vocabulary: each
+    constraint once, into a matcher kept (GRAMMAR_CACHE_SIZE of them) that each request's is a copy of. A sequence
+    ends its grammar with one of `eos_token_ids`."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
-        # without EOS ids of its own, xgrammar finds the tokenizer's
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        self.cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
-        self.cache_bytes = 0
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                      eos_token=sorted(eos_token_ids) or None)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
         self.hits = self.misses = 0
 
     def grammar(self, params: StructuredOutputsParams) -> MatcherGrammar:
         """A fresh matcher of the request's constraint; ValueError (naming structured_outputs) for a schema, regex
-        or grammar that does not compile, or a schema with keywords the grammar engine would not enforce."""
+        or grammar that does not compile, or a schema with keywords the grammar engine does not implement."""
         key = _key(params)
         compiled = self.cache.get(key)
         if compiled is None:
             self.misses += 1
-            compiled = self._compile(params)
-            self.cache[key] = compiled
-            self.cache_bytes += compiled.memory_size_bytes
-            while self.cache_bytes > GRAMMAR_CACHE_BYTES and len(self.cache) > 1:
-                self.cache_bytes -= self.cache.popitem(last=False)[1].memory_size_bytes
+            compiled = self.cache[key] = self._compile(params)
+            if len(self.cache) > GRAMMAR_CACHE_SIZE:
+                self.cache.popitem(last=False)
         else:
             self.hits += 1
             self.cache.move_to_end(key)
-        return MatcherGrammar(xgr.GrammarMatcher(compiled))
+        return MatcherGrammar(compiled.deep_copy(), self.eos_token_ids)
 
-    def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        kind = params.kind
-        if kind == "json":
-            _check_enforced(params.json)
+    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         try:
-            if kind == "json":
-                return self.compiler.compile_json_schema(json.dumps(_bounded_strings(params.json), ensure_ascii=False),
-                                                         any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
-            if kind == "regex":
-                return self.compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(params.choice))
-            return self.compiler.compile_grammar(params.grammar)
-        except RuntimeError as e:
-            what = {"json": "the JSON schema", "regex": "the regex", "grammar": "the grammar (xgrammar's EBNF)",
-                    "choice": "the choice"}.get(kind, kind)
-            raise ValueError(f"structured_outputs: {what} does not compile: {_ERROR_PREFIX.sub('', str(e)).strip()}"
-                             ) from None
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(params), log_level=0, limits=_LIMITS)
+        except ValueError as e:             # a grammar the GBNF converter cannot read
+            raise ValueError(f"structured_outputs: {_WHAT[params.kind]} does not compile: {e}") from None
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: {_WHAT[params.kind]} does not compile: {matcher.get_error()}")
+        return matcher
 
     def stats(self) -> dict:
         return {"grammars_cached": len(self.cache), "grammar_cache_hits": self.hits,
@@ -87,40 +68,77 @@ class XGrammarCompiler:
 
 
 class MatcherGrammar:
-    """A sequence's xgrammar matcher. Once it has taken a stop token (EOS) the grammar has ended: it constrains
-    nothing after (the sequence goes on only with ignore_eos)."""
+    """A sequence's llguidance matcher. Once it has taken EOS (one of `eos_token_ids`) the grammar has ended: it
+    constrains nothing after (the sequence goes on only with ignore_eos)."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher):
-        self.matcher = matcher
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]):
+        self.matcher, self.eos_token_ids = matcher, eos_token_ids
+        self.ended = False
 
     @property
     def constrains(self) -> bool:
-        return not self.matcher.is_terminated()
+        return not self.ended
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def accept(self, token: int) -> bool:
-        return self.matcher.is_terminated() or self.matcher.accept_token(token)
+        if self.ended:
+            return True
+        if not self.matcher.consume_token(token):
+            return False
+        self.ended = token in self.eos_token_ids
+        return True
 
     def fork(self) -> MatcherGrammar:
-        return MatcherGrammar(self.matcher.fork())
+        other = MatcherGrammar(self.matcher.deep_copy(), self.eos_token_ids)
+        other.ended = self.ended
+        return other
 
 
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF of exactly one of the strings (JSON's escapes are EBNF's)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar of the constraint (ValueError for a grammar in neither Lark nor GBNF)."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            options["whitespace_pattern"] = params.whitespace_pattern
+        schema = _without_additional_properties(params.json) if kind == "json" else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", params.choice)
+    return llguidance.grammar_from("grammar", params.grammar)
 
 
 def _key(params: StructuredOutputsParams) -> tuple:
     """What makes two constraints compile alike: the kind, its spec (a schema's keys in their order: they are the
-    order the output writes them in) and the whitespace option."""
+    order the output writes them in) and the JSON options."""
     spec = getattr(params, params.kind)
     if params.kind == "json":
         spec = json.dumps(spec, ensure_ascii=False)
     elif params.kind == "choice":
         spec = tuple(spec)
-    return params.kind, spec, params.disable_any_whitespace
+    return params.kind, spec, params.disable_any_whitespace, params.whitespace_pattern
+
+
+def _without_additional_properties(schema):
+    """The schema with additionalProperties false in each object schema that lists its properties and says
+    nothing of others: as vLLM's default grammar engine (xgrammar) reads a schema, and what its
+    disable_additional_properties asks of the other."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = copy.deepcopy(schema)
+
+    def walk(node: dict) -> None:
+        if "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for sub in _subschemas(node):
+            walk(sub)
+
+    walk(schema)
+    return schema
 
 
 def _subschemas(node: dict):
@@ -132,44 +150,3 @@ def _subschemas(node: dict):
         if isinstance(node.get(key), list):
             yield from (sub for sub in node[key] if isinstance(sub, dict))
     yield from (node[key] for key in _SCHEMA_VALUES if isinstance(node.get(key), dict))
-
-
-def _check_enforced(node) -> None:
-    """ValueError naming the keywords of a JSON schema (at any depth) that xgrammar compiles without enforcing."""
-    found: set[str] = set()
-
-    def walk(node: dict) -> None:
-        found.update(k for k in _NOT_ENFORCED if k in node)
-        if node.get("uniqueItems") is True:
-            found.add("uniqueItems")
-        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            found.add("allOf of several schemas")
-        if {"minLength", "maxLength"} & node.keys() and {"pattern", "format"} & node.keys():
-            found.add("a string's length beside its pattern or format")
-        for sub in _subschemas(node):
-            walk(sub)
-
-    if isinstance(node, dict):
-        walk(node)
-    if found:
-        raise ValueError(f"structured_outputs: the JSON schema uses {', '.join(sorted(found))}, which kvserve's "
-                         f"grammar engine (xgrammar) does not enforce")
-
-
-def _bounded_strings(node):
-    """The schema with each string's minLength/maxLength written as a pattern of as many characters, none of them a
-    control character, a quote or a backslash. (xgrammar's rule for a bounded string lets unescaped control
-    characters through, which no JSON parser takes; its rule for a pattern does not.)"""
-    if not isinstance(node, dict):
-        return node
-    node = copy.deepcopy(node)
-
-    def walk(node: dict) -> None:
-        if {"minLength", "maxLength"} & node.keys() and "pattern" not in node:
-            low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-            node["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
-        for sub in _subschemas(node):
-            walk(sub)
-
-    walk(node)
-    return node

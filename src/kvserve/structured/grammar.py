@@ -18,7 +18,7 @@ class Grammar(Protocol):
         word t // 32 set: token t allowed). Only where `constrains`."""
 
     def accept(self, token: int) -> bool:
-        """Advance past a sampled token; False (and no change) for a token the grammar does not allow."""
+        """Advance past a sampled token; False for a token the grammar does not allow (the sequence cannot go on)."""
 
     def fork(self) -> Grammar:
         """A grammar of its own in this one's state (another sample of the same request)."""

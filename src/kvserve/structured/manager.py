@@ -12,6 +12,7 @@ import torch
 
 from kvserve.engine.sequence import Sequence
 from kvserve.sampling import SamplingParams, TokenMask
+from kvserve.structured.backend import GuidanceCompiler
 from kvserve.structured.grammar import NO_GRAMMAR, Grammar
 
 # a byte of a bitmask (bit i: token 8k + i allowed) -> the 8 tokens' biases: 0 allowed, -inf not
@@ -37,7 +38,7 @@ class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.words = (vocab_size + 31) // 32          # int32 words of a bitmask row
-        self._compiler = None
+        self._compiler: GuidanceCompiler | None = None
         self._thread: ThreadPoolExecutor | None = None
         self.num_overlapped = self.num_inline = 0
         self.fill_seconds = self.wait_seconds = 0.0
@@ -51,9 +52,7 @@ class StructuredOutputManager:
             raise ValueError("structured_outputs need the tokenizer, and this engine runs without one "
                              "(skip_tokenizer_init)")
         if self._compiler is None:
-            from kvserve.structured.backend import XGrammarCompiler   # its import and vocabulary: when first asked
-
-            self._compiler = XGrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._compiler = GuidanceCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._compiler.grammar(params.structured_outputs)
 
     def start_masks(self, seqs: list[Sequence]) -> MaskJob:

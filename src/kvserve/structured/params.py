@@ -16,13 +16,14 @@ class StructuredOutputsParams:
     - json: a JSON schema (a dict, or its JSON text) the output is an instance of;
     - regex: a regular expression the output matches in full;
     - choice: one of these strings, exactly;
-    - grammar: a grammar in xgrammar's EBNF (GBNF: `root ::= ...`);
-    - json_object: True for any JSON object or array.
+    - grammar: a context-free grammar, in Lark's syntax or GBNF's (`root ::= ...`);
+    - json_object: True for any JSON object.
 
-    disable_any_whitespace: JSON without whitespace between its tokens (else any, as the model likes).
-    Objects take only the properties their schema lists, unless its additionalProperties says otherwise (so
-    disable_additional_properties asks for what is done already); disable_fallback: there is one grammar engine,
-    never another to fall back to. structural_tag and whitespace_pattern are vLLM's and refused here.
+    JSON's options: disable_any_whitespace (no whitespace between its tokens; else any, as the model likes),
+    whitespace_pattern (a regex of the whitespace allowed there). An object whose schema lists its properties takes
+    no others unless its additionalProperties says so, as with vLLM's default grammar engine: what
+    disable_additional_properties asks is done always. disable_fallback: there is one grammar engine, never another
+    to fall back to. structural_tag is vLLM's and refused here.
 
     Checked when made: the shape of each field, and exactly one constraint (ValueError naming the field). Whether
     the schema, regex or grammar compiles is checked with the tokenizer, when the engine takes the request."""
@@ -42,9 +43,11 @@ class StructuredOutputsParams:
         for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs: {name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("structural_tag", "whitespace_pattern"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"structured_outputs: {name} is not supported by kvserve")
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs: structural_tag is not supported by kvserve")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError(f"structured_outputs: whitespace_pattern must be a string (a regex), got "
+                             f"{type(self.whitespace_pattern).__name__}")
         if self.json_object is False:       # asks for nothing
             self.json_object = None
         given = [name for name in KINDS if getattr(self, name) is not None]
