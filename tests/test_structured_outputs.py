@@ -230,3 +230,34 @@ def test_the_sampler_never_draws_a_masked_token_and_logprobs_see_the_mask(temper
     out = Sampler(torch.Generator().manual_seed(0))(logits, params, gens, mask=TokenMask([0, 2], bias))
     assert out.token_ids[0] in (7, 9) and out.token_ids[1] == 5 and out.token_ids[2] == 11
     assert out.logprobs[2][11][0] == pytest.approx(0.0) and set(out.logprobs[0]) <= {7, 9}
+
+
+def demo_schemas() -> list[dict]:
+    """Fifty-odd schemas of every kind a client sends: nested objects, arrays, enums, bounded numbers, anyOf,
+    optional fields, references; strings bounded, so that a small model's outputs end within max_tokens."""
+    leaves = [{"type": "string", "maxLength": 8}, {"type": "integer", "minimum": -5, "maximum": 500},
+              {"type": "number", "minimum": 0, "maximum": 1}, {"type": "boolean"}, {"enum": ["red", "green", "blue"]},
+              {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
+              {"type": "string", "pattern": "^[a-z]{2,5}$"}, {"const": "fixed"}]
+    schemas = []
+    for i in range(56):
+        a, b, c = leaves[i % 8], leaves[(i // 8 + i) % 8], leaves[(3 * i + 1) % 8]
+        props = {"a": a, "b": b if i % 3 else {"type": "array", "items": b, "maxItems": 3},
+                 "c": c if i % 4 else {"type": "object", "properties": {"x": c, "y": a}, "required": ["x"]}}
+        schema = {"type": "object", "properties": props, "required": ["a", "b", "c"][:1 + i % 3]}
+        if i % 7 == 0:
+            schema = {"$defs": {"item": schema}, "type": "array", "items": {"$ref": "#/$defs/item"}, "maxItems": 2}
+        schemas.append(schema)
+    return schemas
+
+
+def test_the_demo_model_s_outputs_validate_against_fifty_schemas():
+    llm = LLM(max_model_len=512, num_kv_blocks=512, max_num_seqs=64)
+    schemas = demo_schemas()
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=200, structured_outputs=StructuredOutputsParams(
+        json=s, disable_any_whitespace=True)) for i, s in enumerate(schemas)]
+    outs = llm.generate(["<|user|>\nAnswer in JSON.\n<|assistant|>\n"] * len(schemas), params, use_tqdm=False)
+    for schema, out in zip(schemas, outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (schema, c.text)
+        jsonschema.validate(json.loads(c.text), schema)
