@@ -185,9 +185,10 @@ def test_auto_parses_the_template_s_tool_calls(ckpt, template, regex, content, n
     a regex: random weights call no tool of their own)."""
     with serve(ckpt, template) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-        prompt = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES}, timeout=60).json()["count"]
+        bare, prompt = (httpx.post(f"{base}/tokenize", json={"messages": MESSAGES, **tools}, timeout=60).json()["count"]
+                        for tools in ({}, {"tools": TOOLS}))
         r = chat(client, tools=TOOLS, temperature=0, extra_body={"guided_regex": regex})
-        assert r.usage.prompt_tokens > prompt          # the tools are in the prompt
+        assert r.usage.prompt_tokens == prompt > bare        # the tools are in the prompt
         message, choice = r.choices[0].message, r.choices[0]
         calls = arguments_of(message.tool_calls or [])
         assert [name for name, _ in calls] == names

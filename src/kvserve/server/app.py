@@ -23,7 +23,8 @@ from kvserve.server.dashboard import KVStateView, add_dashboard_routes
 from kvserve.server.errors import APIError, error_response, field_error
 from kvserve.server.http import APIKeyCheck, RequestBody, UnexpectedErrors, parse_body
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                     tool_dicts)
 from kvserve.server.tokenization import ServerTokenizer
 from kvserve.server.tool_calls import (AutoToolCalls, NamedToolCall, NoToolCalls, RequiredToolCalls, ToolCalls,
                                        ToolCallStream)
@@ -257,7 +258,7 @@ class _Handlers:
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, self.vocab_size,
                                      top if req.logprobs else None, structured_outputs=constraint)
         text = await self.tokenizer.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
-                                                req.tool_dicts())
+                                                tool_dicts(req.tools))
         # the template writes the special tokens it wants (a BOS, say): none added
         prompt = await self._prompt(text, False, "messages", params)
         self._check_work([prompt], params, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
@@ -352,7 +353,8 @@ class _Handlers:
         req = await parse_body(raw, TokenizeRequest)
         self._check_model(req.model)
         if req.messages is not None:
-            text = await self.utility.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
+            text = await self.utility.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                                  tool_dicts(req.tools))
             tokens = await self.utility.encode_prompt(text, False, "messages")
         else:
             tokens = await self.utility.encode_prompt(req.prompt, req.add_special_tokens)

@@ -43,7 +43,7 @@ VLLM_CHAT_FIELDS = {"echo": False, "continue_final_message": False, "add_special
                     "media_io_kwargs": None, "reasoning_effort": None, "include_reasoning": True,
                     "return_prompt_text": False}
 VLLM_TOKENIZE_FIELDS = {"continue_final_message": False, "return_token_strs": False, "chat_template": None,
-                        "chat_template_kwargs": None, "mm_processor_kwargs": None, "tools": None}
+                        "chat_template_kwargs": None, "mm_processor_kwargs": None}
 
 
 Text = Annotated[str, AfterValidator(valid_unicode)]
@@ -384,6 +384,11 @@ class ChatCompletionToolsParam(OpenAIBaseModel):
     function: FunctionDefinition
 
 
+def tool_dicts(tools: list[ChatCompletionToolsParam] | None) -> list[dict] | None:
+    """The tools as chat templates take them."""
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+
+
 class NamedFunction(OpenAIBaseModel):
     name: Text
 
@@ -448,16 +453,12 @@ class ChatCompletionRequest(_SamplingRequest):
         name = self.tool_choice.function.name
         return next((t.model_dump(exclude_none=True) for t in self.tools if t.function.name == name), None)
 
-    def tool_dicts(self) -> list[dict] | None:
-        """The tools as chat templates take them."""
-        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
-
     def tool_constraint(self) -> StructuredOutputsParams | None:
         """What a tool_choice of "required" or a named function makes of the output: the function's arguments (its
         parameters' schema), or an array of calls (required_schema)."""
         if self.tool_choice == "required":
             return self.with_whitespace(StructuredOutputsParams(
-                json=required_schema(self.tool_dicts(), self.parallel_tool_calls)))
+                json=required_schema(tool_dicts(self.tools), self.parallel_tool_calls)))
         tool = self.named_tool()
         return None if tool is None else self.with_whitespace(StructuredOutputsParams(json=parameters_schema(tool)))
 
@@ -470,6 +471,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionToolsParam] | None = None     # given to the chat template, as chat's
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -58,7 +58,7 @@ class StructuredOutputsParams:
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError(f"structured_outputs: regex must be a string, got {type(self.regex).__name__}")
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
-            raise ValueError("structured_outputs: grammar must be a non-empty string (xgrammar's EBNF)")
+            raise ValueError("structured_outputs: grammar must be a non-empty string (Lark or GBNF)")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice \
                     or not all(isinstance(c, str) for c in self.choice):
