@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import kvserve.engine.engine as engine_module
+import kvserve.engine.builder as builder_module
 from kvserve import LLM
 from kvserve.cli import API_KEY_VARIABLES, api_key, build_parser, engine_kwargs, main
 from test_server import free_port
@@ -16,7 +16,7 @@ from test_server import free_port
 
 def test_the_library_leaves_the_allocator_alone_unless_asked(tiny_llama, monkeypatch):
     calls = []
-    monkeypatch.setattr(engine_module, "reuse_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(builder_module, "reuse_freed_memory", lambda: calls.append(1))
     LLM(str(tiny_llama), num_kv_blocks=8, max_model_len=32)
     assert calls == []
     LLM(str(tiny_llama), num_kv_blocks=8, max_model_len=32, cpu_allocator_tuning=True)

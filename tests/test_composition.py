@@ -40,9 +40,7 @@ FEATURES = {
     "n2": Feature(),                    # two greedy samples of each prompt, forked from one prompt
 }
 # pairs an engine refuses, and what its error says
-REFUSED: dict[frozenset, str] = {
-    frozenset({"tp2", "disk_tier"}): "kv_offload",
-}
+REFUSED: dict[frozenset, str] = {}
 # two values of one option (int8 and int4 weights, or pages) are no pair
 PAIRS = [frozenset(p) for p in itertools.combinations(FEATURES, 2)
          if not FEATURES[p[0]].kwargs.keys() & FEATURES[p[1]].kwargs.keys()]
@@ -73,7 +71,7 @@ def run(path, kwargs: dict, n: int, tier=None) -> tuple[list[list[int]], dict]:
     prompts and closes, and a second engine over the tier serves them again (what is returned)."""
     params = SamplingParams(n=n, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     if tier is not None:
-        kwargs = dict(kwargs, kv_offload=f"disk:{tier}", kv_offload_size="16MiB", preemption_mode="recompute")
+        kwargs = dict(kwargs, kv_offload=f"disk:{tier}", kv_offload_size="16MiB")
         first = LLM(str(path), **kwargs)
         first.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         first.engine.close()

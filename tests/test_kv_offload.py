@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import stat
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvserve import LLM, SamplingParams
 from kvserve.cli import build_parser, engine_kwargs
-from kvserve.config import EngineConfig
 from kvserve.engine import kv_state
 from kvserve.kv import KVCacheManager, KVSpec, KVStorage
 from kvserve.kv.blocks import BlockKey, block_key
@@ -601,13 +602,13 @@ def test_failed_writes_are_counted_and_change_nothing(ckpt, tmp_path, monkeypatc
 
 def test_a_full_write_queue_skips_blocks_and_never_blocks_a_step(ckpt, tmp_path, monkeypatch):
     release = threading.Event()
-    store = DiskTier._store
+    store = DiskTier._store_file
 
     def stalled(self, key, data):
         release.wait(60)
         store(self, key, data)
 
-    monkeypatch.setattr(DiskTier, "_store", stalled)
+    monkeypatch.setattr(DiskTier, "_store_file", stalled)
     monkeypatch.setattr(disk_module, "WRITE_QUEUE_BYTES", 1)      # a queue of one block
     llm = tiered(ckpt, tmp_path / "tier")
     outs = llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
@@ -615,6 +616,26 @@ def test_a_full_write_queue_skips_blocks_and_never_blocks_a_step(ckpt, tmp_path,
     assert stats["kv_offload_skipped"] > 0
     release.set()
     llm.engine.connector.tier.flush()
+    assert_same(outs, reference(ckpt, [A, B, C]))
+
+
+def test_a_writer_that_fails_counts_its_blocks_and_goes_on(ckpt, tmp_path, monkeypatch):
+    """A write that raises costs its blocks (counted as errors), never the writer: later blocks are stored and a
+    flush returns."""
+    store, failed = DiskTier._store_file, []
+
+    def first_fails(self, key, data):
+        if not failed:
+            failed.append(key)
+            raise RuntimeError("a write that fails")
+        store(self, key, data)
+
+    monkeypatch.setattr(DiskTier, "_store_file", first_fails)
+    llm = tiered(ckpt, tmp_path / "tier")
+    outs = llm.generate(prompts(A, B, C), GREEDY, use_tqdm=False)
+    llm.engine.connector.tier.flush()
+    stats = llm.stats()
+    assert failed and stats["kv_offload_errors"] == 1 and stats["kv_offload_blocks_stored"] > 0
     assert_same(outs, reference(ckpt, [A, B, C]))
 
 
@@ -739,6 +760,7 @@ def test_timing_a_transfer_changes_no_page_and_keeps_nothing(ckpt, tmp_path):
 def test_stats_reach_the_metrics(ckpt, tmp_path):
     llm = tiered(ckpt, tmp_path / "tier")
     llm.generate(prompts(A, B, C, A), GREEDY, use_tqdm=False)
+    llm.engine.connector.tier.flush()       # its writer stores blocks in the background: none moves now
     registry = CollectorRegistry()
     registry.register(EngineCollector(llm.stats, "tiny"))
     text = generate_latest(registry).decode()
@@ -778,12 +800,6 @@ def test_plan_counts_the_prefix_tokens_a_tier_keeps(capsys):
     assert f"offload tier of 64.00 GiB: keeps {result.offload_tokens:,} more prefix tokens" in capsys.readouterr().out
     assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--kv-offload-size", "lots"]) == 2
     assert "--kv-offload-size" in capsys.readouterr().err
-
-
-def test_the_tier_is_refused_where_it_would_miss_blocks(tmp_path):
-    """Under tensor parallelism the tier would see rank 0's heads only: refused before anything starts."""
-    with pytest.raises(ValueError, match="kv_offload with tensor_parallel_size 2"):
-        EngineConfig(model=None, kv_offload=f"disk:{tmp_path}", tensor_parallel_size=2)
 
 
 # ---------------------------------------------------------------- a hybrid KV cache: the tier per layer group
@@ -883,3 +899,83 @@ def test_a_hybrid_cache_swaps_each_group(gemma3, tmp_path):
     assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
     assert stats["kv_offload_swap_in_blocks"] > 0
     check_hybrid_pool(llm)
+
+
+# ---- under tensor parallelism: each rank keeps a tier of its own pages ---------------------------------------------
+
+TP_TOL = 1e-4       # two ranks sum a layer's partial products in another order than one rank
+
+
+@contextmanager
+def two_ranks(ckpt, tier: Path, **kw):
+    """A tiered engine of two ranks, closed and its workers stopped after."""
+    llm = tiered(ckpt, tier, tensor_parallel_size=2, dtype="float32", **kw)
+    try:
+        yield llm
+    finally:
+        llm.engine.close()
+        llm.shutdown()
+
+
+def rank_dirs(tier: Path) -> dict[tuple[int, int], Path]:
+    """The tier's directory of each (tp_size, tp_rank), as its compat.json says."""
+    abouts = {path.parent: json.loads(path.read_text()) for path in tier.glob("*/compat.json")}
+    return {(about["tp_size"], about["tp_rank"]): path for path, about in abouts.items()}
+
+
+def test_two_ranks_keep_their_pages_in_tiers_found_again_after_a_restart(ckpt, tmp_path):
+    """Blocks the pool evicts are saved by both ranks before a step writes over them, and served again from both
+    ranks' tiers; another engine of two ranks finds them after a restart. A block that one rank cannot read (its
+    file corrupt) ends the prefix on both: the tokens from it on are computed again. One rank's tokens throughout."""
+    tier = tmp_path / "tier"
+    with two_ranks(ckpt, tier) as first:
+        outs = first.generate(prompts(A, B, C), GREEDY, use_tqdm=False)     # one at a time in the pool
+        outs += first.generate(prompts(A), GREEDY, use_tqdm=False)
+        assert outs[-1].num_cached_tokens == 20 and first.stats()["kv_offload_hit_tokens"] == 20
+    dirs = rank_dirs(tier)
+    assert sorted(dirs) == [(2, 0), (2, 1)]
+    names = [sorted(p.name for p in dirs[2, rank].glob(f"*{SUFFIX}")) for rank in (0, 1)]
+    assert names[0] == names[1] and len(names[0]) == 18          # 6 full blocks of each 25 computed tokens
+    corrupt = dirs[2, 1] / (_keys(A)[3].hash.hex() + SUFFIX)
+    raw = bytearray(corrupt.read_bytes())
+    raw[-100] ^= 0xFF
+    corrupt.write_bytes(bytes(raw))
+    with two_ranks(ckpt, tier) as second:
+        again = second.generate(prompts(B, A), GREEDY, use_tqdm=False)
+        stats = second.stats()
+    assert [o.num_cached_tokens for o in again] == [20, 12]       # A's up to the block rank 1 cannot read
+    assert stats["kv_offload_hit_tokens"] == 32 and stats["kv_offload_loads"] == 8
+    assert corrupt.read_bytes() != raw          # removed, and written again (computed) as the engine closed
+    ref = reference(ckpt, [A, B, C, A], dtype="float32")
+    assert_same(outs, ref, TP_TOL)
+    assert_same(again, [ref[1], ref[0]], TP_TOL)
+
+
+def test_an_engine_never_reads_a_tier_of_another_rank_layout(tmp_path):
+    """One KV head, on both ranks of two: each rank's pages are one rank's byte for byte, and only the tier's key
+    (its rank layout) keeps the engines of one and of two ranks from each other's blocks."""
+    one_kv_head = make_checkpoint(tmp_path / "model", "llama", num_key_value_heads=1, max_position_embeddings=256)
+    tier = tmp_path / "tier"
+    written(tiered, one_kv_head, tier, [A], num_kv_blocks=32)
+    with two_ranks(one_kv_head, tier, num_kv_blocks=32) as two:
+        outs = two.generate(prompts(A, B), GREEDY, use_tqdm=False)
+        assert [o.num_cached_tokens for o in outs] == [0, 0] and two.stats()["kv_offload_blocks"] == 0
+    one = tiered(one_kv_head, tier, num_kv_blocks=32)
+    outs = one.generate(prompts(A, B), GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [20, 0]          # its own A; B only in the two ranks' tiers
+    assert sorted(rank_dirs(tier)) == [(1, 0), (2, 0), (2, 1)]
+
+
+def test_two_ranks_swap_preempted_sequences_out_and_back(ckpt, tmp_path):
+    """Preemption by swap under tensor parallelism: every rank writes the sequence's blocks and reads them back,
+    so that it computes again at most its last block's tokens; one rank's outputs of a pool that never preempts."""
+    with two_ranks(ckpt, tmp_path / "tier", num_kv_blocks=24, preemption_mode="swap") as llm:
+        steps = computed_tokens(llm)
+        outs = llm.generate(prompts(*LONG), FORKS, use_tqdm=False)
+        stats = llm.stats()
+    never = LLM(str(ckpt), block_size=BS, num_kv_blocks=128, dtype="float32")
+    never_steps = computed_tokens(never)
+    assert_same(outs, never.generate(prompts(*LONG), FORKS, use_tqdm=False), TP_TOL)
+    assert never.stats()["num_preemptions"] == 0
+    assert stats["kv_offload_swap_outs"] == stats["kv_offload_swap_ins"] == stats["num_preemptions"] > 0
+    assert sum(steps) <= sum(never_steps) + (BS - 1) * stats["num_preemptions"]

@@ -372,7 +372,8 @@ class EngineConfig:
                                           "memory; redis://HOST:PORT[/DB] in a Redis server that replicas share "
                                           "(written through: each full block as soon as it is computed)",
                                     metavar="disk:PATH|cpu|redis://HOST:PORT")
-    kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB)")
+    kv_offload_size: int | str | None = option(None, "the tier's size, e.g. 16GiB (default 16GiB); per rank under "
+                                                     "tensor parallelism, each keeping its KV heads' pages")
     preemption_mode: str | None = option(None, "with --kv-offload, what a preempted sequence's blocks do: swap "
                                                "(written to the tier and read back when it resumes) or recompute; "
                                                "by default, whichever a prefill and a transfer timed at start-up "
@@ -445,9 +446,6 @@ class EngineConfig:
         if self.kv_events_endpoint is not None and not (self.cache_mode == "paged" and self.enable_prefix_caching):
             raise ValueError("kv_events_endpoint publishes the prefix cache's blocks: it needs cache_mode 'paged' and "
                              "enable_prefix_caching")
-        if self.tensor_parallel_size > 1 and self.kv_offload is not None:
-            raise ValueError(f"kv_offload with tensor_parallel_size {self.tensor_parallel_size}: the tier reads and "
-                             f"writes rank 0's pool only")
 
 
     def kv_events_config(self):

@@ -27,10 +27,11 @@ from kvserve.kv.groups import is_hybrid, layer_groups
 from kvserve.kv.quant import resolve_kv_cache_dtype
 from kvserve.kv.storage import block_spec
 from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, KVConnector, NoConnector, OffloadingConnector, SwapCosts,
-                              TierCompat, create_tier, measure_prefill, model_identity, parse_kv_offload)
+                              TierCompat, TierConfig, measure_prefill, model_identity, parse_kv_offload)
 from kvserve.model.decoder import CausalLM
 from kvserve.model.gemm_choice import GemmChoice, choose_gemm
 from kvserve.model.loader import choose_dtype, load_model, load_tokenizer, resolve_model
+from kvserve.parallel.connector import ForwardedConnector
 from kvserve.parallel.sharding import check_tensor_parallel, shard_config
 from kvserve.parallel.worker import WorkerArgs
 from kvserve.parallel.workers import ForwardedStorage, Workers
@@ -294,7 +295,10 @@ class EngineBuilder:
 
     def _init_connector(self, config: EngineConfig) -> KVConnector:
         """The second tier of kv_offload, fed by the pool's evictions, its blocks announced to the KV events'
-        subscribers (NoConnector without one)."""
+        subscribers (NoConnector without one); under tensor parallelism a tier on each rank for its pages
+        (parallel/connector.py). Without preemption_mode, a preemption swaps or recomputes as a prefill and a
+        transfer timed now say costs less; under tensor parallelism, whose prefill no rank times alone, it
+        recomputes (vLLM's default)."""
         spec = parse_kv_offload(config.kv_offload)
         if spec is None:
             return NoConnector()
@@ -305,15 +309,21 @@ class EngineBuilder:
                             kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
                             layer_groups=tuple((g.sliding_window, g.layers) for g in groups if len(groups) > 1),
                             tp_size=config.tensor_parallel_size)
-        tier = create_tier(spec, size, compat, kv_spec.bytes_per_block, self.device, self.kv_events)
+        tiers = TierConfig(spec, size, compat, kv_spec.bytes_per_block)
+        tiers.check(self.device)
+        tier = tiers.build(events=self.kv_events.sink(tiers.medium, kv_spec.block_size))
         offload = OffloadingConnector(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,
                                       self.device)
         offload.preemption_mode = config.preemption_mode
-        if config.preemption_mode is None:
+        if config.preemption_mode is None and self.workers is not None:
+            offload.preemption_mode = "recompute"
+        elif config.preemption_mode is None:
             offload.swap_costs = self._measure_swap_costs(offload)
-        self.kv.pool.on_evict = offload.save
-        log.info("KV offload: %s, %.2f GiB", config.kv_offload, size / 2**30)
-        return offload
+        connector = offload if self.workers is None else ForwardedConnector(offload, self.workers, tiers)
+        self.kv.pool.on_evict = connector.save
+        log.info("KV offload: %s, %.2f GiB%s", config.kv_offload, size / 2**30,
+                 f" on each of {config.tensor_parallel_size} ranks" if self.workers is not None else "")
+        return connector
 
     def _measure_swap_costs(self, offload: OffloadingConnector) -> SwapCosts:
         """What a preempted sequence costs to recompute (prefills of the model, without a cache) and to swap

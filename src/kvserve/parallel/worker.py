@@ -2,9 +2,10 @@
 model on its shard of the KV pool as rank 0 steers it.
 
 It joins the group, loads its shard (the parallel layers cut it from the checkpoint, quantized as rank 0's), builds
-its pool when told, then runs each step rank 0 sends it: the same block copies and writes, the same forward (by
-the C step where rank 0 runs it so), its collectives meeting rank 0's. A failure is told to rank 0 before the
-process exits.
+its pool when told, then runs each step rank 0 sends it: first the changes rank 0 made to its pool and tier since
+the last step (its evictor's compactions, the tier's saves and loads: made here to this rank's pages and tier),
+then the same block copies and writes, the same forward (by the C step where rank 0 runs it so), its collectives
+meeting rank 0's. A failure is told to rank 0 before the process exits.
 """
 from __future__ import annotations
 
@@ -40,15 +41,29 @@ class WorkerArgs:
     quantization: str | None = None     # of the linear layers' weights, as rank 0's (EngineConfig.quantization)
 
 
+# a change rank 0 made that a worker makes too, in order: (target, its method, the arguments), the target
+# "storage" (the worker's KVStorage) or "connector" (its tier: parallel/connector.py's WorkerConnector)
+Op = tuple[str, str, tuple]
+
+
 @dataclass
 class StepMessage:
-    """One step, as a worker runs it: first the changes rank 0's evictor made to the pool since the last step,
-    then the step's block copies and forward."""
+    """One step, as a worker runs it: first the changes rank 0 made to the pool and tier since the last step, then
+    the step's block copies and forward."""
 
     block_copies: list[tuple[int, int]]
     inputs: object                                   # executor.StepInputs (a hybrid cache: every group's tables)
-    storage_ops: list[tuple[str, tuple]]             # (KVStorage method, its arguments)
+    ops: list[Op]
     native: bool = False                             # run by the C decode step (executor native_tp), else eager
+
+
+@dataclass
+class OpsMessage:
+    """Changes to make now, between steps (Workers.send_ops); with `reply`, the last one's value is sent back to
+    rank 0 (Workers.call)."""
+
+    ops: list[Op]
+    reply: bool = False
 
 
 def worker_main(rank: int, size: int, address: tuple[str, int] | dist.Store, args: WorkerArgs, conn,
@@ -77,6 +92,7 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
     from kvserve.model.gemm_choice import GemmChoice
     from kvserve.model.layers import gemm_kernels
     from kvserve.model.loader import load_model
+    from kvserve.parallel.connector import WorkerConnector
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -98,18 +114,32 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
         gemm_kernels(args.dtype)        # the OS grants AMX's tile state to each process that asks (as rank 0 did)
     GemmChoice(args.weight_format, "rank 0's", args.amx_from).apply(model)
     backend = get_backend(args.attention_backend, device)
-    _, spec, num_blocks, layer_groups = loads(conn.recv_bytes(), device)
+    _, spec, num_blocks, layer_groups, ops = loads(conn.recv_bytes(), device)
     storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device, layer_groups)
+    targets = {"storage": storage, "connector": WorkerConnector(rank, storage, device)}
+    _run_ops(targets, ops)
     native = NativeDecode(model, storage) if args.native else None
     steps = ShmChannel(size - 1, channel) if channel is not None else None
     conn.send_bytes(dumps(("ready", None)))
     while True:
         msg = loads(conn.recv_bytes() if steps is None else steps.recv(rank - 1, conn), device)
+        if isinstance(msg, OpsMessage):
+            result = _run_ops(targets, msg.ops)
+            if msg.reply:
+                conn.send_bytes(dumps(("result", result)))
+            continue
         if not isinstance(msg, StepMessage):
             return                                 # ("exit",)
-        for method, op_args in msg.storage_ops:
-            getattr(storage, method)(*op_args)
+        _run_ops(targets, msg.ops)
         _run_step(model, backend, storage, native, msg)
+
+
+def _run_ops(targets: dict[str, object], ops: list[Op]):
+    """Make rank 0's changes, in its order, each by `method` of its target: what the last one returns."""
+    result = None
+    for target, method, args in ops:
+        result = getattr(targets[target], method)(*args)
+    return result
 
 
 @torch.inference_mode()

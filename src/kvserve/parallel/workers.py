@@ -3,9 +3,11 @@ running its shard of the model on its shard of the KV pool, steered by rank 0 (t
 
 Rank 0 owns the scheduler, the block manager and sampling. For each step it sends every worker what the step's
 forward needs (its inputs and the copy-on-write block copies); then all ranks run the forward together, their
-collectives meeting (parallel/group.py). The steps go through one shared-memory buffer that every worker reads
-(parallel/channel.py); everything else, and a step too large for the buffer, through a pipe each. Under torchrun
-the launcher's ranks are the workers (parallel/torchrun.py).
+collectives meeting (parallel/group.py). What changes a worker's pool or tier outside the forward (an evictor's
+compaction, a tier's save or load: ForwardedStorage, parallel/connector.py) is queued and made by every worker
+before its next step, in the order rank 0 made it. The steps go through one shared-memory buffer that every worker
+reads (parallel/channel.py); everything else, and a step too large for the buffer, through a pipe each. Under
+torchrun the launcher's ranks are the workers (parallel/torchrun.py).
 
 A worker that fails says why over its pipe, then exits; a worker that dies closes its connections, which fails
 rank 0's next collective at once; a worker that hangs is caught by the step's bound (parallel/watchdog.py), which
@@ -33,10 +35,11 @@ from kvserve.parallel.channel import POLL, ShmChannel, StoreConnection, dumps, l
 from kvserve.parallel.group import COLLECTIVE_TIMEOUT, TensorParallel, init_group
 from kvserve.parallel.torchrun import TorchrunRank, torchrun_env, torchrun_store
 from kvserve.parallel.watchdog import StepBound, StepWatchdog
-from kvserve.parallel.worker import StepMessage, WorkerArgs, worker_main
+from kvserve.parallel.worker import OpsMessage, StepMessage, WorkerArgs, worker_main
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0        # seconds a worker may take to load its shard
+CALL_TIMEOUT = 600.0         # seconds a worker may take to answer a call (a tier's reads or last writes: disk I/O)
 T = TypeVar("T")
 
 
@@ -58,12 +61,12 @@ class ForwardedStorage:
 
     def rewrite(self, old_table: list[int], keep: torch.Tensor, new_table: list[int]) -> None:
         """KVStorage.rewrite, here and on every worker."""
-        self.workers.queue("rewrite", (list(old_table), keep.cpu(), list(new_table)))
+        self.workers.queue("storage", "rewrite", (list(old_table), keep.cpu(), list(new_table)))
         self.storage.rewrite(old_table, keep, new_table)
 
     def rotate_keys(self, src: list[int], dst: list[int], rotate) -> None:
         """KVStorage.rotate_keys, here and on every worker (`rotate` is sent: a picklable callable)."""
-        self.workers.queue("rotate_keys", (list(src), list(dst), rotate))
+        self.workers.queue("storage", "rotate_keys", (list(src), list(dst), rotate))
         self.storage.rotate_keys(src, dst, rotate)
 
 
@@ -94,6 +97,9 @@ class Workers:
         self.bound = StepBound(step_timeout)
         self.watchdog = StepWatchdog(functools.partial(_kill, self.procs))
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.channel, self.watchdog)
+        self._ops: list[tuple[str, str, tuple]] = []          # (target, method, args): queue
+        self._at_close: list[Callable[[], None]] = []
+        self.failed: WorkerFailure | None = None             # why a step failed: the ranks are out of step since
         try:
             self._expect("started", START_TIMEOUT)    # before rank 0 waits in the group for them
             self.tp: TensorParallel = init_group(0, size, "", 0, device, store)
@@ -101,7 +107,6 @@ class Workers:
             self.close()
             raise
         self._store = store
-        self._storage_ops: list[tuple[str, tuple]] = []
 
     @staticmethod
     def _spawn(size: int, args: WorkerArgs, port: int, channel: str | None) -> tuple[list, list[Connection]]:
@@ -121,24 +126,30 @@ class Workers:
         """Have every worker build its KV pool: `spec` is the shard's (its KV heads; every layer's, as KVStorage
         takes it), num_blocks rank 0's (None: no cache), layer_groups those of rank 0's cache (None: one group of
         every layer), each layer reading the pages of its place in its group as on rank 0. Returns once all are
-        ready to run steps (whose batches carry each group's slots and block tables)."""
+        ready to run steps (whose batches carry each group's slots and block tables), having made the changes queued
+        so far (a tier to open: parallel/connector.py)."""
+        ops, self._ops = self._ops, []
         for conn in self.conns:
-            conn.send_bytes(dumps(("cache", spec, num_blocks, layer_groups)))
+            conn.send_bytes(dumps(("cache", spec, num_blocks, layer_groups, ops)))
         self._expect("ready", START_TIMEOUT)
 
-    def _expect(self, what: str, timeout: float) -> None:
-        """Wait for every worker's `what`; WorkerFailure at once if one fails or dies first."""
+    def _expect(self, what: str, timeout: float) -> list:
+        """Wait for every worker's `what`; what each said with it, in rank order. WorkerFailure at once if one fails or
+        dies first."""
         deadline = time.monotonic() + timeout
+        details = []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
             while not conn.poll(POLL):
                 self._check(rank, proc)
                 if time.monotonic() > deadline:
                     raise WorkerFailure(f"tensor parallel worker rank {rank} did not get {what} in {timeout:.0f} s")
-            reply = self._recv(rank, proc, conn)
+            reply, detail = self._recv(rank, proc, conn)
             if reply != what:
                 raise WorkerFailure(f"tensor parallel worker rank {rank}: expected {what!r}, got {reply!r}")
+            details.append(detail)
+        return details
 
-    def _recv(self, rank: int, proc, conn: Connection):
+    def _recv(self, rank: int, proc, conn: Connection) -> tuple[str, object]:
         try:
             kind, detail = loads(conn.recv_bytes(), torch.device("cpu"))
         except (EOFError, OSError):
@@ -147,7 +158,7 @@ class Workers:
                                f"(exit code {proc.exitcode})") from None
         if kind == "error":
             raise WorkerFailure(f"tensor parallel worker rank {rank} failed:\n{detail}")
-        return kind
+        return kind, detail
 
     def _check(self, rank: int, proc) -> None:
         if not proc.is_alive():
@@ -164,9 +175,30 @@ class Workers:
             if conn.poll(0):
                 self._recv(rank, proc, conn)
 
-    def queue(self, method: str, args: tuple) -> None:
-        """A change to the pool for the workers to make before their next step (ForwardedStorage)."""
-        self._storage_ops.append((method, args))
+    def queue(self, target: str, method: str, args: tuple) -> None:
+        """A change for the workers to make before their next step, after those queued before it: `method` of their
+        `target`, "storage" (their KVStorage: ForwardedStorage) or "connector" (their tier: parallel/connector.py)."""
+        self._ops.append((target, method, args))
+
+    def send_ops(self) -> None:
+        """Send the changes queued so far now, rather than with the next step (one that waits for them)."""
+        if self._ops:
+            self._send(OpsMessage(self._flush_ops()))
+
+    def call(self, target: str, method: str, args: tuple) -> list:
+        """Run `method` of every worker's `target` (after the changes queued so far), and return what each returned, in
+        rank order. WorkerFailure if a worker dies, fails, or does not answer within a step's bound."""
+        self.queue(target, method, args)
+        self._send(OpsMessage(self._flush_ops(), reply=True))
+        return self._expect("result", CALL_TIMEOUT)
+
+    def at_close(self, release: Callable[[], None]) -> None:
+        """Have close call `release` first, while the workers live (a tier's last writes are theirs too)."""
+        self._at_close.append(release)
+
+    def _flush_ops(self) -> list[tuple[str, str, tuple]]:
+        ops, self._ops = self._ops, []
+        return ops
 
     def run_step(self, block_copies: list[tuple[int, int]], inputs, native: bool, run: Callable[[], T]) -> T:
         """Send a step to every worker (they run it as soon as it arrives: by the C decode step where `native`, else
@@ -183,21 +215,26 @@ class Workers:
             self._send_step(block_copies, inputs, native)
             out = run()
         except Exception as e:          # any: the workers began the step, so the ranks are out of step
-            cause = self._failure(e)
+            self.failed = cause = self._failure(e)
             if cause is e:
                 raise
             raise cause from e
         finally:
             self.watchdog.disarm()
         if self.watchdog.hung_after is not None:       # its bound passed as the step ended: the workers are killed
-            raise self._failure(None)
+            self.failed = self._failure(None)
+            raise self.failed
         self.bound.observe(time.monotonic() - start, num_tokens)
         return out
 
     def _send_step(self, block_copies: list[tuple[int, int]], inputs, native: bool) -> None:
+        self._send(StepMessage(block_copies, inputs, self._flush_ops(), native))
+
+    def _send(self, msg: StepMessage | OpsMessage) -> None:
+        if self.failed is not None:      # a worker may still wait in that step's collectives: it takes nothing more
+            raise WorkerFailure(f"the tensor parallel ranks are out of step since a step failed: {self.failed}")
         self.check_alive()
-        ops, self._storage_ops = self._storage_ops, []
-        data = dumps(StepMessage(block_copies, inputs, ops, native))
+        data = dumps(msg)
         if self.channel is not None:
             self.channel.send(data, self.conns, self.check_alive)
             return
@@ -230,7 +267,10 @@ class Workers:
         return [p.pid for p in self.procs]
 
     def close(self) -> None:
-        """Stop the workers: asked first, then terminated, then killed; no process is left."""
+        """Stop the workers: asked first, then terminated, then killed; no process is left. What at_close was given
+        runs first."""
+        while self._at_close:
+            self._at_close.pop()()
         self._finalizer()
 
 

@@ -15,7 +15,8 @@ Messages out:
   steps: what the server reports beside the result (/metrics) is of the same step;
 - ("failed", message, [request_id], stats, fatal) when a step raises: its requests are aborted, and the
   engine serves on, or (fatal: a tensor-parallel rank died, failed or hung) the engine process exits;
-- ("stats", stats) when idle; ("stopped",) after a shutdown, which aborts whatever is left.
+- ("stats", stats) when idle, and again each IDLE_STATS_SECONDS while they change (a tier's writer stores blocks
+  after the last step); ("stopped",) after a shutdown, which aborts whatever is left.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # what a ("query", ...) message may ask: reads of the engine that change nothing
 QUERIES = {"kv_state": kv_state.snapshot, "kv_block": kv_state.block_detail}
+IDLE_STATS_SECONDS = 1.0
 
 
 class EngineCore:
@@ -48,7 +50,7 @@ class EngineCore:
                        engine.tokenizer is not None))
             while True:
                 if not engine.has_unfinished_requests():
-                    conn.poll(None)
+                    self._idle()
                 while conn.poll():
                     if not self._handle(conn.recv()):
                         self._abort_all()
@@ -60,6 +62,15 @@ class EngineCore:
                     conn.send(("stats", engine.stats()))
         except (EOFError, OSError):     # the server went away without a word: so does the engine
             self._abort_all()
+
+    def _idle(self) -> None:
+        """Wait for a message; meanwhile report the stats again whenever they change (background writes)."""
+        last = None
+        while not self.conn.poll(IDLE_STATS_SECONDS):
+            stats = self.engine.stats()
+            if stats != last:
+                self.conn.send(("stats", stats))
+                last = stats
 
     def _handle(self, message: tuple) -> bool:
         """Apply one message; False on shutdown."""

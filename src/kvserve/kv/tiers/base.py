@@ -6,7 +6,7 @@ binds a tier to the pool). Blocks are keyed
 by the prefix cache's chained block hash (kv/blocks.py), and checked against the whole key (parent hash,
 tokens, salt) on every read, so that a hash collision never serves a block. What makes blocks of two
 engines interchangeable is the `TierCompat` key: model identity, dtype, page codec, block size, layout and
-tensor-parallel rank layout.
+rank layout (under tensor parallelism each rank keeps its own heads' pages in a tier of its own).
 """
 from __future__ import annotations
 
@@ -95,10 +95,11 @@ class TierCompat:
     num_kv_heads: int
     head_dim: int
     skip_layers: tuple[int, ...] = ()
-    # the rank layout: which of how many tensor-parallel ranks' KV heads a block holds
     tp_rank: int = 0
     # a hybrid cache's layer groups, (sliding window, layers) each: a block holds one group's layers' pages
     layer_groups: tuple[tuple[int | None, tuple[int, ...]], ...] = ()
+    # the rank layout: the blocks hold the KV heads of rank tp_rank of tp_size (each rank keeps a tier of its own);
+    # an engine of another layout never reads them
     tp_size: int = 1
 
     @property

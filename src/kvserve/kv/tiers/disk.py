@@ -22,11 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -35,8 +33,9 @@ import torch
 
 from kvserve.kv.blocks import BlockKey
 from kvserve.kv.events import EventSink
-from kvserve.kv.tiers.base import Tier, TierCompat, TierCounters
+from kvserve.kv.tiers.base import TierCompat
 from kvserve.kv.tiers.blockformat import MAGIC, BlockFormat, CorruptBlock
+from kvserve.kv.tiers.queued import QueuedTier
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ WRITE_QUEUE_BYTES = 256 * 2**20
 STALE_TEMP_SECONDS = 3600
 
 
-class DiskTier(Tier):
+class DiskTier(QueuedTier):
     """Blocks as files in `root`/<compat digest>/, at most `capacity` bytes of them, least recently used
     removed first; written by a background thread from a bounded queue."""
 
@@ -56,22 +55,15 @@ class DiskTier(Tier):
 
     def __init__(self, root: Path, capacity: int, compat: TierCompat, block_bytes: int,
                  queue_bytes: int | None = None, events: EventSink | None = None):
-        self.root, self.capacity, self.compat, self.block_bytes = Path(root), capacity, compat, block_bytes
+        super().__init__(capacity, block_bytes, queue_bytes or WRITE_QUEUE_BYTES, events, "kvserve-kv-offload")
+        self.root, self.compat = Path(root), compat
         self.format = BlockFormat(compat.digest, block_bytes)
-        self.events = events
         self.dir = self.root / compat.digest
-        self.counters = TierCounters()
-        self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()     # block hash -> file bytes, oldest use first
-        self._used = 0
-        self._pending: dict[bytes, tuple[BlockKey, torch.Tensor]] = {}   # queued, not yet on disk
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, (queue_bytes or WRITE_QUEUE_BYTES) // block_bytes))
         self._prepare()
         if self.file_bytes(BlockKey(b"", None, (0,) * compat.block_size, None)) > capacity:
             raise ValueError(f"kv_offload_size of {capacity} bytes holds no KV block file (a block is "
                              f"{block_bytes} bytes, and its header)")
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-offload", daemon=True)
         self._writer.start()
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -142,15 +134,6 @@ class DiskTier(Tier):
 
     # ---- reads ---------------------------------------------------------------------------------
 
-    def has(self, block_hash: bytes) -> bool:
-        with self._lock:
-            return block_hash in self._pending or block_hash in self._index
-
-    def touch(self, block_hash: bytes) -> None:
-        with self._lock:
-            if block_hash in self._index:
-                self._index.move_to_end(block_hash)
-
     def contains(self, block_hash: bytes) -> bool:
         """Also true for a file another engine sharing the directory has written."""
         return self.has(block_hash) or self._path(block_hash).exists()
@@ -218,45 +201,13 @@ class DiskTier(Tier):
             for path in paths:
                 _remove(path)
 
-    def _forget(self, block_hash: bytes) -> None:
-        with self._lock:
-            size = self._index.pop(block_hash, None)
-            if size is not None:
-                self._used -= size
-                self._removed(block_hash)
-
     # ---- writes --------------------------------------------------------------------------------
 
-    def room(self) -> int:
-        return self._queue.maxsize - self._queue.qsize()
+    def _store(self, blocks: list[tuple[BlockKey, torch.Tensor]]) -> None:
+        for key, data in blocks:
+            self._store_file(key, data)
 
-    def put(self, key: BlockKey, data: torch.Tensor, wait: bool = False) -> bool:
-        """Queue a block (host-memory bytes, not to be changed after) for the writer; False when the queue
-        is full (unless `wait`) and the block is skipped."""
-        with self._lock:
-            if key.hash in self._pending or key.hash in self._index:
-                return True
-            self._pending[key.hash] = (key, data)
-        try:
-            self._queue.put((key, data), block=wait)
-        except queue.Full:
-            with self._lock:
-                del self._pending[key.hash]
-            self.counters.skipped += 1
-            return False
-        return True
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._store(*item)
-            finally:
-                self._queue.task_done()
-
-    def _store(self, key: BlockKey, data: torch.Tensor) -> None:
+    def _store_file(self, key: BlockKey, data: torch.Tensor) -> None:
         parts = self.format.encode(key, data)
         size = self.file_bytes(key)
         path = self._path(key.hash)
@@ -305,21 +256,6 @@ class DiskTier(Tier):
             self._removed(block_hash)
             _remove(self._path(block_hash))
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._index)
-
-    def flush(self) -> None:
-        self._queue.join()
-
-    def close(self) -> None:
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
 
 def _remove(path: Path) -> None:
     """Remove a file if it can be: one that stays (a read-only directory) is still never served."""

@@ -88,9 +88,11 @@ def measure_prefill(prefill: Callable[[int], None], tokens: int, repeats: int = 
 class OffloadingConnector(KVConnector):
     """Binds a tier to an engine's pool and pages: blocks the pool evicts go to the tier (`save`, the
     pool's on_evict hook), blocks a prefix lookup finds there come back into fresh pool blocks (`read`
-    on the reader thread, started by `start_load`, then written by `finish_load` once it is done)."""
+    on the reader thread, started by `start_load`, then written by `finish_load` once it is done). A tensor-parallel
+    worker binds its own tier to its own pages with no pool (`pool` None): rank 0 names the blocks
+    (parallel/connector.py)."""
 
-    def __init__(self, tier: Tier, pool: BlockPool, read_blocks: Callable[[list[int]], torch.Tensor],
+    def __init__(self, tier: Tier, pool: BlockPool | None, read_blocks: Callable[[list[int]], torch.Tensor],
                  write_blocks: Callable[[list[int], torch.Tensor], None], device: torch.device):
         self.tier, self.pool, self.device = tier, pool, device
         self.read_blocks, self.write_blocks = read_blocks, write_blocks
@@ -105,7 +107,7 @@ class OffloadingConnector(KVConnector):
         self._reads: dict[Future, int] = {}       # reads not yet taken by read_result -> their blocks
         # blocks indexed since the last step ran, whose pages it wrote: a write-through tier's to save
         self._computed: list[tuple[int, BlockKey]] = []
-        if tier.write_through:
+        if tier.write_through and pool is not None:     # (a tensor-parallel worker's: rank 0 says what to save)
             pool.on_cache = lambda block, key: self._computed.append((block, key))
 
     def save(self, evicted: list[tuple[int, BlockKey]], wait: bool = False) -> None:
@@ -125,12 +127,16 @@ class OffloadingConnector(KVConnector):
             self.tier.put(key, row, wait)
 
     def commit(self) -> None:
-        """The step ran: a write-through tier gets the blocks indexed before it (those the pool still holds
-        under the same key; one evicted meanwhile went to the tier by `save` already)."""
-        if not self._computed:
-            return
+        """The step ran: a write-through tier gets the blocks indexed before it (committed)."""
+        if self._computed:
+            self.save(self.committed())
+
+    def committed(self) -> list[tuple[int, BlockKey]]:
+        """The (block, key)s indexed since the last step, whose pages it has now written, that the pool still
+        holds under the same key (one evicted meanwhile went to the tier by `save` already): what a write-through
+        tier saves now."""
         computed, self._computed = self._computed, []
-        self.save([(b, key) for b, key in computed if self.pool.keys[b] == key])
+        return [(b, key) for b, key in computed if self.pool.keys[b] == key]
 
     def holds(self, key: BlockKey) -> bool:
         """Whether the tier holds the block of `key` (by hash; read() checks the rest)."""
@@ -170,10 +176,14 @@ class OffloadingConnector(KVConnector):
         """Write the blocks a done read (start_load) got into their pool blocks: none if it was cancelled (the
         engine closed), so that their tokens are computed instead. (A file that cannot be read or fails its
         checks ends the blocks read there, in `read`.)"""
-        self._reads.pop(future, None)
-        data = [] if future.cancelled() else future.result()
+        data = self.read_result(future)
         self.load([b.block for b in blocks[:len(data)]], data)
         return len(data)
+
+    def read_result(self, future: Future) -> list[torch.Tensor]:
+        """The blocks' bytes a done read (start_load) got: none if it was cancelled."""
+        self._reads.pop(future, None)
+        return [] if future.cancelled() else future.result()
 
     def cancel_load(self, future: Future) -> None:
         future.cancel()
@@ -257,16 +267,27 @@ class OffloadingConnector(KVConnector):
         restart finds them too), wait for the writer, stop it. Idempotent."""
         if self._closed:
             return
-        self._closed = True
         self.pool.on_evict = self.pool.on_cache = None
+        self.close_keeping(self.blocks_to_keep())
+
+    def blocks_to_keep(self) -> list[tuple[int, BlockKey]]:
+        """The (block, key)s of the pool's prefix cache, where the tier outlives the engine: what close writes."""
+        if not self.tier.persistent:
+            return []
+        return [(b, key) for b, key in enumerate(self.pool.keys) if key is not None]
+
+    def close_keeping(self, keep: list[tuple[int, BlockKey]]) -> None:
+        """close, writing the (block, key)s of `keep` (a tensor-parallel worker is given rank 0's
+        blocks_to_keep). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._reader.shutdown(wait=True, cancel_futures=True)
         try:
-            if self.tier.persistent:
-                cached = [(b, key) for b, key in enumerate(self.pool.keys) if key is not None]
-                step = max(1, self.tier.room())      # a batch of pages at a time in host memory
-                for i in range(0, len(cached), step):
-                    self.save(cached[i:i + step], wait=True)
-                self.tier.flush()
+            step = max(1, self.tier.room())      # a batch of pages at a time in host memory
+            for i in range(0, len(keep), step):
+                self.save(keep[i:i + step], wait=True)
+            self.tier.flush()
         finally:
             self.tier.close()
 

@@ -19,8 +19,6 @@ Redis evicted leaves the index when a read finds it gone.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections import OrderedDict
 
@@ -29,20 +27,20 @@ import torch
 
 from kvserve.kv.blocks import BlockKey
 from kvserve.kv.events import EventSink
-from kvserve.kv.tiers.base import Tier, TierCompat, TierCounters
+from kvserve.kv.tiers.base import TierCompat
 from kvserve.kv.tiers.blockformat import BlockFormat, CorruptBlock
+from kvserve.kv.tiers.queued import QueuedTier
 
 log = logging.getLogger(__name__)
 
 WRITE_QUEUE_BYTES = 256 * 2**20
-WRITE_BATCH = 16                  # blocks one pipeline of the writer sends at most
 RETRY_SECONDS = 1.0               # after a failure, how long the tier counts as unreachable
 SOCKET_TIMEOUT = 2.0              # seconds a command may take before it counts as a failure
 SEEN_BLOCKS = 65536               # blocks another engine wrote, remembered once found (no question asked again)
 _FAILURES = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
 
 
-class RedisTier(Tier):
+class RedisTier(QueuedTier):
     """Blocks in the Redis server at `url`, shared by every engine with the same compat key. `capacity`
     bounds what this engine counts as its own (its index); Redis's maxmemory and eviction policy bound
     what the server keeps."""
@@ -50,32 +48,27 @@ class RedisTier(Tier):
     medium = "REDIS"
     persistent = True
     write_through = True
+    write_batch = 16              # blocks one pipeline of the writer sends at most
 
     def __init__(self, url: str, capacity: int, compat: TierCompat, block_bytes: int,
                  queue_bytes: int | None = None, events: EventSink | None = None,
                  retry_seconds: float = RETRY_SECONDS, socket_timeout: float = SOCKET_TIMEOUT):
-        self.url, self.capacity, self.compat, self.block_bytes = url, capacity, compat, block_bytes
+        super().__init__(capacity, block_bytes, queue_bytes or WRITE_QUEUE_BYTES, events, "kvserve-kv-offload-redis")
+        self.url, self.compat = url, compat
         self.format = BlockFormat(compat.digest, block_bytes)
         if self.format.size(BlockKey(b"", None, (0,) * compat.block_size, None)) > capacity:
             raise ValueError(f"kv_offload_size of {capacity} bytes holds no KV block ({block_bytes} bytes and its "
                              f"header)")
-        self.events, self.retry_seconds = events, retry_seconds
-        self.counters = TierCounters()
+        self.retry_seconds = retry_seconds
         self.prefix = f"kvserve:{compat.digest}:".encode()
         self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
-        self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()   # block hash -> stored bytes, oldest use first
-        self._used = 0
         self._seen: OrderedDict[bytes, None] = OrderedDict()   # found in Redis, not (yet) read by this engine
-        self._pending: dict[bytes, tuple[BlockKey, torch.Tensor]] = {}
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, (queue_bytes or WRITE_QUEUE_BYTES) // block_bytes))
         self._down_until = 0.0
         try:
             self.client.ping()
             log.info("kv_offload: Redis at %s, blocks under %s*", url, self.prefix.decode())
         except _FAILURES as e:
             self._failed("connect", e)
-        self._writer = threading.Thread(target=self._write_loop, name="kvserve-kv-offload-redis", daemon=True)
         self._writer.start()
 
     def _key(self, block_hash: bytes) -> bytes:
@@ -86,6 +79,8 @@ class RedisTier(Tier):
     def _up(self) -> bool:
         return time.monotonic() >= self._down_until
 
+    _accepts = _up           # blocks are queued while Redis counts as reachable
+
     def _failed(self, what: str, error: Exception) -> None:
         """Count a failed command; the tier is out for retry_seconds (the first failure of a run is logged)."""
         self.counters.errors += 1
@@ -95,10 +90,6 @@ class RedisTier(Tier):
         self._down_until = time.monotonic() + self.retry_seconds
 
     # ---- what the tier holds ------------------------------------------------------------------
-
-    def has(self, block_hash: bytes) -> bool:
-        with self._lock:
-            return block_hash in self._pending or block_hash in self._index
 
     def contains(self, block_hash: bytes) -> bool:
         """Also true for a block another engine wrote (asked of Redis, unless it is out)."""
@@ -118,11 +109,6 @@ class RedisTier(Tier):
                     self._seen.popitem(last=False)
         return found
 
-    def touch(self, block_hash: bytes) -> None:
-        with self._lock:
-            if block_hash in self._index:
-                self._index.move_to_end(block_hash)
-
     def _add(self, key: BlockKey, size: int) -> None:
         """Index a block known to be in Redis (called holding the lock); the oldest leave the index past capacity."""
         self._seen.pop(key.hash, None)
@@ -141,10 +127,7 @@ class RedisTier(Tier):
     def _forget(self, block_hash: bytes) -> None:
         with self._lock:
             self._seen.pop(block_hash, None)
-            size = self._index.pop(block_hash, None)
-            if size is not None:
-                self._used -= size
-                self._removed(block_hash)
+        super()._forget(block_hash)
 
     # ---- reads --------------------------------------------------------------------------------
 
@@ -205,46 +188,6 @@ class RedisTier(Tier):
 
     # ---- writes -------------------------------------------------------------------------------
 
-    def room(self) -> int:
-        return self._queue.maxsize - self._queue.qsize()
-
-    def put(self, key: BlockKey, data: torch.Tensor, wait: bool = False) -> bool:
-        """Queue a block (host-memory bytes, not to be changed after) for the writer; False when the queue
-        is full (unless `wait`) or Redis is out, and the block is skipped."""
-        with self._lock:
-            if key.hash in self._pending or key.hash in self._index:
-                return True
-            if not self._up():
-                self.counters.skipped += 1
-                return False
-            self._pending[key.hash] = (key, data)
-        try:
-            self._queue.put((key, data), block=wait)
-        except queue.Full:
-            with self._lock:
-                del self._pending[key.hash]
-            self.counters.skipped += 1
-            return False
-        return True
-
-    def _write_loop(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while len(batch) < WRITE_BATCH and batch[-1] is not None:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            blocks = [item for item in batch if item is not None]
-            try:
-                if blocks:
-                    self._store(blocks)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-            if batch[-1] is None:
-                return
-
     def _store(self, blocks: list[tuple[BlockKey, torch.Tensor]]) -> None:
         """SET each block in one pipeline; each that Redis took joins the index."""
         results: list = [None] * len(blocks)
@@ -295,19 +238,6 @@ class RedisTier(Tier):
             self._failed("time a transfer", e)
             return float("inf"), float("inf")
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._index)
-
-    def flush(self) -> None:
-        self._queue.join()
-
     def close(self) -> None:
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
+        super().close()
         self.client.close()
