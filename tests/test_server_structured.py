@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -15,7 +16,9 @@ import pytest
 from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.app import build_app
+from kvserve.server.protocol import ChatCompletionRequest
 from test_server import ServerThread
+from test_structured_outputs import demo_schemas
 from tiny_models import CHAT_TEMPLATE, make_checkpoint
 
 MODEL = "tiny"
@@ -137,6 +140,17 @@ def streamed_calls(stream) -> tuple[str, list[tuple[str, dict]], str]:
     return content, [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
 
 
+def test_response_format_s_schema_is_read_and_unknown_fields_are_named(caplog):
+    """The json_schema's "schema" (a key that is no Python name) is read, not reported as a field kvserve ignores."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    with caplog.at_level("WARNING", logger="kvserve.server.protocol"):
+        req = ChatCompletionRequest.model_validate_json(json.dumps({"messages": MESSAGES, "response_format": fmt,
+                                                                    "frobnicate": 1}))
+    assert req.response_format.json_schema.json_schema == PERSON
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring fields of the request kvserve does not know: [\"'frobnicate'\"]"]
+
+
 def test_a_named_function_s_arguments_follow_its_parameters(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
@@ -246,3 +260,59 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(url, path,
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and message in error["message"], error
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+
+
+DEMO_REGEXES = [r"[a-z]{2,6}-[0-9]{3}", r"(yes|no), because [a-z ]{1,20}\.", r"[0-9]{1,3}(\.[0-9]{1,2})?",
+                r"#[0-9a-f]{6}", r"[A-Z][a-z]{1,8} [A-Z][a-z]{1,8}", r"\d{4}-\d{2}-\d{2}"]
+DEMO_CHOICES = [["yes", "no"], ["red", "green", "blue"], ["Paris", "Oslo", "Rome", "somewhere else"],
+                ["positive", "negative", "neutral"]]
+
+
+def test_the_demo_model_s_replies_validate_against_fifty_schemas():
+    """The demo model served, with the openai client: each of fifty-odd schemas as a strict json_schema
+    response_format and as a named tool's parameters; regexes and choices as vLLM's structured_outputs. Every reply
+    ends within max_tokens and follows its constraint."""
+    schemas = demo_schemas()
+    config = EngineConfig(max_model_len=512, num_kv_blocks=1024, max_num_seqs=16)
+    with ServerThread(build_app(config, "demo")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+        def ask(i: int, **kw):
+            return client.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=300,
+                temperature=0.7, seed=i, **kw)
+
+        def as_response_format(i: int, schema: dict):
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+            choice = ask(i, response_format=fmt, extra_body=COMPACT).choices[0]
+            assert choice.finish_reason == "stop", (schema, choice.message.content)
+            jsonschema.validate(json.loads(choice.message.content), schema)
+
+        def as_tool(i: int, schema: dict):
+            if schema.get("type") != "object":      # a function's parameters are an object; references from its root
+                items = {k: v for k, v in schema.items() if k != "$defs"}
+                schema = {"type": "object", "properties": {"items": items}, "required": ["items"],
+                          "$defs": schema.get("$defs", {})}
+            tool = {"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+            choice = ask(i, tools=[tool], tool_choice={"type": "function", "function": {"name": f"f{i}"}},
+                         extra_body=COMPACT).choices[0]
+            assert choice.finish_reason == "stop", (schema, choice.message)
+            ((name, args),) = arguments_of(choice.message.tool_calls)
+            assert name == f"f{i}"
+            jsonschema.validate(args, schema)
+
+        def as_regex(i: int, regex: str):
+            text = ask(i, extra_body={"structured_outputs": {"regex": regex}}).choices[0].message.content
+            assert re.fullmatch(regex, text), (regex, text)
+
+        def as_choice(i: int, options: list[str]):
+            text = ask(i, extra_body={"structured_outputs": {"choice": options}}).choices[0].message.content
+            assert text in options, (options, text)
+
+        jobs = [*((as_response_format, i, s) for i, s in enumerate(schemas)),
+                *((as_tool, i, s) for i, s in enumerate(schemas)),
+                *((as_regex, i, r) for i, r in enumerate(DEMO_REGEXES)),
+                *((as_choice, i, c) for i, c in enumerate(DEMO_CHOICES))]
+        with ThreadPoolExecutor(16) as pool:
+            for future in [pool.submit(*job) for job in jobs]:
+                future.result()

@@ -234,9 +234,11 @@ def test_the_sampler_never_draws_a_masked_token_and_logprobs_see_the_mask(temper
 
 def demo_schemas() -> list[dict]:
     """Fifty-odd schemas of every kind a client sends: nested objects, arrays, enums, bounded numbers, anyOf,
-    optional fields, references; strings bounded, so that a small model's outputs end within max_tokens."""
+    optional fields, references; strings and numbers' digits bounded, so that a small model's outputs end within
+    max_tokens (a fraction's digits are a model's to run on: a multipleOf exact in binary bounds them)."""
     leaves = [{"type": "string", "maxLength": 8}, {"type": "integer", "minimum": -5, "maximum": 500},
-              {"type": "number", "minimum": 0, "maximum": 1}, {"type": "boolean"}, {"enum": ["red", "green", "blue"]},
+              {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.125}, {"type": "boolean"},
+              {"enum": ["red", "green", "blue"]},
               {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
               {"type": "string", "pattern": "^[a-z]{2,5}$"}, {"const": "fixed"}]
     schemas = []

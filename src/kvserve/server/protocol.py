@@ -111,7 +111,8 @@ class OpenAIBaseModel(BaseModel):
                 raise PydanticCustomError("unsupported", "{message}",
                                           {"message": f"{name} is not supported by kvserve{also}", "param": name})
         if cls.model_config.get("extra") == "ignore":
-            ignored = data.keys() - cls.model_fields.keys() - cls.vllm_fields.keys()
+            known = {f.alias or name for name, f in cls.model_fields.items()}     # a field's alias is its key
+            ignored = data.keys() - known - cls.vllm_fields.keys()
             if ignored:
                 log.warning("ignoring fields of the request kvserve does not know: %s", sorted(map(repr, ignored)))
         return data
