@@ -340,3 +340,31 @@ def test_bench_structured_json(tmp_path):
         # every constrained sequence's mask of every timed step, computed while the model ran
         assert r["masks_per_step"] == r["batch"]
         assert measured(r["mask_fill_ms_per_step"]) and measured(r["mask_wait_ms_per_step"])
+
+
+def test_bench_sparse_json(tmp_path):
+    """bench sparse on a tiny checkpoint: its quality rows (dense first, Quest, the eviction policies at the same
+    budget) and its speed rows (dense and Quest step times of the C step, side by side)."""
+    from tiny_models import make_checkpoint as tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path / "m", initializer_range=0.02, max_position_embeddings=192)
+    path = tmp_path / "sparse.json"
+    shape = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
+             "--num-kv-heads", "2", "--vocab-size", "384"]
+    args = ["--model", str(ckpt), "--block-size", "8", "--passkey-trials", "1", "--texts", "1", "--prefill", "64",
+            "--contexts", "256", "--batches", "1,2", "--repeats", "1", *shape]
+    assert main(["bench", "sparse", "--quick", "--json", str(path), *args]) == 0
+    res = json.loads(path.read_text())
+    quality = {r["policy"]: r for r in res["quality"]["rows"]}
+    assert list(quality) == ["dense", "quest (dense_layers=2)", "quest (dense_layers=0)", "sink", "h2o", "snapkv"]
+    assert quality["dense"]["kl"] == 0 and res["quality"]["budget"] == 24
+    for name, r in quality.items():
+        assert 0 <= r["passkey"] <= 1 and _positive(r["perplexity"]), name
+        assert ("mass_share" in r) == name.startswith("quest")
+    # two layers: dense_layers=2 reads every block, and selects in none
+    assert quality["quest (dense_layers=2)"]["blocks_read"] == 1 and quality["quest (dense_layers=2)"]["kl"] == 0
+    assert 0 < quality["quest (dense_layers=0)"]["mass_share"] <= 1
+    assert 0 < quality["quest (dense_layers=0)"]["blocks_read"] < 1
+    speed = res["speed"]["rows"]
+    assert [(r["context"], r["batch"], r["layers"]) for r in speed] == [(256, 1, 2), (256, 2, 2)]
+    assert all(measured(r["dense_ms"]) and measured(r["quest_ms"]) and r["kv_read_ratio"] > 1 for r in speed)

@@ -1,8 +1,9 @@
 """Every pair of features composes: an engine with both gives the greedy tokens of the engine without those of the
 pair that must not change them (tensor parallelism, the disk tier, prefix caching, the hybrid cache's layer
-groups, n > 1 forks), with the ones that do change them (quantized weights and pages, sink eviction) kept; or
-it refuses the pair with a reason a user accepts, listed in REFUSED. A request's structured output composes with
-each feature alike: the same tokens with those that must not change them, and a valid output with the others."""
+groups, n > 1 forks), with the ones that do change them (quantized weights and pages, sink eviction, sparse
+attention under a budget smaller than the contexts) kept; or it refuses the pair with a reason a user accepts,
+listed in REFUSED. A request's structured output composes with each feature alike: the same tokens with those that
+must not change them, and a valid output with the others."""
 from __future__ import annotations
 
 import itertools
@@ -48,6 +49,8 @@ FEATURES = {
     "prefix_caching": Feature(),        # on; the engine without it: enable_prefix_caching=False
     "hybrid": Feature(),                # a Gemma-3-shaped model; without: one block table for every layer
     "n2": Feature(),                    # two greedy samples of each prompt, forked from one prompt
+    # four of a context's blocks read (of up to eleven) in every layer that sees the whole context
+    "sparse": Feature({"sparse_attention": "quest:budget=16,recent=4,sinks=4,dense_layers=0"}, exact=False),
 }
 # pairs an engine refuses, and what its error says
 REFUSED: dict[frozenset, str] = {}
@@ -124,6 +127,8 @@ def check_features_ran(features: set[str], stats: dict) -> None:
         assert stats["prefix_cache_hits"] + stats.get("kv_offload_hit_tokens", 0) > 0
     if "sink" in features:
         assert stats["num_evicted_tokens"] > 0
+    if "sparse" in features:
+        assert 0 < stats["sparse_blocks_read"] < stats["sparse_blocks_total"]
     if "hybrid" in features:      # a group of the global layer, one of each sliding layer (window 8)
         assert [g["sliding_window"] for g in stats["kv_groups"]] == [None, 8, 8]
     for name in ("int8_pages", "int4_pages"):

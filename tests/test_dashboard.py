@@ -434,3 +434,23 @@ def test_top_prints_the_state_and_needs_the_key(url, capsys):
 def test_top_shows_the_most_telling_state_of_the_blocks_a_cell_stands_for():
     assert grid_cells("..uus.cc", 8) == ["free", "free", "used", "used", "shared", "free", "cached", "cached"]
     assert grid_cells("..uus.cc", 3) == ["used", "shared", "cached"]
+
+
+def test_a_sequences_reads_under_sparse_attention(tiny_llama):
+    """GET /v1/kv/sequences/{seq_id}/reads: per layer, how many KV heads read each block of a sequence in the last
+    step under sparse attention (every block in a dense layer, some in the others); a 404 naming seq_id for a
+    sequence that was not in it, and the key needed."""
+    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64, max_model_len=128,
+                          sparse_attention="quest:budget=16,recent=4,sinks=4,dense_layers=1")
+    with ServerThread(build_app(config, MODEL, ServerConfig(api_key=KEY))) as base:
+        body = {"model": MODEL, "prompt": list(range(3, 60)), "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+        reads = httpx.get(f"{base}/v1/kv/sequences/0/reads", headers=AUTH).json()
+        assert reads["object"] == "kv_sparse_reads" and reads["kv_heads"] == 2 and len(reads["layers"]) == 2
+        dense, sparse = reads["layers"]
+        assert dense == "2" * 15 and set(sparse) <= {"0", "1", "2"} and 0 < sum(map(int, sparse)) < 30
+        missing = httpx.get(f"{base}/v1/kv/sequences/7/reads", headers=AUTH)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "seq_id"
+        assert httpx.get(f"{base}/v1/kv/sequences/0/reads").status_code == 401
+        state = httpx.get(f"{base}/v1/kv/state", headers=AUTH).json()
+        assert 0 < state["stats"]["sparse_blocks_read"] < state["stats"]["sparse_blocks_total"]

@@ -244,7 +244,7 @@ def test_the_c_step_writes_a_token_as_the_codecs_do(kv_cache_dtype, dtype):
         fmt = PageFormat.of(kv_cache_dtype, dtype)
         python, c = (QuantizedPages(fmt, 2, nb, bs, d, torch.device("cpu")) for _ in "pc")
         python.write_tokens(kv, slots)
-        pages, kind, kvh, blocks, block_size, head_dim, k_meta, v_meta = cache_args(c)
+        pages, kind, kvh, blocks, block_size, head_dim, k_meta, v_meta, *_ = cache_args(c)
         at = Cache(pages=pages, kind=kind, kvh=kvh, nb=blocks, bs=block_size, d=head_dim, k_meta=k_meta, v_meta=v_meta)
         rows = kv.float()
         for t, slot in enumerate(slots.tolist()):

@@ -212,3 +212,20 @@ def test_hybrid_full_context_bytes_are_what_the_engine_holds(tmp_path):
     bytes_per_block = engine.kv_spec.bytes_per_block
     groups = plan(str(path), 2**30, length, dtype="float32", block_size=4).kv_groups
     assert [p * bytes_per_block for p in peaks] == [g["bytes_at_full_context"] for g in groups]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_page_summaries_count_in_the_plan_as_in_the_engine(ckpt, kv_dtype, capsys):
+    """With sparse attention a block also holds its keys' summaries: the planner's blocks for a budget are the
+    engine's pool, its bytes per token the engine's, and `kvserve plan --sparse-attention` shows their share."""
+    budget, spec = "3MiB", "quest:budget=64,recent=16,sinks=16"
+    llm = LLM(str(ckpt), kv_cache_memory=budget, block_size=16, dtype="float32", kv_cache_dtype=kv_dtype,
+              sparse_attention=spec)
+    stats = llm.stats()
+    assert num_blocks(str(ckpt), budget, 16, "float32", kv_dtype, summaries=True) == stats["kv_blocks_total"]
+    assert num_blocks(str(ckpt), budget, 16, "float32", kv_dtype) > stats["kv_blocks_total"]
+    planned = plan(str(ckpt), 2**30, 256, dtype="float32", kv_dtype=kv_dtype, sparse_attention=spec)
+    assert planned.kv_bytes_per_token == stats["kv_bytes_per_token"]
+    assert stats["kv_cache_bytes"] == stats["kv_blocks_total"] * llm.engine.kv_spec.bytes_per_block
+    assert main(["plan", "--model", str(ckpt), "--gpu", "h100", "--sparse-attention", spec]) == 0
+    assert "+ page summaries 2 layers x 2 (min, max)" in capsys.readouterr().out

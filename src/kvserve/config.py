@@ -349,6 +349,10 @@ class EngineConfig:
     eviction: str | dict | None = option(None, 'KV eviction of every request that asks for none of its own: '
                                                '"sink:sinks=4,window=1020", '
                                                '"h2o:budget=512,recent=64,score=max" or "snapkv:budget=512,window=32"')
+    sparse_attention: str | dict | None = option(None, 'sparse decode attention of every request that asks for none '
+                                                       'of its own, over page summaries the cache then keeps: '
+                                                       '"quest:budget=2048,recent=128,sinks=16,dense_layers=2" (a '
+                                                       'request may set its own, or "none")')
     allow_long_max_model_len: bool = option(False, "accept a --max-model-len past the model's trained positions")
     gpu_memory_utilization: float = option(0.9, "share of the GPU for weights, activations and the KV cache (when "
                                                 "its size is not given)")
@@ -399,9 +403,11 @@ class EngineConfig:
 
     def __post_init__(self):
         from kvserve.kv.eviction import parse_eviction   # kvserve.kv imports this module
+        from kvserve.kv.sparse import parse_sparse_attention
         from kvserve.kv.tiers import PREEMPTION_MODES, parse_kv_offload
 
         parse_eviction(self.eviction)
+        parse_sparse_attention(self.sparse_attention)
         parse_kv_offload(self.kv_offload)
         if self.kv_offload_size is not None:
             try:
@@ -418,6 +424,9 @@ class EngineConfig:
                              "needs kv_offload")
         if self.eviction is not None and self.cache_mode != "paged":
             raise ValueError(f"eviction needs cache_mode 'paged' (it drops blocks), got {self.cache_mode!r}")
+        if self.sparse_attention is not None and self.cache_mode == "none":
+            raise ValueError("sparse_attention reads some of a sequence's cached blocks: it needs a KV cache "
+                             "(cache_mode 'paged' or 'contiguous')")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES and self.cache_mode != "paged":

@@ -40,20 +40,23 @@ class Status(ctypes.c_int):
 
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-# a paged cache (csrc/paged_decode.c): pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta
-_CACHE = (_P, _I, _I, _I, _I, _I, _P, _P)
+# a paged cache (csrc/paged_decode.c): pages, kind, KV heads, blocks, block size, head_dim, K meta, V meta, the
+# keys' summaries and their kind
+_CACHE = (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I)
 # name -> (argument types, result type) of each kernel; pointers (structs by ctypes.byref too) as void *
 SIGNATURES: dict[str, tuple[tuple, type | None]] = {
     # csrc/paged_decode.c: q, q kind, q stride, out, sequences, heads, block tables, their width, context lens,
-    # scale, the cache, sliding window (0: none), soft cap (0: none) (and for prefill, query starts)
-    "paged_decode": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F), Status),
-    "paged_prefill": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F, _P), Status),
+    # scale, the cache, sliding window (0: none), soft cap (0: none), sparse attention's options, counts and record
+    # (NULL: none) (and for prefill, query starts)
+    "paged_decode": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F, _P, _P, _P), Status),
+    "paged_prefill": ((_P, _I, _I64, _P, _I, _I, _P, _I, _P, _F, *_CACHE, _I64, _F, _P, _P, _P, _P), Status),
     # whether a task of (kind, head_dim, query heads of a KV head, tokens) runs with its keys in vector lanes
     "keys_in_lanes": ((_I, _I, _I, _I), _I),
     # csrc/decode_step.c: model, n, (steps,) input ids, positions, (groups,) (each group's slots,) each group's
-    # block tables, their widths, context lens, cos, sin, the sliding layers' cos, sin, logits, (tokens,) threads
-    "decode_step": ((_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I), Status),
-    "decode_steps": ((_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I), Status),
+    # block tables, their widths, context lens, cos, sin, the sliding layers' cos, sin, sparse attention's options,
+    # counts, record and its width, logits, (tokens,) threads
+    "decode_step": ((_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I), Status),
+    "decode_steps": ((_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I), Status),
     "linear_rows": ((_P, _I, _P, _I, _I, _I, _P, _I), None),
     "struct_layout": ((_I, *[ctypes.POINTER(ctypes.c_char_p)] * 3), _I64),
     # csrc/gemm.c

@@ -22,6 +22,7 @@ from kvserve.parallel.sharding import check_tensor_parallel, shard_config
 from kvserve.kv.eviction import Sink
 from kvserve.kv.groups import LayerGroup, is_hybrid, layer_groups, window_blocks
 from kvserve.kv.quant import resolve_kv_cache_dtype
+from kvserve.kv.sparse import parse_sparse_attention
 from kvserve.kv.spec import KVSpec
 from kvserve.kv.storage import block_spec
 
@@ -149,11 +150,11 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
          utilization: float = 0.9, block_size: int = 16, avg_prompt: float | None = None,
          avg_output: float | None = None, sinks: int = 4, window: int = 1020, kv_dtype: str = "auto",
          offload_size: int | None = None, quantization: str | None = None,
-         kv_dtype_skip_layers: tuple[int, ...] = ()) -> Plan:
+         kv_dtype_skip_layers: tuple[int, ...] = (), sparse_attention: str | None = None) -> Plan:
     """Users that fit with each cache option; contiguous, paged and sink_window store `kv_dtype`; the weights
     are quantized as `quantization` says (weight_bytes). Quantized pages keep the layers `kv_dtype_skip_layers` in
     `dtype` (kv_cache_dtype_skip_layers). With `offload_size`, the prefix tokens a second tier of that many bytes
-    keeps (kv_offload)."""
+    keeps (kv_offload). With `sparse_attention`, every block also holds its page summaries (kv/summaries.py)."""
     if context < 1:
         raise ValueError(f"context must be at least 1 token, got {context}")
     if not 0 < utilization <= 1:
@@ -175,7 +176,8 @@ def plan(model: str, memory: int, context: int, dtype: str = "bfloat16", tensor_
     bounded = policy.max_cache_tokens(block_size) + policy.sink_blocks(block_size) * block_size
     held = mean_tokens_held(context, avg_prompt, avg_output)
     held_sink = mean_tokens_held(context, avg_prompt, avg_output, bounded)
-    per_card = {kd: KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kd, kv_dtype_skip_layers)
+    summaries = parse_sparse_attention(sparse_attention) is not None
+    per_card = {kd: KVSpec.from_model(cfg, parse_dtype(dtype), block_size, kd, kv_dtype_skip_layers, summaries)
                 for kd in ("auto", *QUANTIZED_KV_CACHE_DTYPES)}
     cards = min(tensor_parallel, cfg.num_kv_heads)   # tensor parallelism splits the KV heads (never one head)
     per_token = per_card[kv_dtype].bytes_per_token / cards
@@ -236,9 +238,10 @@ class GroupPlan:
 
 
 def offload_tokens(spec: KVSpec, size: int, cards: int = 1) -> int:
-    """Prefix tokens a second tier of `size` bytes (per card) keeps: whole blocks as the pool stores them,
-    quantized pages with their scales (the small header of each block's file left out)."""
-    return int(size // (spec.bytes_per_block / cards)) * spec.block_size
+    """Prefix tokens a second tier of `size` bytes (per card) keeps: whole blocks' pages as the pool stores them,
+    quantized pages with their scales (the small header of each block's file left out; page summaries are made
+    again from the pages)."""
+    return int(size // (spec.page_bytes_per_block / cards)) * spec.block_size
 
 
 def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
@@ -251,15 +254,15 @@ def _paged_bytes_per_user(spec: KVSpec, held: float, cards: int) -> float:
 
 def num_blocks(model: str, kv_cache_memory: int | str, block_size: int = 16, dtype: str = "float32",
                kv_dtype: str = "auto", tensor_parallel: int = 1, kv_dtype_skip_layers: tuple[int, ...] = (),
-               max_model_len: int | None = None) -> int:
+               max_model_len: int | None = None, summaries: bool = False) -> int:
     """The engine's pool size for a kv_cache_memory budget: the same formula the allocator uses (per rank under
     tensor parallelism, whose ranks hold their KV heads' pages of the same blocks). A model whose sliding windows
     bind within max_model_len (default: its positions) gets the hybrid cache's blocks, each holding the pages of
-    one layer group's layers (block_spec)."""
+    one layer group's layers (block_spec); with `summaries` (sparse attention), their page summaries too."""
     _, cfg = load_model_config(model)
     check_tensor_parallel(cfg, tensor_parallel)
     spec = KVSpec.from_model(shard_config(cfg, tensor_parallel), parse_dtype(dtype), block_size, kv_dtype,
-                             kv_dtype_skip_layers)
+                             kv_dtype_skip_layers, summaries)
     groups = layer_groups(cfg.sliding_windows or (None,) * cfg.num_layers,
                           max_model_len or cfg.max_position_embeddings)
     if is_hybrid(groups):
@@ -290,6 +293,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--kv-offload-size", default=None,
                    help="a second tier of this size (e.g. 64GiB of disk or host memory): the prefix tokens it keeps")
+    p.add_argument("--sparse-attention", default=None, metavar="SPEC",
+                   help="as the engine's flag (e.g. quest:budget=2048): every block then holds its page summaries too")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--plot", default=None, help="PNG of users against context length")
     p.set_defaults(func=run)
@@ -300,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     kw = dict(dtype=args.dtype, tensor_parallel=args.tensor_parallel, utilization=args.memory_utilization,
               block_size=args.block_size, avg_prompt=args.avg_prompt, avg_output=args.avg_output,
               sinks=args.sinks, window=args.window, kv_dtype=args.kv_dtype, quantization=args.quantization,
-              kv_dtype_skip_layers=args.kv_dtype_skip_layers)
+              kv_dtype_skip_layers=args.kv_dtype_skip_layers, sparse_attention=args.sparse_attention)
     offload = None
     if args.kv_offload_size is not None:
         try:
@@ -320,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
               f"{f', layers {_layers(spec.skip_layers)} in {args.dtype}' if spec.skip_layers else ''})")
     print(f"KV bytes per token = {cfg.num_layers} layers x 2 (K, V) x {cfg.num_kv_heads} kv_heads x "
           f"{cfg.head_dim} head_dim x {number}{f' / {cards} cards' if cards > 1 else ''}"
-          f" = {result.kv_bytes_per_token:,.0f} bytes")
+          f"{summary_term(spec, cfg, cards) if args.sparse_attention else ''} = {result.kv_bytes_per_token:,.0f} bytes")
     for g in result.kv_groups:
         kind = "full attention" if g["sliding_window"] is None else f"window {g['sliding_window']}"
         print(f"  layer group ({kind}, {g['num_layers']} layers, pages of {g['padded_layers']} per block): "
@@ -331,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
           f"KV memory on the card: {result.kv_memory / gib:.2f} GiB")
     if args.tensor_parallel > 1:
         blocks = num_blocks(args.model, result.kv_memory, args.block_size, args.dtype, args.kv_dtype,
-                            args.tensor_parallel, args.kv_dtype_skip_layers, args.context)
+                            args.tensor_parallel, args.kv_dtype_skip_layers, args.context,
+                            summaries=args.sparse_attention is not None)
         print(f"per rank: --kv-cache-memory {result.kv_memory} --tensor-parallel-size {args.tensor_parallel} gives "
               f"each rank {blocks:,} blocks of {args.block_size} tokens ({args.kv_dtype} pages)")
     print(f"concurrent users: requests of the length mix (mean {result.mean_tokens_held:.0f} tokens held, "
@@ -347,13 +353,23 @@ def run(args: argparse.Namespace) -> int:
     if result.offload_tokens is not None:
         print(f"offload tier of {result.offload_bytes / gib:.2f} GiB{' per card' if cards > 1 else ''}: keeps "
               f"{result.offload_tokens:,} more prefix tokens ({result.offload_tokens // args.context:,} prefixes of "
-              f"{args.context} tokens) at {spec.bytes_per_block / spec.block_size / cards:,.0f} bytes per token, "
+              f"{args.context} tokens) at {spec.page_bytes_per_block / spec.block_size / cards:,.0f} bytes per token, "
               f"{spec.kv_cache_dtype} pages")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     if args.plot:
         _plot(args, memory, kw)
     return 0
+
+
+def summary_term(spec: KVSpec, cfg: ModelConfig, cards: int) -> str:
+    """The page summaries' share of a token's bytes: per block, layer and KV head a minimum and a maximum of head_dim
+    numbers in the model's dtype, over the block's tokens."""
+    share = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * spec.bytes_per_number / spec.block_size / cards
+    per_card = f" / {cards} cards" if cards > 1 else ""
+    return (f" + page summaries {cfg.num_layers} layers x 2 (min, max) x {cfg.num_kv_heads} kv_heads x {cfg.head_dim} "
+            f"head_dim x {spec.bytes_per_number} bytes / {spec.block_size} tokens a block{per_card} "
+            f"({share:,.0f} bytes)")
 
 
 def _layers(layers: tuple[int, ...]) -> str:

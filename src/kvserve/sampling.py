@@ -10,6 +10,7 @@ import torch
 
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 from kvserve.kv.eviction import parse_eviction
+from kvserve.kv.sparse import parse_sparse_attention
 from kvserve.structured.params import StructuredOutputsParams
 from kvserve.text import valid_unicode
 
@@ -52,6 +53,9 @@ class SamplingParams:
     # the KV eviction policy of this request ("sink:sinks=4,window=1020", ..., "none"): overrides
     # the engine's default (kvserve.kv.eviction)
     eviction: str | dict | None = None
+    # this request's sparse decode attention ("quest:budget=2048,...", or "none"): overrides the engine's default
+    # (kvserve.kv.sparse)
+    sparse_attention: str | dict | None = None
     # the fewest tokens to generate before an EOS or a stop token may be sampled, or a stop string end the text
     min_tokens: int = 0
     include_stop_str_in_output: bool = False    # the text keeps the stop string (or stop token) that ended it
@@ -110,6 +114,11 @@ class SamplingParams:
                 parse_eviction(self.eviction)
             except ValueError as e:         # its message names the policy's option, not this field
                 raise ValueError(f"eviction: {e}") from None
+        if self.sparse_attention is not None:
+            try:
+                parse_sparse_attention(self.sparse_attention)
+            except ValueError as e:
+                raise ValueError(f"sparse_attention: {e}") from None
 
     @property
     def greedy(self) -> bool:

@@ -1,10 +1,11 @@
 """AttentionBatch: what one engine step tells every attention layer about its flat token batch."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvserve.attention.sparse import SparseDecode
 from kvserve.kv.pages import LayerPages
 
 
@@ -39,11 +40,20 @@ class AttentionBatch:
     # slots and block tables, and each layer's group
     groups: list[AttentionBatch] = field(default_factory=list)
     layer_group: list[int] = field(default_factory=list)
+    # sparse decode attention (attention/sparse.py): the step's, or (for_layer's) a layer's; None: none
+    sparse: SparseDecode | None = None
 
     def for_layer(self, i: int) -> AttentionBatch:
-        """The batch that layer i reads: its layer group's (this one where the cache has one group)."""
+        """The batch that layer i reads: its layer group's (this one where the cache has one group), with layer i's
+        sparse attention."""
         g = self.layer_group[i] if self.groups else 0
-        return self.groups[g - 1] if g else self
+        batch = self.groups[g - 1] if g else self
+        if batch.sparse is None:
+            return batch
+        key = ("sparse layer", i)          # made once per step, shared by a layer's calls (and its scratch)
+        if key not in batch.scratch:
+            batch.scratch[key] = replace(batch, sparse=batch.sparse.for_layer(i))
+        return batch.scratch[key]
 
     @property
     def num_prefills(self) -> int:
@@ -55,6 +65,7 @@ class AttentionBackend:
 
     name = ""
     supports_cuda_graphs = False   # its decode launches depend on decode_context_bound only, with no host sync
+    supports_sparse = False        # its decodes honour AttentionBatch.sparse (sparse attention: kv/sparse.py)
 
     def store(self, kv_cache: LayerPages, kv: torch.Tensor, batch: AttentionBatch) -> None:
         """Write the new tokens' K and V [tokens, 2, kv_heads, head_dim] into a layer's pages."""

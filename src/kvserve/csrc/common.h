@@ -100,9 +100,12 @@ static inline void store_row(void *dst, const float *src, int kind, int d) {
 
 static inline size_t elem_size(int kind) { return kind == F32 ? 4 : kind <= F16 ? 2 : 1; }
 
+/* A layer's paged cache: pages [2][KVH][NB][BS][row] of `kind` with their K and V scales where quantized (else
+ * NULL), and its keys' summaries (kv/summaries.py: [KVH][NB][2][d] minimums and maximums, of summary_kind F32 or
+ * BF16; NULL where not kept). */
 typedef struct {
-    const void *pages, *k_meta, *v_meta;
-    int kind, kvh, nb, bs, d;
+    const void *pages, *k_meta, *v_meta, *summary;
+    int kind, kvh, nb, bs, d, summary_kind;
 } Cache;
 
 /* 2^f = e^(f ln 2) for f in [-1/2, 1/2] by its series to the 6th power (relative error about 1e-7):
@@ -260,9 +263,28 @@ static inline float geglu(float gate, float up, int dtype) {
 int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
                  float scale, int64_t window, float cap, float *out);
 
+/* The blocks one decode task reads (decode_blocks): `table`'s first blocks holding `ctx` tokens; `owned`, the
+ * memory of a selection to free (or NULL). */
+typedef struct {
+    const int64_t *table;
+    int64_t ctx;
+    int64_t *owned;
+} Blocks;
+
+/* csrc/paged_decode.c: the blocks the decode task of KV head h of a sequence (blocks `table`, ctx cached tokens)
+ * reads for its `groups` query heads q (rows of d floats): under sparse attention (kv/sparse.py) with budget > 0
+ * and ctx > budget, the blocks of the first `sinks` tokens, those of the last `recent`, and the others of the
+ * highest bounds by the cache's summaries up to budget tokens in whole blocks, in table order; else (budget 0:
+ * dense, budget < 0: no sparse attention) the table itself. Where budget >= 0 it counts them: counts[0] += blocks
+ * read, counts[1] += blocks of the context, and record[j] += 1 for each block j read (record NULL: none), both
+ * atomically (the sequence's other tasks count into them too). 0, or -1 where memory ran out. */
+int decode_blocks(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
+                  int64_t budget, int64_t sinks, int64_t recent, int64_t *counts, uint8_t *record, Blocks *out);
+
 /* csrc/kv_codecs.c: a token's row (d floats, numbers of the model's dtype) as K (which = 0) or V (1) of KV head h
  * at cache slot `slot` (block * bs + offset), written as the pages' kind holds it: as it is, or quantized by
- * kv/quant.py's codec of that kind, bit for bit. */
+ * kv/quant.py's codec of that kind, bit for bit; a key also into its block's summary, where the cache keeps them
+ * (as kv/summaries.py's PageSummaries.add_tokens takes it in, bit for bit). */
 void store_token(const Cache *c, int which, int h, int64_t slot, const float *row);
 /* csrc/kv_codecs.c: x (d floats) times the block Hadamard matrix of kv/quant.py's rotate_keys_, in place, as it
  * computes it, rounded to dtype. */

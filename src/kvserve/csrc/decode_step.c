@@ -49,6 +49,7 @@ static const struct {
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
     FIELD(Layer, k_meta), FIELD(Layer, v_meta), FIELD(Layer, kv_kind), FIELD(Layer, rotate_keys),
+    FIELD(Layer, summary), FIELD(Layer, summary_kind),
     FIELD(Layer, window), FIELD(Layer, group), FIELD(Layer, local_rope), FIELD(Layer, pre_ff_norm),
     FIELD(Layer, post_ff_norm),
     SIZE_OF(Model), FIELD(Model, num_layers), FIELD(Model, hidden), FIELD(Model, num_heads),
@@ -242,13 +243,23 @@ static void add_and_norm(const Model *m, float *x, int t, void *added, const voi
     norm_row(m, x, t, weight, normed, gdt, buf);
 }
 
+/* A sequence's sparse attention in a step (kv/sparse.py): its options (params: Quest.params, budget < 0 where it
+ * has none, or NULL), and where its reads are counted (decode_blocks): counts, and its row of the layer's record
+ * (or NULL). */
+typedef struct {
+    const int64_t *params;
+    int64_t *counts;
+    uint8_t *record;
+} SparseTask;
+
 /* The heads of KV head kh of sequence t: its q, k and v heads (row t of the qkv rows, of gdt) into qkv (float32
- * rows), their RoPE and its K/V into the cache, and the attention of its query heads over its pages into its
- * row of out (gdt). One task of the step's attention: its heads are no other task's. 0, or -1 where the
+ * rows), their RoPE and its K/V into the cache, and the attention of its query heads over its pages (the blocks
+ * decode_blocks chooses, under sparse attention in a full-attention layer from the sequence's dense_layers on)
+ * into its row of out (gdt). One task of the step's attention: its heads are no other task's. 0, or -1 where the
  * attention's memory ran out. */
-static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t, int kh, const void *rows, int gdt,
-                        float *qkv, int64_t position, int64_t slot, const int64_t *table, int64_t ctx,
-                        const float *cos_table, const float *sin_table, void *out) {
+static int attend_task(const Model *m, const Layer *l, int li, const Cache *cache, int t, int kh, const void *rows,
+                        int gdt, float *qkv, int64_t position, int64_t slot, const int64_t *table, int64_t ctx,
+                        const float *cos_table, const float *sin_table, void *out, SparseTask sparse) {
     const int d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads, groups = nh / nkv;
     const size_t qkv_size = (size_t)(nh + 2 * nkv) * d, q = (size_t)kh * groups * d;
     float *own = qkv + t * qkv_size;
@@ -261,7 +272,15 @@ static int attend_task(const Model *m, const Layer *l, const Cache *cache, int t
     position_and_store(m, l, cache, own, kh, position, slot, cos_table, sin_table);
     const size_t at = (size_t)t * nh * d + q;
     float local[groups * d], *o = gdt == F32 ? (float *)out + at : local;
-    if (attend_head(cache, kh, table, ctx, own + q, groups, m->scale, l->window, m->attn_cap, o)) return -1;
+    const int64_t *p = sparse.params;
+    Blocks b = {table, ctx, NULL};
+    if (p && p[0] >= 0 && !l->window &&
+        decode_blocks(cache, kh, table, ctx, own + q, groups, li < p[3] ? 0 : p[0], p[1], p[2], sparse.counts,
+                      sparse.record, &b))
+        return -1;
+    const int status = attend_head(cache, kh, b.table, b.ctx, own + q, groups, m->scale, l->window, m->attn_cap, o);
+    free(b.owned);
+    if (status) return -1;
     for (int i = 0; i < groups * d; i++) o[i] = as_dtype(o[i], m->dtype);
     if (o == local) store_row((uint16_t *)out + at, o, gdt, groups * d);
     return 0;
@@ -290,12 +309,16 @@ static void all_reduce(const Model *m, void *rows, int64_t count, int gdt, int *
  * token each at `positions`, attending over their pages. A hybrid cache (kv/groups.py) has a block table
  * per layer group: layer l writes its K/V at slots[g][t] and reads block_tables[g] ([n][table_widths[g]])
  * of its group g = l->group (one group: g = 0 for every layer). RoPE's cos and sin: the tables of every
- * layer but those with local_rope, which read local_cos and local_sin. 0, or -1 where memory ran out (the
- * logits and the step's K/V are then not all written). */
+ * layer but those with local_rope, which read local_cos and local_sin. Sparse attention (kv/sparse.py): sparse
+ * [n][4] holds each sequence's Quest.params (a budget < 0: none; NULL: no sequence has it), their reads counted
+ * into sparse_counts and (unless NULL) sparse_record [layers][n][record_width], which the step zeroes first (the
+ * table's entries each layer's tasks read, decode_blocks). 0, or -1 where memory ran out (the logits and the
+ * step's K/V are then not all written). */
 int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *positions,
                  const int64_t *const *slots, const int64_t *const *block_tables, const int *table_widths,
                  const int64_t *context_lens, const float *cos_table, const float *sin_table,
-                 const float *local_cos, const float *local_sin, void *logits, int threads) {
+                 const float *local_cos, const float *local_sin, const int64_t *sparse, int64_t *sparse_counts,
+                 uint8_t *sparse_record, int record_width, void *logits, int threads) {
     const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int inter = m->intermediate, dt = m->dtype, q_size = nh * d, qkv_size = (nh + 2 * nkv) * d;
 #if AVX512_BW_VL
@@ -316,6 +339,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
     float *rows = malloc(sizeof(float) * 2 * widest * threads);              /* two float rows per thread */
     int failed = !x || !a || !b || !qkv || (!fused && !gate_up) || (!gemm && !y) || !rows, broken = 0;
     if (failed) goto done;
+    if (sparse_record) memset(sparse_record, 0, (size_t)m->num_layers * n * record_width);
     for (int t = 0; t < n; t++) {
         const int64_t id = input_ids[t] - m->vocab_start;
         if (id < 0 || id >= m->vocab) {         /* another rank's row: its lookup, summed with ours */
@@ -340,20 +364,25 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
         for (int t = 0; t < n; t++) norm_row(m, x, t, m->layers[0].input_norm, a, gdt, row);
         for (int li = 0; li < m->num_layers; li++) {
             const Layer *l = &m->layers[li];
-            const Cache cache = {l->kv, l->k_meta, l->v_meta, l->kv_kind, nkv, m->num_blocks, m->block_size, d};
+            const Cache cache = {l->kv, l->k_meta, l->v_meta, l->summary, l->kv_kind, nkv, m->num_blocks,
+                                 m->block_size, d, l->summary_kind};
             const int64_t *table = block_tables[l->group], *slot = slots[l->group];
             const int width = table_widths[l->group];
             const float *cos = l->local_rope ? local_cos : cos_table, *sin = l->local_rope ? local_sin : sin_table;
             project(&l->qkv, 0, dt, a, n, hdim, qkv_size, b);
             #pragma omp for collapse(2) schedule(dynamic)
             for (int t = 0; t < n; t++)
-                for (int kh = 0; kh < nkv; kh++)
-                    if (attend_task(m, l, &cache, t, kh, b, gdt, qkv, positions[t], slot[t], table + (int64_t)t * width,
-                                    context_lens[t], cos, sin, a)) {
+                for (int kh = 0; kh < nkv; kh++) {
+                    const SparseTask sparse_task = {
+                        sparse ? sparse + 4 * t : NULL, sparse_counts,
+                        sparse_record ? sparse_record + ((int64_t)li * n + t) * record_width : NULL};
+                    if (attend_task(m, l, li, &cache, t, kh, b, gdt, qkv, positions[t], slot[t],
+                                    table + (int64_t)t * width, context_lens[t], cos, sin, a, sparse_task)) {
                         /* the rest of the step still runs (every thread must meet the barriers), and is discarded */
                         #pragma omp atomic write
                         failed = 1;
                     }
+                }
             project(&l->o, 0, dt, a, n, q_size, hdim, b);
             if (m->all_reduce) all_reduce(m, b, (int64_t)n * hdim, gdt, &broken);
             /* Gemma: the attention's output normed (post_norm) before it joins the stream, the MLP's input
@@ -403,11 +432,13 @@ done:
 /* `steps` greedy decode steps of n sequences in one call: each step's argmax is the next step's input, and
  * its K/V go at the next slot of the sequence's table in each of the `groups` layer groups (decode_step),
  * whose tables hold blocks for all the steps. input_ids, positions and context_lens are the first step's,
- * and advance in place; tokens [steps][n]; logits: room for one step's. 0, or -1 where memory ran out (the
- * steps stop there). Not for a tensor-parallel shard: the argmax is over its own vocab rows. */
+ * and advance in place; tokens [steps][n]; logits: room for one step's; sparse attention as in decode_step (the
+ * record: the last step's). 0, or -1 where memory ran out (the steps stop there). Not for a tensor-parallel
+ * shard: the argmax is over its own vocab rows. */
 int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *positions, int groups,
                   const int64_t *const *block_tables, const int *table_widths, int64_t *context_lens,
                   const float *cos_table, const float *sin_table, const float *local_cos, const float *local_sin,
+                  const int64_t *sparse, int64_t *sparse_counts, uint8_t *sparse_record, int record_width,
                   void *logits, int64_t *tokens, int threads) {
     const int bs = m->block_size;
     int64_t *slots = malloc(sizeof(int64_t) * n * groups);
@@ -421,7 +452,8 @@ int decode_steps(const Model *m, int n, int steps, int64_t *input_ids, int64_t *
                 slots[(int64_t)g * n + t] = block_tables[g][(int64_t)t * table_widths[g] + at / bs] * bs + at % bs;
             }
         status = decode_step(m, n, input_ids, positions, slot_rows, block_tables, table_widths, context_lens,
-                             cos_table, sin_table, local_cos, local_sin, logits, threads);
+                             cos_table, sin_table, local_cos, local_sin, sparse, sparse_counts, sparse_record,
+                             record_width, logits, threads);
         if (status) break;
         argmax_rows(logits, n, m->vocab, m->vocab, m->dtype, tokens + (int64_t)s * n, threads);
         for (int t = 0; t < n; t++) input_ids[t] = tokens[(int64_t)s * n + t], positions[t]++, context_lens[t]++;

@@ -19,13 +19,16 @@ typedef struct {
 
 /* A decoder layer. Its cache: pages [2][KVH][NB][BS][row] whose rows are of kv_kind (csrc/paged_decode.c's
  * kinds: the model's dtype, or a quantized one with its K and V scales, k_meta and v_meta, else NULL), its keys
- * stored rotated by the Hadamard matrix of kv/quant.py's rotate_keys_ where rotate_keys (its queries turn alike). */
+ * stored rotated by the Hadamard matrix of kv/quant.py's rotate_keys_ where rotate_keys (its queries turn alike),
+ * and its keys' summaries (kv/summaries.py, of summary_kind; NULL where the cache keeps none). */
 typedef struct {
     Proj qkv, o, gate_up, down;
     const void *input_norm, *post_norm, *q_norm, *k_norm;    /* q_norm, k_norm: Qwen3's, else NULL */
     void *kv;
     const void *k_meta, *v_meta;
     int kv_kind, rotate_keys;
+    void *summary;
+    int summary_kind;
     int64_t window;                                           /* its sliding window, or 0: full attention */
     int group;                                                /* its layer group: the block table it reads */
     int local_rope;                                           /* RoPE by the sliding layers' table (Gemma 3) */

@@ -129,20 +129,78 @@ static void int4_row(const float *x, int d, uint8_t *packed, uint16_t *scale, ui
     for (int j = 0; j < d / 2; j++) packed[j] = (uint8_t)((int)kept[2 * j] | (int)kept[2 * j + 1] << 4);
 }
 
+/* The key row of KV head h at `slot` as it decodes (x, d floats): full-precision numbers as they are; quantized
+ * ones times their scales (int4's plus its minimum), in float32 as kv/quant.py's decode(..., torch.float32). */
+static void stored_key(const Cache *c, int h, int64_t slot, float *x) {
+    const int d = c->d, bs = c->bs;
+    const int64_t block = slot / bs, offset = slot % bs, hb = (int64_t)h * c->nb + block;
+    const int64_t at = ((int64_t)h * c->nb + block) * bs + offset;     /* K's row */
+    const uint16_t *meta = c->k_meta;
+    if (c->kind <= F16) {
+        load_row(x, (const char *)c->pages + at * d * elem_size(c->kind), c->kind, d);
+    } else if (c->kind == INT8) {
+        const int8_t *q = (const int8_t *)c->pages + at * d;
+        const float s = f16_to_float(meta[hb * bs + offset]);
+        for (int i = 0; i < d; i++) x[i] = (float)q[i] * s;
+    } else if (c->kind == FP8) {
+        /* kv/quant.py's numbers: the byte's bits at the top of a bfloat16's fields, times 2^120 (exact) */
+        const uint8_t *q = (const uint8_t *)c->pages + at * d;
+        const float s = f16_to_float(meta[hb * bs + offset]);
+        for (int i = 0; i < d; i++) {
+            const uint32_t b = q[i];
+            x[i] = bits_to_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 0x1p120f * s;
+        }
+    } else {
+        const uint8_t *q = (const uint8_t *)c->pages + at * (d / 2);
+        const float s = f16_to_float(meta[hb * 2 * bs + offset]), lo = f16_to_float(meta[(hb * 2 + 1) * bs + offset]);
+        for (int j = 0; j < d / 2; j++) x[2 * j] = (float)(q[j] & 15) * s + lo, x[2 * j + 1] = (float)(q[j] >> 4) * s + lo;
+    }
+}
+
+/* f as the largest bfloat16 at most f (down) or the smallest at least f (up): truncated toward zero, then one step
+ * away from zero where that moved it the other way (kv/summaries.py's round_down and round_up). */
+static uint16_t bf16_toward(float f, int up) {
+    const uint32_t u = float_bits(f), negative = u >> 31;
+    uint32_t t = u & 0xffff0000u;
+    if ((u & 0xffffu) && negative != (uint32_t)up) t += 0x10000u;
+    return (uint16_t)(t >> 16);
+}
+
+/* The summary of the key just written at `slot` (kv/summaries.py): the block's minimum and maximum take its row in,
+ * or start from it at the block's first token. */
+static void summarize_key(const Cache *c, int h, int64_t slot) {
+    const int d = c->d, fresh = slot % c->bs == 0;
+    float x[d];
+    stored_key(c, h, slot, x);
+    const int64_t at = ((int64_t)h * c->nb + slot / c->bs) * 2 * d;      /* [KVH][NB][2][d] */
+    if (c->summary_kind == F32) {
+        float *lo = (float *)c->summary + at, *hi = lo + d;
+        for (int i = 0; i < d; i++) {
+            lo[i] = fresh || x[i] < lo[i] ? x[i] : lo[i];
+            hi[i] = fresh || x[i] > hi[i] ? x[i] : hi[i];
+        }
+        return;
+    }
+    uint16_t *lo = (uint16_t *)c->summary + at, *hi = lo + d;
+    for (int i = 0; i < d; i++) {
+        const uint16_t down = bf16_toward(x[i], 0), up = bf16_toward(x[i], 1);
+        lo[i] = fresh || bf16_to_float(down) < bf16_to_float(lo[i]) ? down : lo[i];
+        hi[i] = fresh || bf16_to_float(up) > bf16_to_float(hi[i]) ? up : hi[i];
+    }
+}
+
 void store_token(const Cache *c, int which, int h, int64_t slot, const float *row) {
     const int d = c->d, bs = c->bs;
     const int64_t block = slot / bs, offset = slot % bs, hb = (int64_t)h * c->nb + block;
     const int64_t at = (((int64_t)which * c->kvh + h) * c->nb + block) * bs + offset;     /* the row's place */
     char *pages = (char *)c->pages;           /* (const for the attention that reads them) */
-    if (c->kind <= F16) {
-        store_row(pages + at * d * elem_size(c->kind), row, c->kind, d);
-        return;
-    }
     uint16_t *meta = (uint16_t *)(which ? c->v_meta : c->k_meta);
-    if (c->kind == INT8) int8_row(row, d, (int8_t *)pages + at * d, meta + hb * bs + offset);
+    if (c->kind <= F16) store_row(pages + at * d * elem_size(c->kind), row, c->kind, d);
+    else if (c->kind == INT8) int8_row(row, d, (int8_t *)pages + at * d, meta + hb * bs + offset);
     else if (c->kind == FP8) fp8_row(row, d, (uint8_t *)pages + at * d, meta + hb * bs + offset);
     else int4_row(row, d, (uint8_t *)pages + at * (d / 2), meta + hb * 2 * bs + offset,
                   meta + (hb * 2 + 1) * bs + offset);
+    if (which == 0 && c->summary) summarize_key(c, h, slot);
 }
 
 void rotate_keys_row(float *x, int d, int dtype) {

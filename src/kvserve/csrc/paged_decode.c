@@ -1037,16 +1037,156 @@ int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const 
     return attend_rows(c, h, table, ctx, q, F32, 0, 1, groups, scale, window, cap, out, 0);
 }
 
+/* Sparse decode attention (kv/sparse.py): a task's choice of blocks by Quest's bound. Per block, its summary (the
+ * element-wise minimum and maximum of its keys) bounds the score of the query heads g of the task over its keys
+ * by sum_g sum_i max(q_gi min_i, q_gi max_i) = pos . max - neg . min, where pos_i and neg_i sum the positive and the
+ * negative parts of the heads' q_gi: two dot products of d numbers a block, whatever the heads. */
+
+/* A middle block and its bound, for the selection. */
+typedef struct {
+    float bound;
+    int64_t at;         /* its index in the table */
+} Ranked;
+
+/* Whether a ranks before b: the higher bound, of equal ones the earlier block (so that the choice is one). */
+static inline int ranks_before(const Ranked *a, const Ranked *b) {
+    return a->bound > b->bound || (a->bound == b->bound && a->at < b->at);
+}
+
+/* r[0..n) reordered so that its first k rank before all the others (Hoare's selection, median of three). */
+static void select_top(Ranked *r, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi && k > lo && k <= hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (ranks_before(&r[mid], &r[lo])) { Ranked t = r[mid]; r[mid] = r[lo], r[lo] = t; }
+        if (ranks_before(&r[hi], &r[lo])) { Ranked t = r[hi]; r[hi] = r[lo], r[lo] = t; }
+        if (ranks_before(&r[hi], &r[mid])) { Ranked t = r[hi]; r[hi] = r[mid], r[mid] = t; }
+        const Ranked pivot = r[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (ranks_before(&r[i], &pivot)) i++;
+            while (ranks_before(&pivot, &r[j])) j--;
+            if (i <= j) { Ranked t = r[i]; r[i] = r[j], r[j] = t; i++, j--; }
+        }
+        if (k <= j) hi = j;         /* the first k lie within [lo, j] */
+        else if (k >= i) lo = i;    /* [lo, i) all rank among the first k */
+        else break;                 /* (j, i) holds the pivot's equals, the boundary among them */
+    }
+}
+
+static int by_table_order(const void *a, const void *b) {
+    const int64_t x = ((const Ranked *)a)->at, y = ((const Ranked *)b)->at;
+    return (x > y) - (x < y);
+}
+
+/* pos . max - neg . min of a block's summary (F32 or BF16 rows [2][d]: minimums, then maximums). */
+static float block_bound(const void *summary, int kind, const float *pos, const float *neg, int d) {
+#if AVX512_BW_VL
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16) {
+        const __mmask16 m = lanes16(d - i);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, pos + i), load16(summary, (size_t)d + i, m, kind), acc);
+        acc = _mm512_fnmadd_ps(_mm512_maskz_loadu_ps(m, neg + i), load16(summary, i, m, kind), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc = 0.0f;
+    for (int i = 0; i < d; i++) acc += pos[i] * param(summary, kind, d + i) - neg[i] * param(summary, kind, i);
+    return acc;
+#endif
+}
+
+/* Counts a task's reads (decode_blocks). */
+static void count_reads(const Blocks *b, int64_t ctx, int bs, int64_t *counts, uint8_t *record, const int64_t *table) {
+    const int64_t read = (b->ctx + bs - 1) / bs, total = (ctx + bs - 1) / bs;
+    #pragma omp atomic update
+    counts[0] += read;
+    #pragma omp atomic update
+    counts[1] += total;
+    if (!record) return;
+    for (int64_t j = 0, at = 0; j < read; j++) {     /* the table's index of each block read (both in order) */
+        while (table[at] != b->table[j]) at++;
+        #pragma omp atomic update
+        record[at]++;
+        at++;
+    }
+}
+
+int decode_blocks(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,
+                  int64_t budget, int64_t sinks, int64_t recent, int64_t *counts, uint8_t *record, Blocks *out) {
+    const int d = c->d, bs = c->bs;
+    const int64_t nb = (ctx + bs - 1) / bs;
+    *out = (Blocks){table, ctx, NULL};
+    if (budget > 0 && ctx > budget && c->summary) {
+        const int64_t first = sinks <= 0 ? 0 : (sinks + bs - 1) / bs < nb ? (sinks + bs - 1) / bs : nb;
+        const int64_t last = (ctx - recent) / bs > first ? (ctx - recent) / bs : first;   /* the recent blocks' first */
+        int64_t k = budget / bs - first - (nb - last), n = last - first;
+        k = k < 0 ? 0 : k > n ? n : k;
+        int64_t *sel = malloc(sizeof(int64_t) * (size_t)(first + k + nb - last));
+        Ranked *r = malloc(sizeof(Ranked) * (size_t)(n > 0 ? n : 1));
+        if (!sel || !r) {
+            free(sel), free(r);
+            return -1;
+        }
+        float pos[d], neg[d];
+        for (int i = 0; i < d; i++) {
+            pos[i] = neg[i] = 0.0f;
+            for (int g = 0; g < groups; g++) {
+                const float v = q[(size_t)g * d + i];
+                pos[i] += v > 0.0f ? v : 0.0f, neg[i] += v < 0.0f ? -v : 0.0f;
+            }
+        }
+        const size_t row = (size_t)2 * d * elem_size(c->summary_kind);    /* a block's summary: [2][d] */
+        const char *head = (const char *)c->summary + (size_t)h * c->nb * row;
+        for (int64_t j = 0; j < n; j++) {
+            if (j + 8 < n) {        /* the summaries are read as the pages are: ahead of their use */
+                const char *ahead = head + (size_t)table[first + j + 8] * row;
+                for (size_t at = 0; at < row; at += 64) __builtin_prefetch(ahead + at, 0, 3);
+            }
+            r[j] = (Ranked){block_bound(head + (size_t)table[first + j] * row, c->summary_kind, pos, neg, d), first + j};
+        }
+        select_top(r, n, k);
+        qsort(r, (size_t)k, sizeof(Ranked), by_table_order);
+        int64_t m = 0;
+        for (int64_t j = 0; j < first; j++) sel[m++] = table[j];
+        for (int64_t j = 0; j < k; j++) sel[m++] = table[r[j].at];
+        for (int64_t j = last; j < nb; j++) sel[m++] = table[j];
+        free(r);
+        *out = (Blocks){sel, (m - 1) * bs + (ctx - (nb - 1) * bs), sel};   /* the last block: the context's last */
+    }
+    if (budget >= 0 && counts) count_reads(out, ctx, bs, counts, record, table);
+    return 0;
+}
+
+/* attend_rows for one decode token of a sequence (q of q_kind, its heads adjacent) over the blocks decode_blocks
+ * chooses with the sequence's sparse options `params` (budget, sinks, recent, as kv/sparse.py's Quest.params; NULL:
+ * none). 0, or -1 where memory ran out. */
+static int attend_decode(const Cache *c, int h, const int64_t *table, int64_t ctx, const void *q, int q_kind,
+                         int groups, float scale, int64_t window, float cap, void *out, const int64_t *params,
+                         int64_t *counts, uint8_t *record) {
+    if (!params || params[0] < 0 || window)      /* no sparse attention (a sliding window's layer: none) */
+        return attend_rows(c, h, table, ctx, q, q_kind, 0, 1, groups, scale, window, cap, out, 0);
+    float rows[groups * c->d];
+    load_row(rows, q, q_kind, groups * c->d);
+    Blocks b;
+    if (decode_blocks(c, h, table, ctx, rows, groups, params[0], params[1], params[2], counts, record, &b)) return -1;
+    const int status = attend_rows(c, h, b.table, b.ctx, q, q_kind, 0, 1, groups, scale, 0, cap, out, 0);
+    free(b.owned);
+    return status;
+}
+
 /* out[b][h * G + g][:] = softmax(q . K^T * scale) V for each decoding sequence b: q and out of
  * `q_kind` F32 or BF16, each sequence's q heads adjacent, sequences q_stride numbers apart in q and
- * contiguous in out; over the last `window` keys where window > 0, soft-capped where cap > 0. 0, or -1
- * where memory ran out (out is then not all written). */
+ * contiguous in out; over the last `window` keys where window > 0, soft-capped where cap > 0. Under sparse
+ * attention (sparse: [num_seqs][4], each sequence's kv/sparse.py Quest.params, its budget 0 in a dense layer; NULL:
+ * none), over the blocks decode_blocks chooses, counted into counts and record ([num_seqs][table_width], or NULL).
+ * 0, or -1 where memory ran out (out is then not all written). */
 int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num_seqs, int num_heads,
                   const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                   const void *pages, int kind, int kvh, int nb, int bs, int d,
-                  const void *k_meta, const void *v_meta,
-                  int64_t window, float cap) {
-    const Cache c = {pages, k_meta, v_meta, kind, kvh, nb, bs, d};
+                  const void *k_meta, const void *v_meta, const void *summary, int summary_kind,
+                  int64_t window, float cap, const int64_t *sparse, int64_t *counts, uint8_t *record) {
+    const Cache c = {pages, k_meta, v_meta, summary, kind, kvh, nb, bs, d, summary_kind};
     const int groups = num_heads / kvh;
     const size_t es = elem_size(q_kind);
     int failed = 0;
@@ -1058,9 +1198,10 @@ int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num
             stop = failed;
             if (stop) continue;         /* the call fails: no task left need run */
             const int64_t head = (int64_t)h * groups * d;
-            if (attend_rows(&c, h, block_tables + (int64_t)b * table_width, context_lens[b],
-                            (const char *)q + (b * q_stride + head) * es, q_kind, 0, 1, groups, scale, window, cap,
-                            (char *)out + ((int64_t)b * num_heads * d + head) * es, 0)) {
+            if (attend_decode(&c, h, block_tables + (int64_t)b * table_width, context_lens[b],
+                              (const char *)q + (b * q_stride + head) * es, q_kind, groups, scale, window, cap,
+                              (char *)out + ((int64_t)b * num_heads * d + head) * es, sparse ? sparse + 4 * b : NULL,
+                              counts, record ? record + (int64_t)b * table_width : NULL)) {
                 #pragma omp atomic write
                 failed = 1;
             }
@@ -1073,14 +1214,15 @@ int paged_decode(const void *q, int q_kind, int64_t q_stride, void *out, int num
  * query_starts[s + 1]), the last of its context_lens[s] cached tokens (a prompt's chunk after a cached
  * prefix, or a decode's one token). Tasks are tiles of a few consecutive tokens of a sequence and one
  * KV head, so that each K/V block read serves tokens x G query rows. q (rows q_stride apart) and out
- * (contiguous) of q_kind; the arguments are paged_decode's, and query_starts. 0, or -1 where memory ran
- * out (out is then not all written). */
+ * (contiguous) of q_kind; the arguments are paged_decode's (its sparse attention for the decodes, whose tiles are
+ * of one token), and query_starts. 0, or -1 where memory ran out (out is then not all written). */
 int paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int num_seqs, int num_heads,
                    const int64_t *block_tables, int table_width, const int64_t *context_lens, float scale,
                    const void *pages, int kind, int kvh, int nb, int bs, int d,
-                   const void *k_meta, const void *v_meta,
-                    int64_t window, float cap, const int64_t *query_starts) {
-    const Cache c = {pages, k_meta, v_meta, kind, kvh, nb, bs, d};
+                   const void *k_meta, const void *v_meta, const void *summary, int summary_kind,
+                   int64_t window, float cap, const int64_t *sparse, int64_t *counts, uint8_t *record,
+                   const int64_t *query_starts) {
+    const Cache c = {pages, k_meta, v_meta, summary, kind, kvh, nb, bs, d, summary_kind};
     const int groups = num_heads / kvh, per_tile = groups >= 64 ? 1 : 64 / groups;
     const size_t es = elem_size(q_kind);
     int64_t num_tiles = 0;
@@ -1109,9 +1251,15 @@ int paged_prefill(const void *q, int q_kind, int64_t q_stride, void *out, int nu
         /* keys its last token sees: the cache less the sequence's query tokens after it */
         const int64_t ctx = context_lens[s] - (end - t0 - tokens);
         const int64_t head = (int64_t)h * groups * d;
-        if (attend_rows(&c, h, block_tables + (int64_t)s * table_width, ctx,
-                        (const char *)q + (t0 * q_stride + head) * es, q_kind, q_stride, (int)tokens, groups, scale,
-                        window, cap, (char *)out + (t0 * row + head) * es, row)) {
+        const int64_t *table = block_tables + (int64_t)s * table_width, *params = sparse ? sparse + 4 * s : NULL;
+        const void *qt = (const char *)q + (t0 * q_stride + head) * es;
+        void *ot = (char *)out + (t0 * row + head) * es;
+        /* a decode under sparse attention (its one token), else the tile's causal attention */
+        const int status = params && params[0] >= 0
+            ? attend_decode(&c, h, table, ctx, qt, q_kind, groups, scale, window, cap, ot, params, counts,
+                            record ? record + (int64_t)s * table_width : NULL)
+            : attend_rows(&c, h, table, ctx, qt, q_kind, q_stride, (int)tokens, groups, scale, window, cap, ot, row);
+        if (status) {
             #pragma omp atomic write
             failed = 1;
         }

@@ -25,6 +25,7 @@ from kvserve.kv.events import KVEventPublisher, create_publisher
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
 from kvserve.kv.groups import is_hybrid, layer_groups
 from kvserve.kv.quant import resolve_kv_cache_dtype
+from kvserve.kv.sparse import SparseAttention, parse_sparse_attention
 from kvserve.kv.storage import block_spec
 from kvserve.kv.tiers import (DEFAULT_KV_OFFLOAD_SIZE, KVConnector, NoConnector, OffloadingConnector, SwapCosts,
                               TierCompat, TierConfig, measure_prefill, model_identity, parse_kv_offload)
@@ -55,6 +56,7 @@ class EngineParts:
     eos_token_ids: set[int]
     backend: AttentionBackend
     eviction: EvictionPolicy | None     # the default policy of requests that ask for none of their own
+    sparse: SparseAttention | None      # the default sparse attention of requests (the cache keeps summaries)
     sliding_layers: dict[int, int]      # each layer whose window binds, and its window
     layer_groups: list[LayerGroup]
     gemm: GemmChoice
@@ -118,7 +120,7 @@ class EngineBuilder:
 
     def _model_setup(self, config: EngineConfig) -> None:
         """The checkpoint, device, dtype, context length, tokenizer, attention backend, default eviction policy and
-        layer groups: what the rest is built for."""
+        sparse attention, and layer groups: what the rest is built for."""
         self.model_path = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_path(self.model_path)
         self.device = resolve_device(config.device)
@@ -139,6 +141,10 @@ class EngineBuilder:
         self.eviction = parse_eviction(config.eviction)
         if self.eviction is not None and self.sliding_layers:
             self.eviction.check_covers(max(self.sliding_layers.values()))
+        self.sparse = parse_sparse_attention(config.sparse_attention)
+        if self.sparse is not None and not self.backend.supports_sparse:
+            raise ValueError(f"sparse_attention: the {self.backend.name} attention backend reads every block; use "
+                             f"native (CPU) or triton (CUDA)")
         self.layer_groups = self._layer_groups(config, mcfg)
 
     @staticmethod
@@ -239,7 +245,7 @@ class EngineBuilder:
         block_size = self.max_model_len if config.cache_mode == "contiguous" else config.block_size
         # each rank's pool holds its KV heads: kv_cache_memory and the blocks are per rank
         self.model_kv_spec = KVSpec.from_model(self.model.shard_config, self.dtype, block_size, config.kv_cache_dtype,
-                                               config.kv_cache_dtype_skip_layers)
+                                               config.kv_cache_dtype_skip_layers, summaries=self.sparse is not None)
         groups = self.layer_groups
         self.kv_spec = spec = block_spec(self.model_kv_spec, groups)       # a block holds one group's pages
         if config.cache_mode == "none":
@@ -309,7 +315,7 @@ class EngineBuilder:
                             kv_spec.head_dim, tuple(sorted(config.kv_cache_dtype_skip_layers)),
                             layer_groups=tuple((g.sliding_window, g.layers) for g in groups if len(groups) > 1),
                             tp_size=config.tensor_parallel_size)
-        tiers = TierConfig(spec, size, compat, kv_spec.bytes_per_block)
+        tiers = TierConfig(spec, size, compat, kv_spec.page_bytes_per_block)   # summaries are made again from pages
         tiers.check(self.device)
         tier = tiers.build(events=self.kv_events.sink(tiers.medium, kv_spec.block_size))
         offload = OffloadingConnector(tier, self.kv.pool, self.storage.read_blocks, self.storage.write_blocks,

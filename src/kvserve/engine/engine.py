@@ -32,7 +32,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.kv,
                                      self.scheduler_config, self.eviction, self.sliding_layers, self.device, seq_ids,
-                                     self.structured)
+                                     self.structured, self.sparse)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler,
                                        self.final_only, self.device, seq_ids)
         self.requests = self.outputs.requests
@@ -119,6 +119,7 @@ class LLMEngine:
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
             "max_model_len": self.max_model_len,
             "steps": dict(self.runner.steps),     # executor -> steps it ran (engine/executor.py)
+            **self.runner.sparse.stats(),         # blocks sparse attention read, and of its contexts
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_offload": self.config.kv_offload,
             **self.connector.stats(),

@@ -128,7 +128,8 @@ class NativeMultiStep:
     def supports(self, step: Step) -> bool:
         """Decodes only, as many as the C step takes, of final-only requests (nobody sees the steps between)
         that are greedy, with no logprobs, no eviction and logits they do not change (logit_bias, allowed_token_ids,
-        bad_words, min_tokens: the C step takes the plain argmax),
+        bad_words, min_tokens: the C step takes the plain argmax), none under sparse attention at its prompt's last
+        token,
         while no request waits for a place or for its blocks from the second tier (it would wait the whole call);
         at least two steps before any sequence reaches its max_tokens or max_model_len.
         Then it reserves the blocks of all the steps (all or none: without them, the step is not taken)."""
@@ -139,9 +140,11 @@ class NativeMultiStep:
         steps = self.max_steps
         for seq in sched.seqs:
             p = seq.params
-            # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet)
+            # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet); under sparse
+            # attention, whose choice holds for the whole call, a prompt's last token (dense) goes alone
             if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.changes_logits
-                    or seq.request_id not in self.final_only or seq.num_computed_tokens + 1 < seq.num_tokens):
+                    or seq.request_id not in self.final_only or seq.num_computed_tokens + 1 < seq.num_tokens
+                    or seq.sparse is not None and seq.num_computed_tokens < seq.num_prompt_tokens):
                 return False
             steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         if steps < 2 or not self.scheduler.reserve_ahead(sched, steps):
@@ -186,12 +189,12 @@ class CudaGraphs:
         self.graphs, self.model = graphs, model        # graphs: captured (capture_all)
 
     def supports(self, step: Step) -> bool:
-        """Decodes for their logits only, within the largest captured batch and context, whose block tables fit
-        the graphs' buffer, while the RoPE table is the one the graphs read (a `sink` sequence that outgrows it
-        reallocates it)."""
+        """Decodes for their logits only, none under sparse attention (the graphs attend densely), within the largest
+        captured batch and context, whose block tables fit the graphs' buffer, while the RoPE table is the one the
+        graphs read (a `sink` sequence that outgrows it reallocates it)."""
         inputs, graphs = step.inputs, self.graphs
         batch = inputs.batch
-        return (decodes_for_logits(inputs) and len(batch.query_lens) <= graphs.sizes[-1]
+        return (decodes_for_logits(inputs) and batch.sparse is None and len(batch.query_lens) <= graphs.sizes[-1]
                 and max(batch.context_lens_list) <= graphs.max_context
                 and batch.block_tables.shape[1] <= graphs.block_tables.shape[1]
                 and self.model.rope.cos is graphs.rope_table)

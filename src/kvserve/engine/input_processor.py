@@ -1,6 +1,6 @@
 """InputProcessor: a request in, a Sequence the scheduler can run out, or a ValueError naming what is wrong
-(vLLM v1's input processor): tokenizing, the sampling options the engine checks, the eviction policy, whether
-the request can ever fit the KV cache, and its structured outputs' grammar, compiled."""
+(vLLM v1's input processor): tokenizing, the sampling options the engine checks, the eviction policy and sparse
+attention, whether the request can ever fit the KV cache, and its structured outputs' grammar, compiled."""
 from __future__ import annotations
 
 import time
@@ -12,21 +12,24 @@ from kvserve.config import ModelConfig, SchedulerConfig
 from kvserve.engine.sequence import Sequence
 from kvserve.kv import KVCache
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
+from kvserve.kv.sparse import SparseAttention, request_sparse_attention
 from kvserve.sampling import SamplingParams, seeded_generator
 from kvserve.structured.manager import StructuredOutputManager
 from kvserve.text import valid_unicode
 
 
 class InputProcessor:
-    """`eviction` is the engine's default policy; `sliding_layers` each layer whose window binds, and its window;
-    `seq_ids` the engine's counter of sequence ids; `structured` compiles structured outputs."""
+    """`eviction` and `sparse` are the engine's defaults (policy, sparse attention); `sliding_layers` each layer whose
+    window binds, and its window; `seq_ids` the engine's counter of sequence ids; `structured` compiles structured
+    outputs."""
 
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, kv: KVCache,
                  scheduler_config: SchedulerConfig, eviction: EvictionPolicy | None, sliding_layers: dict[int, int],
-                 device: torch.device, seq_ids: Iterator[int], structured: StructuredOutputManager):
+                 device: torch.device, seq_ids: Iterator[int], structured: StructuredOutputManager,
+                 sparse: SparseAttention | None = None):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, model_config.vocab_size, max_model_len
         self.kv, self.scheduler_config = kv, scheduler_config
-        self.eviction, self.device, self.seq_ids = eviction, device, seq_ids
+        self.eviction, self.sparse, self.device, self.seq_ids = eviction, sparse, device, seq_ids
         self.structured = structured
         self.widest_window = max(sliding_layers.values(), default=None)
 
@@ -43,12 +46,13 @@ class InputProcessor:
             raise ValueError("eviction needs a paged KV cache (cache_mode 'paged')")
         if policy is not None and self.widest_window is not None:
             policy.check_covers(self.widest_window)
+        sparse = request_sparse_attention(self.sparse, params.sparse_attention)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
         grammar = self.structured.grammar(params)       # compiled now (or found compiled): its errors are the caller's
         return Sequence(next(self.seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),
                         seeded_generator(params, 0, self.device), cache_salt=cache_salt, eviction=policy,
-                        grammar=grammar)
+                        grammar=grammar, sparse=sparse)
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids in the vocabulary, text options with a tokenizer (which

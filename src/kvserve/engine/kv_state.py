@@ -173,6 +173,20 @@ def block_detail(engine: LLMEngine, block_id: int, show_content: bool = False, c
             "owners": owners, "content": content, "token_ids": token_ids if content == "shown" else None}
 
 
+def sparse_reads(engine: LLMEngine, seq_id: int) -> dict:
+    """Which blocks of a sequence the last step with sparse decodes read (sparse attention, kv/sparse.py): per layer,
+    one character per entry of its block table, the number of its KV heads that read it ("0" to "9", "+" past
+    nine; all "0" in a layer it did not decode through: a sliding window's). ValueError naming seq_id for a sequence
+    that was not in that step."""
+    reads = engine.runner.sparse.blocks_read(seq_id)
+    if reads is None:
+        raise ValueError(f"seq_id: sequence {seq_id} was not in the last step under sparse attention")
+    seq = next((s for s in engine.scheduler.running if s.seq_id == seq_id), None)
+    blocks = -(-seq.num_computed_tokens // engine.kv.block_size) if seq is not None else len(reads[0])
+    return {"object": "kv_sparse_reads", "seq_id": seq_id, "kv_heads": engine.model.shard_config.num_kv_heads,
+            "layers": ["".join(str(n) if n < 10 else "+" for n in layer[:blocks]) for layer in reads]}
+
+
 def _content_access(token_ids: list[int] | None, salts: set[str | None], show_content: bool,
                     cache_salt: str | None) -> str:
     """Whether a caller presenting `cache_salt` may see tokens held under `salts` (see block_detail)."""

@@ -68,9 +68,9 @@ def _cache(kv_cache: LayerPages) -> dict[str, object]:
     args = cache_args(kv_cache)
     if args is None:
         raise ValueError(f"the C decode step does not read these pages ({kv_cache.format.name}, or not contiguous)")
-    pages, kind, *_, k_meta, v_meta = args
-    return {"kv": pages, "kv_kind": kind, "k_meta": k_meta, "v_meta": v_meta,
-            "rotate_keys": kv_cache.format.rotates_keys}
+    pages, kind, *_, k_meta, v_meta, summary, summary_kind = args
+    return {"kv": pages, "kv_kind": kind, "k_meta": k_meta, "v_meta": v_meta, "summary": summary,
+            "summary_kind": summary_kind, "rotate_keys": kv_cache.format.rotates_keys}
 
 
 def _layer(layer: DecoderLayer, kv_cache: LayerPages, group: int) -> dict[str, object]:
@@ -197,15 +197,27 @@ class NativeDecode:
         return (rope.cos.data_ptr(), rope.sin.data_ptr(), *((None, None) if local is None else
                                                             (local.cos.data_ptr(), local.sin.data_ptr())))
 
+    @staticmethod
+    def _sparse(batch: AttentionBatch) -> tuple:
+        """The step's sparse attention as the C step takes it: the sequences' options, counts, the record and its
+        width (addresses; None and 0 without)."""
+        sparse = batch.sparse
+        if sparse is None:
+            return None, None, None, 0
+        record = sparse.record
+        return (sparse.params.data_ptr(), sparse.counts.data_ptr(), None if record is None else record.data_ptr(),
+                0 if record is None else record.shape[2])
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode step of n sequences; their K/V go to the cache (each layer at its group's
-        slots, a hybrid cache's). A tensor-parallel rank: rank 0 the whole vocab's, gathered; the others None. A
-        failed collective is raised."""
+        slots, a hybrid cache's), the decodes under the batch's sparse attention. A tensor-parallel rank: rank 0
+        the whole vocab's, gathered; the others None. A failed collective is raised."""
         n = len(input_ids)
         logits = torch.empty(n, self.spec.vocab, dtype=self.model.lm_head.weight.dtype)
         slots, tables, widths = self._tables(batch)
         self.fn(ctypes.byref(self.spec), n, input_ids.data_ptr(), positions.data_ptr(), slots, tables, widths,
-                batch.context_lens.data_ptr(), *self._rope_tables(), logits.data_ptr(), torch.get_num_threads())
+                batch.context_lens.data_ptr(), *self._rope_tables(), *self._sparse(batch), logits.data_ptr(),
+                torch.get_num_threads())
         self.steps += 1
         if self.reduce is None:
             return logits
@@ -226,7 +238,7 @@ class NativeDecode:
         tokens = torch.empty(steps, n, dtype=torch.int64)
         _, tables, widths = self._tables(batch)
         self.steps_fn(ctypes.byref(self.spec), n, steps, input_ids.data_ptr(), positions.data_ptr(), len(widths),
-                      tables, widths, batch.context_lens.data_ptr(), *self._rope_tables(), logits.data_ptr(),
-                      tokens.data_ptr(), torch.get_num_threads())
+                      tables, widths, batch.context_lens.data_ptr(), *self._rope_tables(), *self._sparse(batch),
+                      logits.data_ptr(), tokens.data_ptr(), torch.get_num_threads())
         self.steps += steps
         return tokens

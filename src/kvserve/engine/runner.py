@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvserve.attention import AttentionBatch
+from kvserve.attention.sparse import SparseStats
 from kvserve.engine.cuda_graphs import DecodeGraphs
 from kvserve.engine.executor import CudaGraphs, Executor, NativeStep, Step, StepInputs, StepOutput
 from kvserve.engine.native_decode import NativeDecode
@@ -40,6 +41,7 @@ class ModelRunner:
         self.device = device
         self.executors = executors
         self.steps: Counter[str] = Counter(dict.fromkeys((e.name for e in executors), 0))
+        self.sparse = SparseStats(model.config.num_layers, device)     # sparse attention's reads
 
     @property
     def native(self) -> NativeDecode | None:
@@ -98,6 +100,12 @@ class ModelRunner:
             mass_requests=mass_requests,
             mass_layers=self.mass_layers,
         )
+        # the decodes' sparse attention; a prefill attends densely, the prompt's last token too where a prefix hit
+        # leaves it alone (a decode to the scheduler): the first token is the dense model's, cached prefix or not
+        batch.sparse = self.sparse.decode([s.seq_id for s in sched.seqs],
+                                          [s.sparse if i < nd and s.num_computed_tokens >= s.num_prompt_tokens
+                                           else None for i, s in enumerate(sched.seqs)],
+                                          0 if block_tables is None else block_tables.shape[1])
         # each layer group's batch but the first's (this one): its slots and block tables
         batch.groups = [self._group_batch(batch, t, starts, cache_starts, q_lens, len(input_ids))
                         for t in group_tables[1:]]

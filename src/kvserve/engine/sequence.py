@@ -10,6 +10,7 @@ import torch
 
 from kvserve.kv.blocks import BlockKey, block_key
 from kvserve.kv.eviction import EvictionPolicy
+from kvserve.kv.sparse import SparseAttention
 from kvserve.sampling import Logprob, SamplingParams
 from kvserve.structured.grammar import NO_GRAMMAR, Grammar
 
@@ -64,6 +65,8 @@ class Sequence:
     # structured outputs: where the output tokens have brought the request's grammar. A preempted sequence keeps
     # its tokens, and so its grammar's state
     grammar: Grammar = NO_GRAMMAR
+    # sparse decode attention: which cached blocks its decode steps read (kv/sparse.py); None: all of them
+    sparse: SparseAttention | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

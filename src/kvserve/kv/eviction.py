@@ -13,13 +13,13 @@ where a model's sliding windows bind (a sliding layer's attention says nothing o
 from __future__ import annotations
 
 import math
-import numbers
-import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kv.policies import parse_policy, policy_spec
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class EvictionPolicy:
         return 0
 
     def spec(self) -> str:
-        return f"{self.name}:" + ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return policy_spec(self)
 
     def check_covers(self, window: int) -> None:
         """Refuse (ValueError naming the policy and the option) a policy that would cut a sliding-window layer's
@@ -166,7 +166,6 @@ class SnapKV(EvictionPolicy):
 
 
 POLICIES = {p.name: p for p in (Sink, H2O, SnapKV)}
-MAX_OPTION = 2**31 - 1      # a budget, window or pool in tokens: more than any context
 _FORM = ('expected "sink:sinks=4,window=1020", "h2o:budget=512,recent=64", "snapkv:budget=512,window=32" '
          '(options may be left out) or a dict with a "policy" key')
 
@@ -194,53 +193,5 @@ def _check(ok: bool, message: str) -> None:
 def parse_eviction(spec: str | dict | EvictionPolicy | None) -> EvictionPolicy | None:
     """A policy from "name:key=value,..." or {"policy": name, key: value}; None or "none": no eviction.
 
-    Anything else raises ValueError showing the form: an unknown name or option, an option value that is
-    not a whole number (a float, a bool, NaN, inf) where one is needed, or one past MAX_OPTION."""
-    if spec is None or isinstance(spec, EvictionPolicy):
-        return spec
-    if isinstance(spec, dict):
-        options = dict(spec)
-        name = options.pop("policy", None)
-    elif isinstance(spec, str):
-        name, _, rest = spec.strip().partition(":")
-        try:
-            options = dict(item.split("=", 1) for item in rest.split(",") if item.strip())
-        except ValueError:
-            raise ValueError(f"malformed eviction {spec!r}: {_FORM}") from None
-    else:
-        raise ValueError(f"eviction must be a string or a dict, got {type(spec).__name__}: {_FORM}")
-    if not isinstance(name, str):
-        raise ValueError(f"eviction policy must be a name (a string), got {type(name).__name__} {name!r}: {_FORM}")
-    if name == "none" and not options:
-        return None
-    policy = POLICIES.get(name)
-    if policy is None:
-        raise ValueError(f"unknown eviction policy {name!r}: {_FORM}")
-    if not all(isinstance(k, str) for k in options):
-        raise ValueError(f"eviction options are named by strings, got {list(options)!r}: {_FORM}")
-    known = {f.name: type(f.default) for f in fields(policy)}
-    options = {k.strip(): v for k, v in options.items()}
-    unknown = set(options) - set(known)
-    if unknown:
-        raise ValueError(f"{name} has no option {', '.join(sorted(unknown))} (it takes {', '.join(sorted(known))}): "
-                         f"{_FORM}")
-    values = {k: _option_value(name, k, v, known[k], spec) for k, v in options.items()}
-    try:
-        return policy(**values)
-    except ValueError as e:
-        raise ValueError(f"malformed eviction {spec!r} ({e}): {_FORM}") from None
-
-
-def _option_value(policy: str, key: str, value, kind: type, spec) -> int | str:
-    """An option's value as its field's type: an int from an int or a string of digits, at most MAX_OPTION;
-    a str, stripped."""
-    if kind is int:
-        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or abs(value) > MAX_OPTION:
-            raise ValueError(f"malformed eviction {spec!r}: {policy}'s {key} must be a whole number of tokens "
-                             f"up to {MAX_OPTION}, got {value!r}: {_FORM}")
-        return int(value)
-    if not isinstance(value, str):
-        raise ValueError(f"malformed eviction {spec!r}: {policy}'s {key} must be a string, got {value!r}: {_FORM}")
-    return value.strip()
+    Anything else raises ValueError showing the form (kv/policies.py's parse_policy)."""
+    return parse_policy(spec, POLICIES, "eviction", _FORM, EvictionPolicy)

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.kernels import fallback, function
 from kvserve.kv.quant import Affine, Codec, codecs, take_blocks
+from kvserve.kv.summaries import PageSummaries
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class LayerPages(ABC):
     shape: tuple[int, int, int, int, int]        # of the pages it stands for
     # K's and V's stored numbers [kv_heads, num_blocks, block_size, head_dim / numbers per element]
     data: list[torch.Tensor]
+    # its blocks' key summaries (kv/summaries.py), kept by every write where the storage keeps them, else None
+    summaries: PageSummaries | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -74,16 +77,31 @@ class LayerPages(ABC):
         """Pages of blocks `ids` as [2, KVH, *ids.shape, BS, D] in the model's dtype (decoded: only these)."""
 
     @abstractmethod
+    def decoded_keys(self, ids: torch.Tensor) -> torch.Tensor:
+        """Keys of blocks `ids` [KVH, n, BS, D] as attention reads them, in float32: what the summaries bound."""
+
+    @abstractmethod
     def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store tokens' K and V [tokens, 2, KVH, D] at their slots (block * BS + offset)."""
+        """Store tokens' K and V [tokens, 2, KVH, D] at their slots (block * BS + offset), and their keys'
+        summaries."""
 
     @abstractmethod
     def write_pages(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
-        """Store whole pages [2, KVH, n, BS, D] (the model's dtype) into blocks `blocks`."""
+        """Store whole pages [2, KVH, n, BS, D] (the model's dtype) into blocks `blocks`, and their summaries."""
 
     @abstractmethod
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole blocks src -> dst."""
+        """Copy whole blocks src -> dst (the storage copies their summaries)."""
+
+    def summarize_tokens(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Take tokens' keys [tokens, KVH, D] (as attention reads them) written at `slots` into the summaries."""
+        if self.summaries is not None:
+            self.summaries.add_tokens(keys, slots)
+
+    def summarize_blocks(self, blocks: torch.Tensor) -> None:
+        """The summaries of whole blocks, from their pages (written whole)."""
+        if self.summaries is not None:
+            self.summaries.set_blocks(blocks, self.decoded_keys(blocks))
 
 
 class FullPages(LayerPages):
@@ -105,7 +123,14 @@ class FullPages(LayerPages):
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         return take_blocks(self.pages, ids, 2)
 
+    def decoded_keys(self, ids: torch.Tensor) -> torch.Tensor:
+        return take_blocks(self.pages[0], ids, 1).float()
+
     def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        self._store(kv, slots)
+        self.summarize_tokens(kv[:, 0], slots)
+
+    def _store(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """On the CPU by a C loop of row copies (fewer passes than index_copy_), from rows in which each token's
         K/V heads are adjacent (a step's are views of its qkv rows; others, such as an eviction's gathered
         tokens, are copied so)."""
@@ -126,6 +151,7 @@ class FullPages(LayerPages):
 
     def write_pages(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         self.pages[:, :, blocks] = pages
+        self.summarize_blocks(blocks)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.pages[:, :, dst] = self.pages[:, :, src]
@@ -167,6 +193,10 @@ class QuantizedPages(LayerPages):
         v_affine = self.v_codec.affine(take_blocks(self.meta[1], ids, 1), bs)
         return self.k_codec.numbers(take_blocks(self.pages, ids, 2), self.dtype), k_affine, v_affine
 
+    def decoded_keys(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.k_codec.decode(take_blocks(self.data[0], ids, 1), take_blocks(self.meta[0], ids, 1),
+                                   torch.float32)
+
     def write_tokens(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Each token quantized on its own."""
         _, kvh, nb, bs, _ = self.shape
@@ -178,6 +208,8 @@ class QuantizedPages(LayerPages):
         at = (slots // bs * rows * bs + slots % bs) + bs * torch.arange(rows, device=slots.device)[:, None]
         for meta, scale in zip(self.meta, scales):
             meta.view(kvh, -1).index_copy_(1, at.flatten(), scale.reshape(kvh, -1))
+        if self.summaries is not None:      # the keys as they decode: [KVH, tokens, D]
+            self.summarize_tokens(self.k_codec.decode(numbers[0], scales[0], torch.float32).transpose(0, 1), slots)
 
     def write_pages(self, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """Encode full pages [2, KVH, n, BS, D] into blocks `blocks`."""
@@ -185,6 +217,7 @@ class QuantizedPages(LayerPages):
             q, meta = codec.encode(pages[i].float())
             self.data[i].index_copy_(1, blocks, q)
             self.meta[i].index_copy_(1, blocks, meta)
+        self.summarize_blocks(blocks)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.pages[:, :, dst] = self.pages[:, :, src]

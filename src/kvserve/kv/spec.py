@@ -1,7 +1,9 @@
 """The KV cache arithmetic: bytes = tokens x layers x 2 (K and V) x kv_heads x head_dim x bytes per number.
 
 With a quantized cache the bytes per number shrink and the scales are added: they are counted per
-block, so bytes per token are a block's bytes over its tokens.
+block, so bytes per token are a block's bytes over its tokens. Where sparse attention is on, each block also
+holds its keys' summaries (kv/summaries.py): per layer and KV head a minimum and a maximum of head_dim numbers
+in the model's dtype.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class KVSpec:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     skip_layers: tuple[int, ...] = ()     # layers kept in `dtype` when kv_cache_dtype quantizes
+    summaries: bool = False               # the blocks' key summaries are kept (sparse attention)
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache_dtype", resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype))
@@ -34,9 +37,9 @@ class KVSpec:
 
     @classmethod
     def from_model(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int = 16, kv_cache_dtype: str = "auto",
-                   skip_layers: tuple[int, ...] = ()) -> KVSpec:
+                   skip_layers: tuple[int, ...] = (), summaries: bool = False) -> KVSpec:
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size, kv_cache_dtype,
-                   tuple(skip_layers))
+                   tuple(skip_layers), summaries)
 
     @property
     def bytes_per_number(self) -> int:
@@ -55,6 +58,18 @@ class KVSpec:
 
     @property
     def bytes_per_block(self) -> int:
+        """What a block holds: its pages (page_bytes_per_block) and its summaries."""
+        return self.page_bytes_per_block + self.summary_bytes_per_block
+
+    @property
+    def summary_bytes_per_block(self) -> int:
+        """One block's key summaries in every layer (none where they are not kept)."""
+        return self.num_layers * self.num_kv_heads * 2 * self.head_dim * self.bytes_per_number if self.summaries else 0
+
+    @property
+    def page_bytes_per_block(self) -> int:
+        """One block's pages in every layer, quantized ones with their scales: a block's bytes as KVStorage.read_blocks
+        gives them and a second tier stores them (the summaries are made again from them)."""
         quantized = self.quantized_layers
         total = (self.num_layers - len(quantized)) * self.full_precision_block_bytes
         if quantized:

@@ -18,6 +18,7 @@ from kvserve.kv.groups import LayerGroup
 from kvserve.kv.pages import FullPages, LayerPages, PageFormat, QuantizedPages
 from kvserve.kv.quant import rotate_keys_
 from kvserve.kv.spec import KVSpec
+from kvserve.kv.summaries import PageSummaries
 
 
 def _full_precision_slots(groups: list[LayerGroup], quantized: set[int]) -> int:
@@ -82,6 +83,11 @@ class KVStorage:
             QuantizedPages(fmt, spec.num_kv_heads, num_blocks, bs, spec.head_dim, torch.device(device))
             if i in quantized else FullPages(next(full)) for i in range(spec.num_layers)]
         self.quantized = [layer for layer in self.layers if layer.format.quantized]
+        # each page tensor's key summaries [tensors, KVH, num_blocks, 2, head_dim] (kv/summaries.py), or none
+        self.summaries = zeros((spec.num_layers if spec.summaries else 0, spec.num_kv_heads, num_blocks, 2,
+                                spec.head_dim), spec.dtype, torch.device(device))
+        for layer, data in zip(self.layers, self.summaries):
+            layer.summaries = PageSummaries(data, bs)
         self.slots, self.layer_group = layer_slots(groups, model_spec.num_layers, set(model_spec.quantized_layers))
 
     def layer(self, i: int) -> LayerPages:
@@ -94,15 +100,16 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.kv] + [t for layer in self.quantized for t in layer.tensors]
+        tensors = [self.kv, self.summaries] + [t for layer in self.quantized for t in layer.tensors]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole pages src -> dst in every layer (copy-on-write)."""
+        """Copy whole pages src -> dst in every layer (copy-on-write), with their summaries."""
         if not copies:
             return
         src, dst = (list(x) for x in zip(*copies))
         self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+        self.summaries[:, :, dst] = self.summaries[:, :, src]
         for layer in self.quantized:
             layer.copy_blocks(src, dst)
 
@@ -113,15 +120,16 @@ class KVStorage:
         return parts + [part for layer in self.quantized for part in layer.block_parts()]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The bytes of whole blocks [n, spec.bytes_per_block] (a copy): their pages in every layer, quantized
-        pages as stored, with their scales; write_blocks puts them back."""
+        """The bytes of whole blocks [n, spec.page_bytes_per_block] (a copy): their pages in every layer, quantized
+        pages as stored, with their scales; write_blocks puts them back (and summarises them)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         rows = [t.index_select(axis, ids).movedim(axis, 0).reshape(len(block_ids), -1).view(torch.uint8)
                 for t, axis in self._block_parts()]
         return torch.cat(rows, 1)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Store bytes of whole blocks [n, spec.bytes_per_block] (read_blocks') into blocks `block_ids`."""
+        """Store bytes of whole blocks [n, spec.page_bytes_per_block] (read_blocks') into blocks `block_ids`, and
+        summarise their keys."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = data.to(self.device)
         start = 0
@@ -133,6 +141,8 @@ class KVStorage:
             start += width
         if start != data.shape[1]:
             raise ValueError(f"{data.shape[1]} bytes a block, but this pool's blocks are {start} bytes")
+        for layer in self.layers:
+            layer.summarize_blocks(ids)
 
     def rewrite(self, old_table: list[int], keep: torch.Tensor, new_table: list[int]) -> None:
         """Copy the tokens at cache positions `keep` (through old_table) to positions 0, 1, ... of

@@ -1,5 +1,6 @@
 """The live view of the KV block pool: GET /dashboard (the page), GET /v1/kv/state (what it shows),
-GET /v1/kv/blocks/{block_id} (one block).
+GET /v1/kv/blocks/{block_id} (one block), GET /v1/kv/sequences/{seq_id}/reads (which of a sequence's blocks the
+last step read, per layer, under sparse attention).
 
 What it exposes is the cache's structure: block states, block tables, owners as the server's own
 request ids, prefix hashes, counters. A block's tokens (ids and text) are the requests' prompts and
@@ -101,8 +102,18 @@ class KVStateView:
         return detail
 
 
+    async def reads(self, seq_id: int) -> dict:
+        """kv_state.sparse_reads of a sequence; a 404 for one that was not in the last step under sparse
+        attention."""
+        try:
+            return await self.server.query("sparse_reads", seq_id)
+        except ValueError as e:
+            raise APIError(404, str(e), "seq_id") from None
+
+
 def add_dashboard_routes(app: FastAPI, view: KVStateView) -> None:
-    """GET /dashboard, GET /v1/kv/state and GET /v1/kv/blocks/{block_id} on `app`."""
+    """GET /dashboard, GET /v1/kv/state, GET /v1/kv/blocks/{block_id} and GET /v1/kv/sequences/{seq_id}/reads on
+    `app`."""
     page = PAGE.read_bytes()
 
     @app.get("/dashboard")
@@ -118,3 +129,8 @@ def add_dashboard_routes(app: FastAPI, view: KVStateView) -> None:
     async def kv_block(block_id: int, request: Request) -> Response:
         detail = await view.block(block_id, request.headers.get("x-cache-salt"))
         return Response(json.dumps(detail), media_type="application/json", headers={"cache-control": "no-store"})
+
+    @app.get("/v1/kv/sequences/{seq_id}/reads")
+    async def kv_reads(seq_id: int) -> Response:
+        return Response(json.dumps(await view.reads(seq_id)), media_type="application/json",
+                        headers={"cache-control": "no-store"})

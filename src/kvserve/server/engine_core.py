@@ -33,7 +33,7 @@ from kvserve.server.output_deltas import DeltaEncoder
 log = logging.getLogger(__name__)
 
 # what a ("query", ...) message may ask: reads of the engine that change nothing
-QUERIES = {"kv_state": kv_state.snapshot, "kv_block": kv_state.block_detail}
+QUERIES = {"kv_state": kv_state.snapshot, "kv_block": kv_state.block_detail, "sparse_reads": kv_state.sparse_reads}
 IDLE_STATS_SECONDS = 1.0
 
 

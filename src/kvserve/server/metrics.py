@@ -35,7 +35,11 @@ class EngineCollector:
         yield self._gauge("num_requests_waiting", "Requests waiting to be admitted.", stats["num_waiting"])
         for name, key, doc in (("num_preemptions", "num_preemptions", "Preemptions (recompute)."),
                                ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up."),
-                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached.")):
+                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached."),
+                               ("sparse_blocks_read", "sparse_blocks_read", "KV blocks that decode steps under sparse "
+                                "attention read, per layer and KV head."),
+                               ("sparse_blocks_context", "sparse_blocks_total", "KV blocks of those decode steps' "
+                                "contexts, per layer and KV head (what dense attention reads).")):
             family = CounterMetricFamily(f"kvserve:{name}", doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), stats[key])
             yield family

@@ -199,8 +199,9 @@ class _SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)     # the prompt's last k tokens; -1: max_model_len
     cache_salt: Text | None = Field(None, min_length=1)
     return_token_ids: bool = False          # the token ids beside the text (prompt's and completion's)
-    # kvserve's: this request's KV eviction policy (kvserve.kv.eviction)
+    # kvserve's: this request's KV eviction policy (kvserve.kv.eviction) and sparse attention (kvserve.kv.sparse)
     eviction: str | dict | None = None
+    sparse_attention: str | dict | None = None
     # structured outputs: vLLM's field (StructuredOutputsParams' fields), and its older ones
     structured_outputs: dict | None = None
     guided_json: dict | bool | str | None = None
@@ -296,6 +297,7 @@ class _SamplingRequest(OpenAIBaseModel):
                   "top_k": max(self.top_k, 0), "min_p": self.min_p, "seed": self.seed, "stop": self.stop,
                   "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos, "logprobs": logprobs,
                   "prompt_logprobs": prompt_logprobs, "eviction": self.eviction,
+                  "sparse_attention": self.sparse_attention,
                   "logit_bias": self._token_bias(vocab_size) if self.logit_bias else None,
                   "min_tokens": self.min_tokens, "include_stop_str_in_output": self.include_stop_str_in_output,
                   "skip_special_tokens": self.skip_special_tokens,

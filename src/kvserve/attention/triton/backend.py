@@ -6,6 +6,7 @@ import itertools
 import torch
 
 from kvserve.attention.batch import AttentionBackend, AttentionBatch
+from kvserve.attention.sparse import select_blocks
 from kvserve.attention.triton.kernels import decode_attention, decode_workspace, prefill_attention, store_kv
 from kvserve.kv.pages import LayerPages, QuantizedPages
 
@@ -20,11 +21,16 @@ class TritonBackend(AttentionBackend):
     fresh prefills still attend to the step's own exact K/V. Their writes go through the pages' own
     write_tokens (torch ops); full-precision pages are written by a kernel of its own.
 
+    Under sparse attention (AttentionBatch.sparse) the decodes of a full-attention layer attend over the blocks
+    attention/sparse.py's select_blocks chooses for each KV head: the same decode kernel over a block table
+    per (sequence, KV head). The summaries it reads are written beside every store.
+
     Tile sizes are parameters so that tests can force many tiles and partitions on small inputs.
     """
 
     name = "triton"
     supports_cuda_graphs = True
+    supports_sparse = True
 
     def __init__(self, prefill_block_m: int = 64, prefill_block_n: int = 64, decode_block_n: int = 64,
                  partition_size: int = 512):
@@ -37,6 +43,7 @@ class TritonBackend(AttentionBackend):
         if kv_cache.format.quantized:
             return super().store(kv_cache, kv, batch)
         store_kv(kv_cache.pages, kv[:, 0], kv[:, 1], batch.slot_mapping)
+        kv_cache.summarize_tokens(kv[:, 0], batch.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: LayerPages | None, batch: AttentionBatch, scale: float,
@@ -53,7 +60,7 @@ class TritonBackend(AttentionBackend):
         k_pages, v_pages = kv_cache.data
         nd = batch.num_decodes
         if nd:
-            self._decode(q[:nd], k_pages, v_pages, quant, out[:nd], batch, scale, limits)
+            self._decode(q[:nd], kv_cache, quant, out[:nd], batch, scale, limits)
         if batch.num_prefills:
             if batch.has_prefix:
                 self._prefill(q[nd:], k_pages, v_pages, out[nd:], batch, nd, batch.block_tables[nd:], scale, limits,
@@ -70,16 +77,21 @@ class TritonBackend(AttentionBackend):
         prefill_attention(q, k, v, out, q_starts, q_lens, ctx_lens, block_tables, max_q_len, scale,
                           block_m=self.prefill_block_m, block_n=self.prefill_block_n, quant=quant, **limits)
 
-    def _decode(self, q, k_pages, v_pages, quant: QuantizedPages | None, out, batch: AttentionBatch,
+    def _decode(self, q, kv_cache: LayerPages, quant: QuantizedPages | None, out, batch: AttentionBatch,
                 scale: float, limits: dict) -> None:
         nd, num_heads, head_dim = q.shape
         ctx_lens, max_ctx = _decode_meta(batch)
+        tables = batch.block_tables[:nd]
+        if batch.sparse is not None and limits["sliding_window"] is None:
+            tables, ctx_lens = select_blocks(q, kv_cache, tables, ctx_lens, batch.sparse.decodes(nd))
+            ctx_lens = ctx_lens.to(torch.int32)
         key = ("triton_decode_workspace", num_heads, head_dim)
         workspace = batch.scratch.get(key)
         if workspace is None:   # the same shapes in every layer: allocate once per step
             workspace = batch.scratch[key] = decode_workspace(nd, num_heads, head_dim, max_ctx,
                                                               self.partition_size, q.device)
-        decode_attention(q, k_pages, v_pages, out, ctx_lens, batch.block_tables[:nd], max_ctx, scale,
+        k_pages, v_pages = kv_cache.data
+        decode_attention(q, k_pages, v_pages, out, ctx_lens, tables, max_ctx, scale,
                          partition_size=self.partition_size, block_n=self.decode_block_n, workspace=workspace,
                          quant=quant, **limits)
 

@@ -412,7 +412,8 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
                                    ctx_len_ptr, table_ptr,
                                    k_meta_ptr, v_meta_ptr,
                                    stride_qt, stride_qh,
-                                   stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                                   stride_k_head, stride_k_page, stride_k_slot, stride_table, stride_table_head,
+                                   stride_ctx, stride_ctx_head,
                                    stride_po_seq, stride_po_head, stride_po_part,
                                    stride_pl_seq, stride_pl_head,
                                    stride_km_head, stride_vm_head,
@@ -427,9 +428,12 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
     from its window's first (with a window), else from 0.
 
     KV_QUANT > 0: k_ptr, v_ptr are a QuantizedPages' stored numbers, read with its scales as in
-    _prefill_quant_kernel. KV_QUANT 0 reads none of those."""
+    _prefill_quant_kernel. KV_QUANT 0 reads none of those.
+
+    A sequence's context length and block table may be its KV head's (stride_ctx_head, stride_table_head
+    nonzero: sparse attention's choice of blocks, attention/sparse.py), else the sequence's (0)."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ctx_len = tl.load(ctx_len_ptr + seq)
+    ctx_len = tl.load(ctx_len_ptr + seq * stride_ctx + kv_head * stride_ctx_head)
     start = _first_key(ctx_len, window) + part * PARTITION
     if start >= ctx_len:  # the grid covers the longest context (or window); the merge ignores these
         return
@@ -447,7 +451,7 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
     k_head_ptr = k_ptr + kv_head64 * stride_k_head
     v_head_ptr = v_ptr + kv_head64 * stride_k_head
     quant = (k_meta_ptr + kv_head64 * stride_km_head, v_meta_ptr + kv_head64 * stride_vm_head)
-    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    table_row = table_ptr + seq.to(tl.int64) * stride_table + kv_head64 * stride_table_head
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -482,7 +486,8 @@ def _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_p
 def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
                              ctx_len_ptr, table_ptr,
                              stride_qt, stride_qh,
-                             stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                             stride_k_head, stride_k_page, stride_k_slot, stride_table, stride_table_head,
+                             stride_ctx, stride_ctx_head,
                              stride_po_seq, stride_po_head, stride_po_part,
                              stride_pl_seq, stride_pl_head,
                              qk_scale, window, soft_cap,
@@ -495,6 +500,7 @@ def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
     _decode_partition_quant_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, ctx_len_ptr, table_ptr,
                                    k_ptr, v_ptr,
                                    stride_qt, stride_qh, stride_k_head, stride_k_page, stride_k_slot, stride_table,
+                                   stride_table_head, stride_ctx, stride_ctx_head,
                                    stride_po_seq, stride_po_head, stride_po_part, stride_pl_seq, stride_pl_head,
                                    0, 0, qk_scale, window, soft_cap,
                                    GROUP, PAGE_SIZE, PARTITION, HEAD_DIM, BLOCK_D, BLOCK_G, BLOCK_N, DOT_FP32, 0,
@@ -504,13 +510,13 @@ def _decode_partition_kernel(q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr,
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, ctx_len_ptr,
                          stride_po_seq, stride_po_head, stride_po_part,
-                         stride_pl_seq, stride_pl_head, stride_ot, stride_oh, window,
-                         PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         stride_pl_seq, stride_pl_head, stride_ot, stride_oh, window, stride_ctx, stride_ctx_head,
+                         GROUP: tl.constexpr, PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_P: tl.constexpr):
     """Grid (sequences, heads): out = Σ_p exp2(lse_p - max) o_p / Σ_p exp2(lse_p - max), over the
-    partitions that exist for this sequence's context (or window), in chunks of BLOCK_P."""
+    partitions that exist for this sequence's (or its KV head's) context (or window), in chunks of BLOCK_P."""
     seq, head = tl.program_id(0), tl.program_id(1)
-    ctx_len = tl.load(ctx_len_ptr + seq)
+    ctx_len = tl.load(ctx_len_ptr + seq * stride_ctx + (head // GROUP) * stride_ctx_head)
     num_parts = tl.cdiv(ctx_len - _first_key(ctx_len, window), PARTITION)
     lse_base = part_lse_ptr + seq * stride_pl_seq + head * stride_pl_head
     out_base = part_out_ptr + seq * stride_po_seq + head * stride_po_head
@@ -558,7 +564,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query per sequence, q [seqs, H, D], against its ctx_lens[s] cached tokens (the query's
     own included; the last sliding_window of them where given, soft-capped where given) in k_cache,
     v_cache [KVH, blocks, page_size, D]; written into out [seqs, H, D]. The workspace may have room for
-    more partitions than this call uses.
+    more partitions than this call uses. Each KV head may have its own blocks: block_tables [seqs, KVH, width]
+    and ctx_lens [seqs, KVH] (sparse attention's, attention/sparse.py), else [seqs, width] and [seqs].
     Quantized pages: quant is the QuantizedPages and k_cache, v_cache its quant.data[0], quant.data[1].
 
     The context is cut into partitions of partition_size keys computed by separate programs (so a
@@ -579,8 +586,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     keys = max_ctx_len if sliding_window is None else min(max_ctx_len, sliding_window)
     grid = (num_seqs, num_kv_heads, triton.cdiv(keys, partition_size))
+    per_head = block_tables.dim() == 3
+    ctx_strides = (ctx_lens.stride(0), ctx_lens.stride(1) if per_head else 0)
     strides = (q.stride(0), q.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               block_tables.stride(1) if per_head else 0, *ctx_strides,
                part_out.stride(0), part_out.stride(1), part_out.stride(2),
                part_lse.stride(0), part_lse.stride(1))
     consts = {"GROUP": group, "PAGE_SIZE": k_cache.shape[2], "PARTITION": partition_size,
@@ -599,6 +609,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, ctx_lens,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), sliding_window or 0,
-        PARTITION=partition_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=16, num_warps=1,
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), sliding_window or 0, *ctx_strides,
+        GROUP=group, PARTITION=partition_size, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=16, num_warps=1,
     )
