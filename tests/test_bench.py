@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -324,6 +325,21 @@ def test_bench_capacity_hybrid_model_shape(tmp_path):
     for mode in ("all_global", "hybrid"):
         assert long[mode]["generated_tokens"] == 2 * 2 and res["mix"][mode]["generated_tokens"] > 0
         assert long[mode]["kv_cache_bytes"] <= long["kv_budget_bytes"]      # the null block within the budget
+
+
+def test_bench_structured_json(tmp_path):
+    path = tmp_path / "structured.json"
+    args = ["--batches", "1,3", "--tokens", "6", "--repeats", "1", "--prompt-len", "8", *TINY]
+    assert main(["bench", "structured", "--quick", "--json", str(path), *args]) == 0
+    res = json.loads(path.read_text())
+    assert [r["batch"] for r in res["results"]] == [1, 3] and res["tokens"] == 6
+    for r in res["results"]:
+        assert all(measured(x) for x in r["free_tokens_per_s"] + r["schema_tokens_per_s"])
+        assert r["ratio_of_medians"] == pytest.approx(statistics.median(r["schema_tokens_per_s"])
+                                                      / statistics.median(r["free_tokens_per_s"]))
+        # every constrained sequence's mask of every timed step, computed while the model ran
+        assert r["masks_per_step"] == r["batch"]
+        assert measured(r["mask_fill_ms_per_step"]) and measured(r["mask_wait_ms_per_step"])
 
 
 def test_bench_sparse_json(tmp_path):

@@ -116,6 +116,24 @@ def test_ngram_speculation_gives_plain_greedy_tokens(tiny_llama):
     assert stats["steps"]["native"] > 0
 
 
+def test_a_request_held_to_a_grammar_decodes_without_drafts_beside_those_that_speculate(tiny_llama):
+    """Structured outputs and n-gram speculation in one batch: the constrained request proposes no drafts and gives
+    the tokens it gives without speculation; the others speculate."""
+    from kvserve.structured import StructuredOutputsParams
+
+    choice = SamplingParams(max_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(
+        choice=["alpha beta gamma", "delta"]))
+    params = [choice] + [GREEDY] * 2
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    expected = LLM(str(tiny_llama), num_scheduler_steps=1).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), speculative_config=NGRAM, num_scheduler_steps=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert outs[0].outputs[0].text in ("alpha beta gamma", "delta")
+    assert "spec_decode_num_draft_tokens" not in outs[0].metrics
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_a_sequence_proposes_within_max_tokens_max_model_len_and_the_batch_limit(tiny_llama):
     llm = LLM(str(tiny_llama), speculative_config={**NGRAM, "num_speculative_tokens": 8}, max_model_len=40)
     spec = llm.engine.speculator

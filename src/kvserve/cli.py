@@ -81,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_n_sequences=args.max_n_sequences, max_completion_prompts=args.max_completion_prompts,
                           max_request_sequences=args.max_request_sequences, max_request_tokens=args.max_request_tokens,
                           chat_template=load_chat_template(args.chat_template), enable_docs=args.enable_docs,
+                          tool_call_parser=args.tool_call_parser,
                           kv_dashboard=args.kv_dashboard, kv_dashboard_content=args.kv_dashboard_content)
     app = build_app(EngineConfig(**engine_kwargs(args)), name, config)
     uvicorn.Server(uvicorn_config(app, args.host, args.port, config.request_read_timeout, config.max_connections,
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None,
                    help="a chat template (jinja) for /v1/chat/completions and /tokenize: a file, or the template "
                         "itself; default: the model's own")
+    s.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help='the format of the tool calls the model writes, parsed for tool_choice "auto"; default: the '
+                        "one its chat template teaches (Hermes' <tool_call>, Llama 3's <|python_tag|>), if any")
     s.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     s.add_argument("--kv-dashboard", default=True, action=argparse.BooleanOptionalAction,
                    help="serve the live view of the KV cache's structure: the page /dashboard and its state, "

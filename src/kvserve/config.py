@@ -497,6 +497,9 @@ class ServerConfig:
     max_request_sequences: int = 256
     max_request_tokens: int = 2**20
     chat_template: str | None = None        # the template's text, over the model's own (load_chat_template)
+    # the format of the tool calls the model writes, for tool_choice "auto" (server/tool_calls.py's
+    # TOOL_CALL_PARSERS); None: the one its chat template teaches, if any
+    tool_call_parser: str | None = None
     enable_docs: bool = False               # /docs, /redoc and /openapi.json
     kv_dashboard: bool = True               # /dashboard, /v1/kv/state and /v1/kv/blocks/{id}: the cache's structure
     kv_dashboard_content: bool = False      # a block's tokens too, to a caller presenting its cache salt
@@ -507,5 +510,7 @@ class ServerConfig:
                      "max_completion_prompts", "max_request_sequences", "max_request_tokens", "engine_start_attempts"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")

@@ -41,15 +41,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+             use_tqdm: bool = True, chat_template: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template (given the `tools` the
+        model may call, OpenAI's function definitions, as vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         if chat_template is None and not tok.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
         prompts = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
+            text = tok.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True,
                                            chat_template=chat_template)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})

@@ -11,6 +11,7 @@ import torch
 from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
 from kvserve.kv.eviction import parse_eviction
 from kvserve.kv.sparse import parse_sparse_attention
+from kvserve.structured.params import StructuredOutputsParams
 from kvserve.text import valid_unicode
 
 _EPS = 1e-5
@@ -64,6 +65,9 @@ class SamplingParams:
     # words never generated: the last token of a word's tokens is forbidden where it would complete the word
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens; -1: max_model_len of them
+    # the output follows a JSON schema, a regex, a choice or a grammar (a dict of StructuredOutputsParams' fields
+    # is taken too); the engine compiles it with its tokenizer
+    structured_outputs: StructuredOutputsParams | None = None
     # the token sequences of bad_words, set by the engine with its tokenizer (update_from_tokenizer)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -100,6 +104,11 @@ class SamplingParams:
             self.truncate_prompt_tokens = _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
             if self.truncate_prompt_tokens == 0:
                 raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got 0")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.eviction is not None:
             try:
                 parse_eviction(self.eviction)
@@ -122,8 +131,14 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """Whether a token is drawn from logits this request changes (logit_bias, allowed_token_ids, bad_words,
-        min_tokens), not from the model's own."""
+        """Whether a token is drawn from logits this request changes (its logits processors, or its structured
+        outputs' grammar), not from the model's own."""
+        return self.has_logits_processors or self.structured_outputs is not None
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether the sampler's processors change this request's logits: logit_bias, allowed_token_ids, bad_words,
+        min_tokens."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.min_tokens)
 
     def update_from_tokenizer(self, tokenizer) -> None:
@@ -249,6 +264,15 @@ class Logprob:
 
 
 @dataclass
+class TokenMask:
+    """The tokens some rows of a step may not sample (their structured outputs' grammars): `bias` [len(rows), vocab]
+    float32 holds 0 where a row's token is allowed and -inf where it is not."""
+
+    rows: list[int]
+    bias: torch.Tensor
+
+
+@dataclass
 class SampleResult:
     token_ids: list[int]
     # per sequence: {token_id: (logprob, rank)} for the sampled token and the top-k, or None
@@ -300,12 +324,16 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)     # forbidden with the stop tokens before min_tokens
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 histories: list[History] | None = None) -> SampleResult:
+                 histories: list[History] | None = None, mask: TokenMask | None = None) -> SampleResult:
         """One token per row, drawn from the row's logits as its params change them (SamplingParams.changes_logits;
-        bad_words and min_tokens read the row's `histories`); the logprobs (of rows that ask) are the model's own,
-        before those changes and the temperature (vLLM's default, raw_logprobs)."""
+        bad_words and min_tokens read the row's `histories`), never one its `mask` forbids; the logprobs (of rows
+        that ask) are the model's own, before those changes and the temperature (vLLM's default, raw_logprobs), but
+        after the mask (as vLLM's, whose grammars mask the logits before its sampler)."""
+        if mask is not None:
+            logits = logits.to(torch.float32, copy=True)
+            logits.index_add_(0, torch.tensor(mask.rows, device=logits.device), mask.bias.to(logits.device))
         raw = logits
-        if any(p.changes_logits for p in params):
+        if any(p.has_logits_processors for p in params):
             logits = _processed(logits, params, histories or [([], 0)] * len(params), self.eos_token_ids)
         tokens = argmax(logits)
         sampled = not all(p.greedy for p in params)

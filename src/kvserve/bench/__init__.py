@@ -11,12 +11,12 @@ from __future__ import annotations
 def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its suites, on the command's subparsers."""
     from kvserve.bench import (attention, capacity, decode, eviction, offload, prefix, quant, replicas, report,
-                               serve, sparse, spec, throughput, tp)
+                               serve, sparse, spec, structured, throughput, tp)
 
     b = sub.add_parser("bench", help="measure the engine's claims on this machine, each beside a reference")
     suites = b.add_subparsers(dest="suite", required=True)
     for module in (decode, throughput, prefix, offload, capacity, serve, replicas, attention, quant, eviction, sparse,
-                   tp, spec, report):
+                   tp, spec, structured, report):
         # argparse formats help with %: a docstring's "50%" must reach it as "50%%"
         p = suites.add_parser(module.NAME, help=module.__doc__.splitlines()[0].replace("%", "%%"))
         p.add_argument("--json", dest="json_path", default=None, help="write the figures to this file")

@@ -147,10 +147,10 @@ def forced_decode(llm: LLM, windows: list[list[int]], prefill: int) -> list[torc
     rows: dict[int, list[torch.Tensor]] = {id(s.params): [] for s in seqs}
     sampler = engine.sampler
 
-    def recording(logits, params, generators, histories=None):     # each sampling sequence's logits, by its params
+    def recording(logits, params, generators, histories=None, mask=None):    # each sampling row's logits, by params
         for p, row in zip(params, logits.float()):
             rows[id(p)].append(row.clone())
-        return sampler(logits, params, generators, histories)
+        return sampler(logits, params, generators, histories, mask)
 
     engine.sampler = recording
     try:

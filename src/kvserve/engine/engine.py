@@ -1,8 +1,9 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
-The engine's parts are built by engine/builder.py; a request goes through the input processor (tokens, checks, a
-Sequence), the scheduler, the runner (a step by the first executor that takes it) and the sampler, and its tokens
-through the output processor (stops, text, forks of n samples, outputs)."""
+The engine's parts are built by engine/builder.py; a request goes through the input processor (tokens, checks, its
+grammar, a Sequence), the scheduler, the runner (a step by the first executor that takes it) and the sampler (with
+the masks of the sequences' grammars, computed while the model runs), and its tokens through the output processor
+(stops, text, forks of n samples, outputs)."""
 from __future__ import annotations
 
 import weakref
@@ -17,6 +18,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.sequence import Sequence
 from kvserve.outputs import RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.structured.manager import StructuredOutputManager
 
 
 class LLMEngine:
@@ -27,9 +29,10 @@ class LLMEngine:
         # the parts are the engine's attributes: engine.kv, engine.scheduler, engine.runner, ...
         vars(self).update(vars(EngineBuilder(config).build()))
         seq_ids = count()
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.max_model_len, self.kv,
                                      self.scheduler_config, self.eviction, self.sliding_layers, self.device, seq_ids,
-                                     self.sparse, self.speculator)
+                                     self.structured, self.sparse, self.speculator)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler,
                                        self.final_only, self.device, seq_ids)
         self.requests = self.outputs.requests
@@ -65,10 +68,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once (or, where nobody sees the steps between, several greedy decode steps
         at once: engine/executor.py), verify the drafts it computed, sample; propose the next drafts (speculative
-        decoding: engine/speculative.py); returns the requests that gained tokens."""
+        decoding: engine/speculative.py); returns the requests that gained tokens. The masks of the step's grammars
+        are computed while the model runs."""
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        masks = self.structured.start_masks(sched.seqs)
         try:
             out = self.runner.run(sched)
         except BaseException:
@@ -87,7 +92,8 @@ class LLMEngine:
                 self.outputs.score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)
             logits = self.outputs.fork_samples(seqs, logits)
             result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                  [(s.token_ids, s.num_prompt_tokens) for s in seqs])
+                                  [(s.token_ids, s.num_prompt_tokens) for s in seqs],
+                                  self.structured.masks(masks, seqs))
         except BaseException:
             # The step's sequences advanced without their tokens: they cannot go on.
             for request_id in {s.request_id for s in sched.seqs}:
@@ -128,6 +134,7 @@ class LLMEngine:
             **self.kv_events.stats(),
             "gemm": self.gemm.report(),           # how the linear layers multiply (model/gemm_choice.py)
             **self.speculator.stats(),            # spec_decode_* (vLLM's), with a speculative_config
+            **self.structured.stats(),
         }
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """InputProcessor: a request in, a Sequence the scheduler can run out, or a ValueError naming what is wrong
 (vLLM v1's input processor): tokenizing, the sampling options the engine checks, the eviction policy and sparse
-attention, and whether the request can ever fit the KV cache."""
+attention, whether the request can ever fit the KV cache, and its structured outputs' grammar, compiled."""
 from __future__ import annotations
 
 import time
@@ -14,20 +14,23 @@ from kvserve.kv import KVCache
 from kvserve.kv.eviction import EvictionPolicy, parse_eviction
 from kvserve.kv.sparse import SparseAttention, request_sparse_attention
 from kvserve.sampling import SamplingParams, seeded_generator
+from kvserve.structured.manager import StructuredOutputManager
 from kvserve.text import valid_unicode
 
 
 class InputProcessor:
     """`eviction` and `sparse` are the engine's defaults (policy, sparse attention); `sliding_layers` each layer whose
-    window binds, and its window; `seq_ids` the engine's counter of sequence ids; `speculator` the engine's
-    speculative decoding (which refuses the policies it cannot keep exact)."""
+    window binds, and its window; `seq_ids` the engine's counter of sequence ids; `structured` compiles structured
+    outputs; `speculator` the engine's speculative decoding (which refuses the policies it cannot keep exact)."""
 
     def __init__(self, tokenizer, model_config: ModelConfig, max_model_len: int, kv: KVCache,
                  scheduler_config: SchedulerConfig, eviction: EvictionPolicy | None, sliding_layers: dict[int, int],
-                 device: torch.device, seq_ids: Iterator[int], sparse: SparseAttention | None, speculator):
+                 device: torch.device, seq_ids: Iterator[int], structured: StructuredOutputManager,
+                 sparse: SparseAttention | None, speculator):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, model_config.vocab_size, max_model_len
         self.kv, self.scheduler_config, self.speculator = kv, scheduler_config, speculator
         self.eviction, self.sparse, self.device, self.seq_ids = eviction, sparse, device, seq_ids
+        self.structured = structured
         self.widest_window = max(sliding_layers.values(), default=None)
 
     def process(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
@@ -47,9 +50,10 @@ class InputProcessor:
         self.speculator.check_request(policy)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         self._check_fits(len(ids), max_tokens, params.n, policy)
+        grammar = self.structured.grammar(params)       # compiled now (or found compiled): its errors are the caller's
         return Sequence(next(self.seq_ids), request_id, text, ids, params, max_tokens, time.monotonic(),
                         seeded_generator(params, 0, self.device), cache_salt=cache_salt, eviction=policy,
-                        sparse=sparse)
+                        grammar=grammar, sparse=sparse)
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids in the vocabulary, text options with a tokenizer (which

@@ -80,7 +80,11 @@ class OutputProcessor:
 
     def append(self, seq: Sequence, token: int, logprobs) -> None:
         """A sampled token (with its logprobs, if asked for): the sequence stops at a stop token, a stop string its
-        text completes, max_tokens or max_model_len (not under a policy whose cache holds a bounded window)."""
+        text completes, max_tokens or max_model_len (not under a policy whose cache holds a bounded window). Its
+        grammar takes the token; a token the grammar refuses (drawn where the request's other options forbade every
+        token the grammar allows) is dropped, and the sequence aborted."""
+        if not seq.grammar.accept(token):
+            return self._finish(seq, "abort")
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()

@@ -12,6 +12,7 @@ from kvserve.kv.blocks import BlockKey, block_key
 from kvserve.kv.eviction import EvictionPolicy
 from kvserve.kv.sparse import SparseAttention
 from kvserve.sampling import Logprob, SamplingParams
+from kvserve.structured.grammar import NO_GRAMMAR, Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -61,6 +62,9 @@ class Sequence:
     # [layers * KVH, tokens] mass the cached tokens received (h2o, snapkv), of the layers that gather it
     kv_scores: torch.Tensor | None = None
     prompt_compacted: bool = False           # snapkv has made its choice
+    # structured outputs: where the output tokens have brought the request's grammar. A preempted sequence keeps
+    # its tokens, and so its grammar's state
+    grammar: Grammar = NO_GRAMMAR
     # sparse decode attention: which cached blocks its decode steps read (kv/sparse.py); None: all of them
     sparse: SparseAttention | None = None
     # speculative decoding (engine/speculative.py): the draft tokens proposed after token_ids, which the next
@@ -90,9 +94,10 @@ class Sequence:
     def fork(self, seq_id: int, generator: torch.Generator | None) -> Sequence:
         """Another sample of the same request from this point: a copy of this sequence with its own token list,
         block keys and logprobs (copies of these), drawing from `generator`; the detokenizer makes it its own
-        stream. Its blocks are the cache manager's to share (Scheduler.fork)."""
+        stream; its grammar is a fork of this one's, in the same state. Its blocks are the cache manager's to share
+        (Scheduler.fork)."""
         child = copy.copy(self)
-        child.seq_id, child.generator = seq_id, generator
+        child.seq_id, child.generator, child.grammar = seq_id, generator, self.grammar.fork()
         child.token_ids, child.block_keys = list(self.token_ids), list(self.block_keys)
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.spec_token_ids = []

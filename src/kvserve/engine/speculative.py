@@ -187,9 +187,11 @@ class SpeculativeDecoding:
 
     def propose(self, seqs: list[Sequence], running: list[Sequence]) -> None:
         """Drafts for those of `seqs` (sequences that gained tokens) that run and decode next, within each one's
-        limit (max_drafts): none while more than disable_by_batch_size sequences run."""
+        limit (max_drafts): none while more than disable_by_batch_size sequences run, and none for a sequence held
+        to a grammar (structured outputs), which decodes a token a step beside those that speculate."""
         self.proposer.retain(running)
-        decoding = [s for s in seqs if s.status is SequenceStatus.RUNNING and s.num_computed_tokens + 1 == s.num_tokens]
+        decoding = [s for s in seqs if s.status is SequenceStatus.RUNNING and s.num_computed_tokens + 1 == s.num_tokens
+                    and not s.grammar.constrains]
         if len(running) > self.config.disable_by_batch_size:
             for seq in decoding:
                 seq.spec_token_ids = []

@@ -17,13 +17,17 @@ from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling import SamplingParams
+from kvserve.structured import StructuredOutputsParams
 from kvserve.server.async_engine import AsyncEngine, EngineError, EngineUnavailableError, QueueFullError
 from kvserve.server.dashboard import KVStateView, add_dashboard_routes
 from kvserve.server.errors import APIError, error_response, field_error
 from kvserve.server.http import APIKeyCheck, RequestBody, UnexpectedErrors, parse_body
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                     tool_dicts)
 from kvserve.server.tokenization import ServerTokenizer
+from kvserve.server.tool_calls import (AutoToolCalls, NamedToolCall, NoToolCalls, RequiredToolCalls, ToolCalls,
+                                       ToolCallStream)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16      # OpenAI's and vLLM's default for /v1/completions
 
@@ -34,7 +38,8 @@ def build_app(engine: LLMEngine | EngineConfig, model_name: str, config: ServerC
     config = config or ServerConfig()
     server = AsyncEngine(engine, config.max_queue, start_attempts=config.engine_start_attempts)
     metrics = server.metrics = ServerMetrics(server.stats, model_name)
-    tokenizer = ServerTokenizer(server.engine.tokenizer, server.engine.max_model_len, config.chat_template)
+    tokenizer = ServerTokenizer(server.engine.tokenizer, server.engine.max_model_len, config.chat_template,
+                                config.tool_call_parser)
     utility = tokenizer.utility()
 
     @asynccontextmanager
@@ -230,14 +235,16 @@ class _Handlers:
         self._check_model(req.model)
         texts = req.prompts()
         self._check_fan_out(len(texts), req.n)
+        constraint, constraint_field = req.structured_outputs_params()
         params = req.sampling_params(req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, self.vocab_size, req.logprobs,
-                                     prompt_logprobs=req.logprobs if req.echo else None)
+                                     prompt_logprobs=req.logprobs if req.echo else None,
+                                     structured_outputs=constraint)
         prompts = await asyncio.gather(*(self._prompt(p, True, "prompt", params) for p in texts))
         self._check_work(prompts, params, "max_tokens")
         self._check_kv(prompts, params)
         echo = [await self._echo_text(p) for p in prompts] if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, prompts, params, req.cache_salt)
+        streams = await self._submit(rid, prompts, params, req.cache_salt, constraint_field)
         fmt = _CompletionFormat(rid, self.model_name, self._token_ids_too(req), self.tokenizer.tokenizer,
                                 req.logprobs or 0, echo)
         return await self._respond(req, raw, streams, fmt, params)
@@ -247,17 +254,40 @@ class _Handlers:
         self._check_model(req.model)
         self._check_fan_out(1, req.n)
         top = req.top_logprobs or 0
+        tools, constraint, constraint_field = self._tool_calls(req)
         params = req.sampling_params(req.max_completion_tokens or req.max_tokens, self.vocab_size,
-                                     top if req.logprobs else None)
-        text = await self.tokenizer.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
+                                     top if req.logprobs else None, structured_outputs=constraint)
+        text = await self.tokenizer.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                                tool_dicts(req.tools))
         # the template writes the special tokens it wants (a BOS, say): none added
         prompt = await self._prompt(text, False, "messages", params)
         self._check_work([prompt], params, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         self._check_kv([prompt], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, [prompt], params, req.cache_salt)
-        fmt = _ChatFormat(rid, self.model_name, self._token_ids_too(req), top)
+        streams = await self._submit(rid, [prompt], params, req.cache_salt, constraint_field)
+        fmt = _ChatFormat(rid, self.model_name, self._token_ids_too(req), top, tools)
         return await self._respond(req, raw, streams, fmt, params)
+
+    def _tool_calls(self, req: ChatCompletionRequest) -> tuple[ToolCalls, StructuredOutputsParams | None, str | None]:
+        """How the reply's text becomes content and tool calls, the constraint on it, and the field that asks for
+        it: tool_choice "required" or a named function constrain the output to calls (and take no other
+        constraint); "auto" parses the calls of the template's format, under the request's own constraint if any."""
+        constraint, field = req.structured_outputs_params()
+        choice = req.tool_choice_name
+        if choice in ("none", "auto"):
+            if choice == "none":
+                return NoToolCalls(), constraint, field
+            parser = self.tokenizer.tool_call_parser
+            if parser is None:
+                raise APIError(400, 'tool_choice "auto" needs a chat template that writes tool calls in a format '
+                                    'kvserve parses (Hermes <tool_call> or Llama 3 JSON), or --tool-call-parser; or '
+                                    'use tool_choice "required" or a named function', "tool_choice")
+            return AutoToolCalls(parser), constraint, field
+        if field is not None:
+            raise APIError(400, f"{field}: tool_choice {choice!r} constrains the output to its calls: send no {field}",
+                           field)
+        tools = RequiredToolCalls() if choice == "required" else NamedToolCall(choice)
+        return tools, req.tool_constraint(), "tools"
 
     async def _echo_text(self, prompt: dict) -> str:
         """The text echo puts before a prompt's completions: the prompt as sent, or its token ids
@@ -323,7 +353,8 @@ class _Handlers:
         req = await parse_body(raw, TokenizeRequest)
         self._check_model(req.model)
         if req.messages is not None:
-            text = await self.utility.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt)
+            text = await self.utility.render_chat([m.for_template() for m in req.messages], req.add_generation_prompt,
+                                                  tool_dicts(req.tools))
             tokens = await self.utility.encode_prompt(text, False, "messages")
         else:
             tokens = await self.utility.encode_prompt(req.prompt, req.add_special_tokens)
@@ -336,7 +367,10 @@ class _Handlers:
             raise APIError(400, f"tokens: token ids must be in [0, {self.vocab_size})", "tokens")
         return JSONResponse({"prompt": await self.utility.decode(req.tokens)})
 
-    async def _submit(self, rid: str, prompts: list, params, cache_salt) -> list[AsyncIterator[RequestOutput]]:
+    async def _submit(self, rid: str, prompts: list, params, cache_salt,
+                      constraint_field: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Each prompt's request, admitted by the engine; a 400 for one it refuses (naming `constraint_field`, the
+        request's field the structured outputs came from, for a constraint that does not compile)."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
@@ -345,7 +379,11 @@ class _Handlers:
             for i in range(len(streams)):
                 self.server.abort(f"{rid}-{i}")
             if isinstance(e, ValueError):     # the engine refused the request
-                raise field_error(e, vars(params)) from None
+                error = field_error(e, vars(params))
+                if error.param == "structured_outputs" and constraint_field is not None:
+                    error = APIError(400, f"{constraint_field}: {error.message.removeprefix('structured_outputs: ')}",
+                                     constraint_field)
+                raise error from None
             raise
         return streams
 
@@ -547,19 +585,29 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    """`tools`: how a reply's text becomes its content and tool calls (server/tool_calls.py); a reply that calls
+    tools where the request let the model choose ("auto") or required calls finishes with "tool_calls"."""
+
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, rid, model_name, token_ids: bool, top_logprobs: int):
+    def __init__(self, rid, model_name, token_ids: bool, top_logprobs: int, tools: ToolCalls):
         super().__init__(rid, model_name, token_ids)
-        self.top_logprobs = top_logprobs
+        self.top_logprobs, self.tools = top_logprobs, tools
+        self.streams: dict[int, tuple[ToolCallStream, list[bool]]] = {}   # by choice: its stream, whether it called
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" and self.tools.calls_finish else reason
 
     def response(self, finals: list[RequestOutput]) -> dict:
         (f,) = finals
         choices = []
         for c in f.outputs:
-            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason}
+            content, calls = self.tools.message(c.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": c.index, "message": message, "logprobs": self._logprobs(c, 0),
+                      "finish_reason": self._finish_reason(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason}
             if self.token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -569,11 +617,16 @@ class _ChatFormat(_Format):
         return body
 
     def chunk(self, i, out, c, chars, end, tokens, first) -> dict:
-        delta = {"content": c.text[chars:end]}
+        stream, called = self.streams.setdefault(c.index, (self.tools.stream(), [False]))
+        content, calls = stream.feed(c.text[:end], c.finished)
+        delta = {"content": content} if content or not calls else {}
+        if calls:
+            delta["tool_calls"] = calls
+            called[0] = True
         if first:
             delta = {"role": "assistant", **delta}
         choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(c, tokens),
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": self._finish_reason(c.finish_reason, called[0])}
         if self.token_ids:
             choice["token_ids"] = c.token_ids[tokens:]
         body = self._envelope(self.chunk_object, [choice])

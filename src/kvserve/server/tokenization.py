@@ -13,6 +13,7 @@ from pathlib import Path
 import jinja2
 
 from kvserve.server.errors import APIError
+from kvserve.server.tool_calls import detect_tool_call_parser
 from kvserve.text import valid_unicode
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,15 @@ class ServerTokenizer:
     (a long text can hold a thread for seconds). Text that cannot fit the model is refused
     before it is encoded: no token covers more than `max_token_chars` characters (the longest entry
     of the vocabulary), so a text longer than max_model_len times that is over max_model_len tokens.
-    `utility()` is the same tokenizer over threads of its own."""
+    `utility()` is the same tokenizer over threads of its own. `tool_call_parser`: the format of the tool calls
+    the model writes (server/tool_calls.py), by default the one its chat template teaches, if any."""
 
-    def __init__(self, tokenizer, max_model_len: int, chat_template: str | None = None):
+    def __init__(self, tokenizer, max_model_len: int, chat_template: str | None = None,
+                 tool_call_parser: str | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser or detect_tool_call_parser(self._template_text())
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 0
         self.max_prompt_chars = max_model_len * self.max_token_chars
         if chat_template is not None and tokenizer is not None:
@@ -70,6 +74,13 @@ class ServerTokenizer:
             # it parsed: a template may refuse this one conversation (raise_exception), not every request's
             log.info("--chat-template refuses a one-message conversation (%s: %s); requests it refuses get a 400",
                      type(e).__name__, e)
+
+    def _template_text(self) -> str | None:
+        """The chat template's text (--chat-template's, or all of the model's named ones)."""
+        if self.chat_template is not None or self.tokenizer is None:
+            return self.chat_template
+        template = self.tokenizer.chat_template
+        return "\n".join(template.values()) if isinstance(template, dict) else template
 
     def utility(self) -> ServerTokenizer:
         """This tokenizer, with a pool of UTILITY_TOKENIZER_THREADS of its own: for the calls that serve no request
@@ -108,14 +119,16 @@ class ServerTokenizer:
         tok = self.require("text")
         return await self._run(tok.decode, token_ids)
 
-    async def render_chat(self, conversation: list[dict], add_generation_prompt: bool) -> str:
-        """The conversation through the chat template (--chat-template, else the model's own)."""
+    async def render_chat(self, conversation: list[dict], add_generation_prompt: bool,
+                          tools: list[dict] | None = None) -> str:
+        """The conversation (and the tools the model may call) through the chat template (--chat-template, else
+        the model's own)."""
         tok = self.require("chat", "messages")
         if self.chat_template is None and not tok.chat_template:
             raise APIError(400, "this model has no chat template: start the server with --chat-template, "
                                 "or use /v1/completions", "messages")
         try:
-            text = await self._run(tok.apply_chat_template, conversation, tokenize=False,
+            text = await self._run(tok.apply_chat_template, conversation, tools=tools, tokenize=False,
                                    add_generation_prompt=add_generation_prompt, chat_template=self.chat_template)
         except Exception as e:  # noqa: BLE001
             # a template error (jinja's raise_exception, say) is the request's fault
