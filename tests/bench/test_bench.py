@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.bench.common import linear_params, linear_step
+from kvserve.bench.common import linear_params, linear_step, make_checkpoint
 from kvserve.bench.report import plot_eviction, plot_quant
 from kvserve.cli import main
 from kvserve.config import ModelConfig
@@ -120,14 +120,12 @@ def test_bench_decode_batches_flag(capsys):
     assert "--decode-batches" in capsys.readouterr().err
 
 
-def test_linear_step_times_the_engines_own_linear_layers(tmp_path):
+def test_linear_step_times_the_engines_own_linear_layers(checkpoint):
     """linear_step calls each of the engine's Linear modules (its weights, packing and GEMM choice) once a run, on
     inputs of the step's rows, and counts 2 FLOPs a weight a row."""
     from kvserve import LLM
     from kvserve.model.layers import Linear
-    from tiny_models import make_checkpoint as tiny_checkpoint
-
-    ckpt = tiny_checkpoint(tmp_path / "m", max_position_embeddings=64, dtype=torch.bfloat16)
+    ckpt = checkpoint(max_position_embeddings=64, dtype=torch.bfloat16)
     llm = LLM(str(ckpt), dtype="bfloat16", device="cpu", block_size=4)
     layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     rows = []
@@ -189,11 +187,11 @@ def test_bench_capacity_json(tmp_path):
     assert s["saved_pct"] == pytest.approx(100 * (1 - s["shared_peak_blocks"] / s["separate_peak_blocks"]))
 
 
-def test_linear_params_counts_the_hf_linear_weights(checkpoint):
+def test_linear_params_counts_the_hf_linear_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
     shape = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=300)
-    path = checkpoint(shape, max_positions=32)
+    path = make_checkpoint(tmp_path, shape, max_positions=32)
     layers, head = linear_params(ModelConfig.from_path(path))
     model = AutoModelForCausalLM.from_pretrained(path)
     linears = [m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -201,11 +199,9 @@ def test_linear_params_counts_the_hf_linear_weights(checkpoint):
     assert head == 64 * 300
 
 
-def test_bench_quant_json(tmp_path):
-    from tiny_models import make_checkpoint as tiny_checkpoint
-
-    ckpt = tiny_checkpoint(tmp_path / "m", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                           initializer_range=0.02, max_position_embeddings=256)
+def test_bench_quant_json(checkpoint, tmp_path):
+    ckpt = checkpoint(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      initializer_range=0.02, max_position_embeddings=256)
     path = tmp_path / "quant.json"
     args = ["--model", str(ckpt), "--tokens", "120", "--context", "60", "--block-size", "16",
             "--passkey-lengths", "200", "--decode-batch", "2", "--decode-prompt", "8", "--decode-tokens", "16",
@@ -229,13 +225,11 @@ def test_bench_quant_json(tmp_path):
     assert (tmp_path / "quant.png").stat().st_size > 0
 
 
-def test_bench_quant_weights_json(tmp_path):
+def test_bench_quant_weights_json(checkpoint, tmp_path):
     """--weights: full-precision weights, then int8's and int4's, over a full-precision cache: about half the
     weights' bytes in bfloat16 (int8), less again (int4), and their quality against full precision."""
-    from tiny_models import make_checkpoint as tiny_checkpoint
-
-    ckpt = tiny_checkpoint(tmp_path / "m", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                           initializer_range=0.02, max_position_embeddings=256, dtype=torch.bfloat16)
+    ckpt = checkpoint(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      initializer_range=0.02, max_position_embeddings=256, dtype=torch.bfloat16)
     path = tmp_path / "quant.json"
     args = ["--model", str(ckpt), "--weights", "--tokens", "120", "--context", "60", "--block-size", "16",
             "--passkey-lengths", "200", "--decode-batch", "2", "--decode-prompt", "8", "--decode-tokens", "16",
@@ -251,10 +245,8 @@ def test_bench_quant_weights_json(tmp_path):
     assert all(rows[q]["kl"] > 0 and rows[q]["top1_agreement"] > 0.5 for q in ("int8", "int4"))
 
 
-def test_bench_eviction_json(tmp_path):
-    from tiny_models import make_checkpoint as tiny_checkpoint
-
-    ckpt = tiny_checkpoint(tmp_path / "m", initializer_range=0.02, max_position_embeddings=192)
+def test_bench_eviction_json(checkpoint, tmp_path):
+    ckpt = checkpoint(initializer_range=0.02, max_position_embeddings=192)
     path = tmp_path / "eviction.json"
     args = ["--model", str(ckpt), "--block-size", "8", "--budgets", "0.5", "--decode-batch", "1",
             "--decode-tokens", "16", "--repeats", "1"]
@@ -292,12 +284,10 @@ def test_the_gpu_check_script_runs_dry_on_the_cpu(tmp_path):
     assert json.loads((tmp_path / "attention.json").read_text())["rows"]
 
 
-def test_recomputed_window_losses_cover_the_text_and_equal_the_full_cache_when_it_fits(tmp_path):
+def test_recomputed_window_losses_cover_the_text_and_equal_the_full_cache_when_it_fits(checkpoint):
     from kvserve import LLM
     from kvserve.bench.eviction import recomputed_nll, streamed_nll
-    from tiny_models import make_checkpoint as tiny_checkpoint
-
-    ckpt = tiny_checkpoint(tmp_path / "m", max_position_embeddings=64)
+    ckpt = checkpoint(max_position_embeddings=64)
     ids = torch.randint(3, 384, (50,), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(str(ckpt), block_size=4, enable_prefix_caching=False)
     full, _ = streamed_nll(llm, ids)

@@ -49,7 +49,7 @@ PAIRS = [frozenset(p) for p in itertools.combinations(FEATURES, 2)
 def models(checkpoint):
     llama = checkpoint("llama", initializer_range=0.05)
     gemma3 = checkpoint("gemma3", sliding_window=8, head_dim=16,
-                             num_hidden_layers=3, sliding_window_pattern=3, initializer_range=0.05)
+                        num_hidden_layers=3, sliding_window_pattern=3, initializer_range=0.05)
     return {"llama": llama, "gemma3": gemma3}
 
 

@@ -81,7 +81,7 @@ def test_loading_peaks_at_about_one_copy_of_the_weights(checkpoint):
     would stay resident: a process that loads the model and decodes peaks at one copy of the weights, and a
     little, above what it held before loading."""
     path = checkpoint("llama", dtype=torch.bfloat16, hidden_size=512, intermediate_size=2048,
-                           num_hidden_layers=8, vocab_size=4096)
+                      num_hidden_layers=8, vocab_size=4096)
     weights = checkpoint_bytes(path, torch.bfloat16)
     kwargs = dict(block_size=16, num_kv_blocks=8, dtype="bfloat16", skip_tokenizer_init=True, cpu_allocator_tuning=True)
     memory = process_memory("kvserve", path, [[5] * 20] * 2, 4, "bfloat16", kwargs)

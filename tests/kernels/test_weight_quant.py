@@ -222,7 +222,7 @@ def test_the_c_step_gives_the_eager_logits_with_quantized_weights(checkpoint, mo
         pytest.skip(f"csrc/gemm.c has no {kernel} kernel here")
     monkeypatch.setenv(GEMM_ENV, kernel)
     path = checkpoint("qwen3", dtype=torch.bfloat16, head_dim=24, hidden_size=72,
-                           intermediate_size=100, tie_word_embeddings=True)
+                      intermediate_size=100, tie_word_embeddings=True)
     llm = LLM(str(path), block_size=4, num_kv_blocks=64, dtype="bfloat16", max_num_seqs=4, num_scheduler_steps=1,
               quantization=quantization)
     diffs = compare_with_eager(llm)

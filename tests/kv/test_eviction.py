@@ -27,7 +27,7 @@ def one_layer(checkpoint):
     # one layer: a token's K/V depend on its own embedding and position only, so the cache a
     # policy keeps equals a fresh run over the kept tokens at their positions within the cache
     return checkpoint("llama", num_hidden_layers=1,
-                           max_position_embeddings=64)
+                      max_position_embeddings=64)
 
 
 def ids(n: int, seed: int = 0) -> list[int]:

@@ -378,7 +378,7 @@ SCORED = "snapkv:budget=18,window=9"
 def qwen2(checkpoint):
     """Two layers: a global one, then a sliding one (window 8; use_sliding_window from max_window_layers)."""
     return checkpoint("qwen2", use_sliding_window=True, sliding_window=WINDOW,
-                           max_window_layers=1)
+                      max_window_layers=1)
 
 
 @pytest.mark.parametrize("backend", ["native", "sdpa", "flash", "textbook"])

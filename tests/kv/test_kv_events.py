@@ -181,8 +181,8 @@ def test_stored_minus_removed_is_what_the_pool_and_the_tier_hold(ckpt, checkpoin
     subscriber's blocks per medium are the pool's and the tier's; a hybrid cache's groups apart (gemma3: a
     sliding window of 8 tokens)."""
     model = ckpt if arch == "llama" else checkpoint("gemma3", sliding_window=8, head_dim=16,
-                                                          num_hidden_layers=2, sliding_window_pattern=2,
-                                                          max_position_embeddings=256)
+                                                    num_hidden_layers=2, sliding_window_pattern=2,
+                                                    max_position_embeddings=256)
     pub, replay = endpoints()
     llm = LLM(str(model), dtype="float32", block_size=BS, num_kv_blocks=10 if arch == "llama" else 16,
               kv_offload=f"disk:{tmp_path / 'tier'}", kv_offload_size="1MiB", preemption_mode="recompute",

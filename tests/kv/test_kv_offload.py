@@ -810,7 +810,7 @@ WINDOW = 8
 def gemma3(checkpoint):
     """Three layers: two sliding (window 8), one global: three layer groups of one layer."""
     return checkpoint("gemma3", sliding_window=WINDOW, head_dim=16,
-                           num_hidden_layers=3, sliding_window_pattern=3, max_position_embeddings=256)
+                      num_hidden_layers=3, sliding_window_pattern=3, max_position_embeddings=256)
 
 
 def hybrid_tiered(gemma3, tier: Path, **kw) -> LLM:

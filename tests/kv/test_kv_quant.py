@@ -377,7 +377,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 def ckpt(checkpoint):
     # head_dim 64, 2 KV heads; small weights so that nearby caches give nearby logits
     return checkpoint("llama", hidden_size=256, num_attention_heads=4,
-                           num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=128)
+                      num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=128)
 
 
 def prompts(n: int = 6) -> list[dict]:

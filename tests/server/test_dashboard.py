@@ -224,7 +224,7 @@ def test_a_sinks_pinned_blocks_name_their_own_layer_group(checkpoint):
     # layers 0 and 1 attend fully (a group each), layer 2 within 8 tokens: sink pins its originals in both
     # full-attention groups, each a block of its own
     qwen2 = checkpoint("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2,
-                            num_hidden_layers=3)
+                       num_hidden_layers=3)
     engine = LLMEngine(EngineConfig(model=str(qwen2), block_size=4, num_kv_blocks=64, dtype="float32",
                                     eviction="sink:sinks=4,window=12"))
     engine.add_request("s", {"prompt_token_ids": list(range(1, 30))},

@@ -473,7 +473,8 @@ def test_sigterm_to_the_process_group_shuts_the_server_down_once_and_quietly(ckp
     try:
         wait_for(lambda: healthy(base), "the server is up")
         assert httpx.get(f"{base}/v1/models").status_code == 401
-        body = {"prompt": "x", "max_tokens": 120, "ignore_eos": True, "stream": True,
+        # few enough tokens that a loaded machine finishes them within the shutdown's grace
+        body = {"prompt": "x", "max_tokens": 32, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                           timeout=120) as r:
@@ -483,7 +484,7 @@ def test_sigterm_to_the_process_group_shuts_the_server_down_once_and_quietly(ckp
                     os.killpg(proc.pid, signal.SIGTERM)
     finally:
         out = stopped(proc)
-    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"] == 120
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"] == 32
     assert "restart" not in out and "running again" not in out and "Traceback" not in out, out
     assert proc.returncode == -signal.SIGTERM
 
