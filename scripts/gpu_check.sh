@@ -44,14 +44,14 @@ if [ "$DRY" = 1 ]; then
     SHAPE=(--hidden-size 128 --intermediate-size 256 --num-layers 2 --num-heads 4 --num-kv-heads 2 --vocab-size 512)
     LOAD=(--requests 4 --prompt-len 32 --tokens 8 --batch1-prompt-len 32 --batch1-tokens 32 --repeats 1 --dtype float32
           --quick --no-sweep)
-    TESTS=(tests/test_triton_attention.py -k "mixed_decodes_and_fresh_prefills")
+    TESTS=(tests/attention/test_triton_attention.py -k "mixed_decodes_and_fresh_prefills")
 else
     DEVICE=cuda
     ATTN_ARGS=(--dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128 --repeats 3)
     SHAPE=(--hidden-size 2048 --intermediate-size 8192 --num-layers 16 --num-heads 32 --num-kv-heads 8 --vocab-size 128256)
     LOAD=(--requests 256 --prompt-len 512 --tokens 256 --batch1-prompt-len 512 --batch1-tokens 256 --repeats 1 --dtype bfloat16)
-    TESTS=(tests/test_triton_attention.py tests/test_triton_quant.py tests/test_engine.py tests/test_gpu_memory.py
-           tests/test_cuda_graphs.py -k "triton or backend or gpu or graph or eager or cuda")
+    TESTS=(tests/attention/test_triton_attention.py tests/attention/test_triton_quant.py tests/engine/test_engine.py
+           tests/engine/test_gpu_memory.py tests/kernels/test_cuda_graphs.py -k "triton or backend or gpu or graph or eager or cuda")
 fi
 
 step kernels 200 python -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny_models import make_checkpoint
+from tiny_models import HYBRID, make_checkpoint
 
 
 def _kernels_run_here() -> bool:
@@ -34,8 +36,40 @@ if "KVSERVE_STRICT_KERNELS" not in os.environ and _kernels_run_here():
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+def checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """`checkpoint(arch, seed=0, dtype=torch.float32, **config_overrides)`: the path of a tiny random-weight
+    checkpoint (tiny_models.make_checkpoint), built once per test process for each set of arguments and shared by
+    every test that asks for the same one. Tests read it and never change it; a test that changes a checkpoint's
+    files builds its own in its tmp_path."""
+    made: dict[str, Path] = {}
+
+    def build(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+        key = repr((arch, seed, dtype, sorted(overrides.items())))
+        if key not in made:
+            made[key] = make_checkpoint(tmp_path_factory.mktemp(arch), arch, seed, dtype, **overrides)
+        return made[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoint):
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def gemma3(checkpoint):
+    return checkpoint(**HYBRID["gemma3"])
+
+
+@pytest.fixture(scope="session")
+def gemma2(checkpoint):
+    return checkpoint(**HYBRID["gemma2"])
+
+
+@pytest.fixture(scope="session")
+def mistral(checkpoint):
+    return checkpoint(**HYBRID["mistral"])
 
 
 @pytest.fixture(autouse=True)

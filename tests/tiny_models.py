@@ -22,6 +22,18 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "
 _ARCH_DEFAULTS = {"phi3": dict(pad_token_id=2)}
 
 
+# The hybrid shapes tests of several layers run (conftest's fixtures of the same names): sliding layers of window 8
+HYBRID = {
+    # three layers: two sliding, one global: three layer groups of one layer
+    "gemma3": dict(arch="gemma3", sliding_window=8, head_dim=16, num_hidden_layers=3, sliding_window_pattern=3),
+    # two layers: a sliding one and a global one: two layer groups
+    "gemma2": dict(arch="gemma2", sliding_window=8, head_dim=16, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    # every layer sliding: one layer group, no global one to evict from
+    "mistral": dict(arch="mistral", sliding_window=8),
+}
+
+
 def make_config(arch: str = "llama", **overrides):
     import transformers
 
