@@ -86,8 +86,9 @@ def _weight(kind: str, w: torch.Tensor, dtype: torch.dtype, gated: bool) -> tupl
     return layer, exact
 
 
-# (m, k, n): one row and a few, 17 (tiles of 3 rows and a rest), 64; k past a chunk (128) and an int4 group (32)
-# or short of them, n not a multiple of a panel's 32 columns
+# (m, k, n): one row and a few (bfloat16 and int8 chunks read in place), 17 and 64 (every chunk widened first, tiles
+# of 3 rows and a rest); k past a chunk (128) and an int4 group (32) or short of them, n not a multiple of a panel's
+# 32 columns
 SHAPES = [(1, 64, 32), (3, 100, 70), (17, 1000, 130), (64, 2048, 96), (1, 33, 40)]
 
 

@@ -689,9 +689,9 @@ static inline __attribute__((always_inline)) void tile_int8(int dtype, const int
 }
 
 /* One tile, its row count a constant in each case, so that the sums stay in registers. */
-static void tile(int dtype, const void *panel, const void *next, const void *x, int64_t ldx, int kc, int mr,
-                 float *partial, const Chunk *c, void *y, int ldy) {
-    (void)dtype;        /* a build without BF16 multiplies float32 only */
+static void tile(int dtype, int kind, const void *panel, const void *next, const void *x, int64_t ldx, int kc,
+                 int mr, float *partial, const Chunk *c, void *y, int ldy) {
+    (void)dtype, (void)kind;    /* a build without BF16 multiplies float32 only; the panel is in dtype */
 #if defined(__AVX512BF16__)
 #define ROWS_BF16(R) if (dtype == BF16) { tile_bf16(panel, next, x, ldx, kc, R, partial, c, y, ldy); break; }
 #else
@@ -838,9 +838,16 @@ static int amx_team(const void *packed, const void *scales, int kind, const uint
 /* AVX2 and FMA (x86-64-v3): each k-chunk of a panel a thread multiplies is first widened to float32 in L1
  * (widen_chunk: bfloat16 by a shift, int8 exactly, int4 to q * scale + min), then every tile of rows of the
  * pass reads it (tile_rows): a quantized or bfloat16 panel is widened once per pass over the panels, not once a
- * tile of rows. */
+ * tile of rows. At a few rows (IN_PLACE_ROWS: decode), bfloat16 and int8 chunks are read in place instead and
+ * widened in registers: a chunk stored to L1 and loaded back costs more than its few rows' products, and its
+ * stores, behind loads that wait on memory, stall the stream of the panel. */
 
-/* Number i of a panel as a float: 8 of each of the kinds. */
+#define WIDEN_AHEAD 2048    /* bytes of a panel asked for ahead of its widening (see widen_chunk) */
+/* Up to this many rows a pass, tiles read bfloat16 and int8 chunks in place, widened in registers as multiplied;
+ * beyond, widen_chunk's one widening per chunk costs less than each tile's */
+#define IN_PLACE_ROWS 6
+
+/* Numbers i .. i + 7 of a panel as floats, of each kind. */
 static inline __m256 widen8_bf16(const uint16_t *from) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
 }
@@ -852,14 +859,21 @@ static inline __m256 widen8_int8(const int8_t *from) {
 /* k rows k0 .. k0 + kc of a panel of `kind` (BF16, INT8 or INT4 with its `groups`: gemm_pack_groups' for the
  * panel, from its first group) as float32, k row by k row (NR each), into `to`: bfloat16 and int8 numbers exactly
  * (an int8 column's scale is applied to its sums), int4 ones as q * scale + min in float32 (q * scale is exact, 4
- * bits by 11: the one rounding is the sum's). */
+ * bits by 11: the one rounding is the sum's). The panel is asked for WIDEN_AHEAD bytes ahead (a thread's panels lie
+ * one after another): without it, the stores wait behind loads that wait on memory, one at a time. */
 static void widen_chunk(const void *panel, const uint16_t *groups, int kind, int k0, int kc, float *to) {
     if (kind == BF16) {
         const uint16_t *from = (const uint16_t *)panel + (int64_t)k0 * NR;
-        for (int i = 0; i < kc * NR; i += 8) _mm256_store_ps(to + i, widen8_bf16(from + i));
+        for (int i = 0; i < kc * NR; i += 8) {
+            if (i % 32 == 0) _mm_prefetch((const char *)(from + i) + WIDEN_AHEAD, _MM_HINT_T0);
+            _mm256_store_ps(to + i, widen8_bf16(from + i));
+        }
     } else if (kind == INT8) {
         const int8_t *from = (const int8_t *)panel + (int64_t)k0 * NR;
-        for (int i = 0; i < kc * NR; i += 8) _mm256_store_ps(to + i, widen8_int8(from + i));
+        for (int i = 0; i < kc * NR; i += 8) {
+            if (i % 64 == 0) _mm_prefetch((const char *)(from + i) + WIDEN_AHEAD, _MM_HINT_T0);
+            _mm256_store_ps(to + i, widen8_int8(from + i));
+        }
     } else {
         const __m256i nibble = _mm256_set1_epi32(15);
         __m256 s[NV8], m[NV8];
@@ -873,6 +887,7 @@ static void widen_chunk(const void *panel, const uint16_t *groups, int kind, int
             }
             /* byte j of the k row: column j in its low half, column j + 16 in its high half */
             const uint8_t *row = (const uint8_t *)panel + (int64_t)kk * NR / 2;
+            if (kk % 4 == 0) _mm_prefetch((const char *)row + WIDEN_AHEAD, _MM_HINT_T0);
             const __m256i bytes[2] = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)row)),
                                       _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8)))};
             float *out = to + (int64_t)(kk - k0) * NR;
@@ -904,12 +919,20 @@ static void emit_row(const float *sums, int r, const Chunk *c, int dtype, void *
     }
 }
 
-/* mr rows of x (dtype F32 or BF16, ldx apart) by kc k rows of a float32 chunk (NR floats each): the chunk's sums
- * join the earlier chunks' in `partial` (sums of chunks: the rounding error grows with KC, not k), or (last chunk)
- * go to y (emit_row). Each k row's MR broadcasts of x stay in registers while the chunk's four vectors go by. */
-static inline __attribute__((always_inline)) void tile_rows(const float *w, const void *x, int64_t ldx, int dtype,
-                                                           int kc, int mr, float *partial, const Chunk *c, void *y,
-                                                           int ldy) {
+/* Numbers i .. i + 7 of a chunk of `kind` (F32, BF16 or INT8) as floats. */
+static inline __attribute__((always_inline)) __m256 load8(const void *w, int kind, int64_t i) {
+    if (kind == BF16) return widen8_bf16((const uint16_t *)w + i);
+    if (kind == INT8) return widen8_int8((const int8_t *)w + i);
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+/* mr rows of x (dtype F32 or BF16, ldx apart) by kc k rows of a chunk of `kind` (NR numbers each; BF16 and INT8
+ * widened as they are loaded): the chunk's sums join the earlier chunks' in `partial` (sums of chunks: the
+ * rounding error grows with KC, not k), or (last chunk) go to y (emit_row). Each k row's MR broadcasts of x stay in
+ * registers while the chunk's four vectors go by. */
+static inline __attribute__((always_inline)) void tile_rows(const void *w, int kind, const void *x, int64_t ldx,
+                                                           int dtype, int kc, int mr, float *partial, const Chunk *c,
+                                                           void *y, int ldy) {
     float rows[MR][KC] __attribute__((aligned(32)));      /* bfloat16 rows widened */
     const float *a[MR];
     for (int r = 0; r < mr; r++) {
@@ -923,7 +946,7 @@ static inline __attribute__((always_inline)) void tile_rows(const float *w, cons
         __m256 xs[MR];
         for (int r = 0; r < mr; r++) xs[r] = _mm256_broadcast_ss(a[r] + kk);
         for (int j = 0; j < NV8; j++) {
-            const __m256 b = _mm256_load_ps(w + (int64_t)kk * NR + 8 * j);
+            const __m256 b = load8(w, kind, (int64_t)kk * NR + 8 * j);
             for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(xs[r], b, acc[r][j]);
         }
     }
@@ -935,13 +958,16 @@ static inline __attribute__((always_inline)) void tile_rows(const float *w, cons
     }
 }
 
-/* One tile, its row count a constant in each case, so that the sums stay in registers: as AVX-512's tile, the
- * panel's chunk widened to float32 (`next` unused: the chunk was read once already, by widen_chunk, or is a float32
- * panel's, which the hardware's prefetcher streams). */
-static void tile(int dtype, const void *panel, const void *next, const void *x, int64_t ldx, int kc, int mr,
-                 float *partial, const Chunk *c, void *y, int ldy) {
+/* One tile, its row count and the kind of the chunk's numbers (F32, or BF16 and INT8 read in place) constants in
+ * each case, so that the sums stay in registers (`next` unused: the hardware's prefetcher streams the panels). */
+static void tile(int dtype, int kind, const void *panel, const void *next, const void *x, int64_t ldx, int kc,
+                 int mr, float *partial, const Chunk *c, void *y, int ldy) {
     (void)next;
-#define ROWS(R) case R: tile_rows((const float *)panel, x, ldx, dtype, kc, R, partial, c, y, ldy); break;
+#define ROWS(R) case R: \
+        if (kind == BF16) tile_rows(panel, BF16, x, ldx, dtype, kc, R, partial, c, y, ldy); \
+        else if (kind == INT8) tile_rows(panel, INT8, x, ldx, dtype, kc, R, partial, c, y, ldy); \
+        else tile_rows(panel, F32, x, ldx, dtype, kc, R, partial, c, y, ldy); \
+        break;
     switch (mr) { ROWS(1) ROWS(2) ROWS(3) }
 #undef ROWS
 }
@@ -1021,6 +1047,7 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                         continue;
                     }
 #endif
+                    int held = kind;    /* the kind of the chunk's numbers (AVX2's tiles: as it is read, or F32) */
 #if AVX512_BW_VL
                     if (kind == INT4) {
                         widen_int4((const uint8_t *)panel, (const uint16_t *)scales + p * groups4 * 2 * NR, k0,
@@ -1043,17 +1070,17 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                         chunk = widened, next = NULL;
                     }
 #else
-                    if (kind != F32) {
+                    if (kind == INT4 || (kind != F32 && mb > IN_PLACE_ROWS)) {
                         widen_chunk(panel, kind == INT4 ? (const uint16_t *)scales + p * groups4 * 2 * NR : NULL, kind,
                                     k0, kc, widened);
-                        chunk = widened, next = NULL;
+                        chunk = widened, next = NULL, held = F32;
                     }
 #endif
                     for (int g = 0, r0 = 0; g < groups; g++) {
                         const int mr = mb / groups + (g < mb % groups);
                         Chunk rows = c;
                         rows.gate = gate + r0 * NR;
-                        tile(dtype, chunk, g == 0 ? next : NULL, (const char *)x + ((m0 + r0) * ldx + k0) * size,
+                        tile(dtype, held, chunk, g == 0 ? next : NULL, (const char *)x + ((m0 + r0) * ldx + k0) * size,
                              ldx, kc, mr, partial + r0 * NR, &rows, (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size,
                              n);
                         r0 += mr;
