@@ -4,7 +4,8 @@ A random-weight model of a bench shape (TinyLlama-1.1B's by default) decodes bat
 weight format; each target's engines run in a process of their own (the library is built for the process's
 target), the targets taking turns repeat by repeat, so that a busy machine slows them alike. Prints, per weight
 format and batch, each target's median tok/s and its ratio to the first target's, with the GEMMs the engine chose
-(the GEMM choice measures as it does for users unless KVSERVE_GEMM is set).
+(the GEMM choice measures as it does for users unless KVSERVE_GEMM is set, or --vector-kernel forces each build's
+own vector kernel, avx512 or avx2).
 
     python scripts/decode_by_march.py --shape tinyllama-1.1b --quantization none,int8,int4 --batches 1,16
 """
@@ -24,11 +25,15 @@ import torch
 from kvserve import LLM
 from kvserve.bench.common import SHAPES, decode_rate, make_checkpoint, random_prompts
 from kvserve.kernels import MARCH_ENV
+from kvserve.model.gemm_choice import GEMM_ENV
+from kvserve.model.layers import gemm_kernels, vector_kernel
 
 
 def worker(args: argparse.Namespace) -> None:
     """One target's engines (this process's KVSERVE_MARCH): a JSON line of tok/s by weight format and batch."""
     torch.set_num_threads(args.threads)
+    if args.vector_kernel:
+        os.environ[GEMM_ENV] = vector_kernel(gemm_kernels(getattr(torch, args.dtype)))
     out = {}
     for quantization in args.quantization.split(","):
         length, most = args.prompt_len + args.tokens + 2, max(args.batch_list)
@@ -58,6 +63,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="decode tokens timed per sequence")
     p.add_argument("--repeats", type=int, default=3, help="runs of each target, taking turns; medians reported")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vector-kernel", action="store_true", help="force each build's vector kernel (KVSERVE_GEMM)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
