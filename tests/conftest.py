@@ -25,9 +25,16 @@ def _kernels_run_here() -> bool:
     return library() is not None and all(gemm_packs(dtype) for dtype in COMPUTE_DTYPES)
 
 
-# The engines of the tests multiply by csrc/gemm.c's AVX-512 kernel wherever it runs, not by what a measurement
+def _vector_kernel() -> str:
+    """csrc/gemm.c's vector kernel as built here (avx512, or avx2 in a KVSERVE_MARCH=x86-64-v3 build)."""
+    from kvserve.model.layers import gemm_kernels, vector_kernel
+
+    return vector_kernel(gemm_kernels(torch.float32))
+
+
+# The engines of the tests multiply by csrc/gemm.c's vector kernel wherever it runs, not by what a measurement
 # on a busy machine picks from run to run; tests of the choice, and of AMX's kernel, set KVSERVE_GEMM themselves.
-os.environ.setdefault("KVSERVE_GEMM", "avx512")
+os.environ.setdefault("KVSERVE_GEMM", _vector_kernel())
 
 # Where the kernels run, a fast path that falls back to torch's ops fails the test (kvserve.kernels.fallback);
 # tests of the fallbacks turn it off for themselves. KVSERVE_STRICT_KERNELS=0 in the environment keeps it off.

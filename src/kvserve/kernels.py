@@ -1,6 +1,6 @@
 """The project's C kernels (`csrc/`): compiled into one library with the machine's C compiler the
-first time an engine needs them (for this CPU, with OpenMP) and cached under ~/.cache/kvserve (or
-$KVSERVE_CACHE), else the temporary directory.
+first time an engine needs them (with OpenMP, for this CPU or the target $KVSERVE_MARCH names: see march) and
+cached under ~/.cache/kvserve (or $KVSERVE_CACHE), else the temporary directory.
 
 Every kernel's C signature is declared once, in SIGNATURES; the structs the decode step takes are defined
 once, in csrc/decode_step.h, whose ctypes structures c_structs builds from the header, check_layout checks
@@ -31,8 +31,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # the dtypes of the numbers the kernels take, as csrc/common.h numbers them; they compute in the first two
 DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 STRICT_ENV = "KVSERVE_STRICT_KERNELS"
+MARCH_ENV = "KVSERVE_MARCH"
 
 
 class Status(ctypes.c_int):
@@ -249,15 +250,31 @@ def cache_dirs(what: str) -> list[Path]:
             Path(tempfile.gettempdir()) / "kvserve" / what]
 
 
+def march() -> str:
+    """The instruction set the kernels are built for: $KVSERVE_MARCH as the compiler's -march takes it (x86-64-v3:
+    AVX2 and FMA, for CPUs without AVX-512), or native (the default): every instruction this CPU has. ValueError
+    for a name that is not one word of letters, digits, '-', '_', '.' or '+'."""
+    target = os.environ.get(MARCH_ENV) or "native"
+    if not re.fullmatch(r"[\w.+-]+", target):
+        raise ValueError(f"{MARCH_ENV} must name a target as the C compiler's -march takes it, got {target!r}")
+    return target
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The compiler's flags of a build: FLAGS and the target (march)."""
+    return (*FLAGS, f"-march={march()}")
+
+
 def build_key() -> str:
-    """What names a build of the kernels: their sources, the compiler and its flags, and this CPU."""
+    """What names a build of the kernels: their sources, the compiler and its flags (the target among them), and
+    this CPU."""
     cc = os.environ.get("CC", "cc")
     code = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
-    return hashlib.sha256(code + " ".join((cc, *FLAGS)).encode() + _cpu_signature()).hexdigest()[:16]
+    return hashlib.sha256(code + " ".join((cc, *compile_flags())).encode() + _cpu_signature()).hexdigest()[:16]
 
 
 def build() -> Path:
-    """The shared library, compiled unless a build of these sources for this CPU is cached."""
+    """The shared library, compiled unless a build of these sources for this CPU and target is cached."""
     cc = os.environ.get("CC", "cc")
     name = f"kvserve-{build_key()}.so"
     dirs = cache_dirs("kernels")
@@ -271,8 +288,8 @@ def build() -> Path:
         except OSError:
             continue                    # not writable: the next place
         try:
-            subprocess.run([cc, *FLAGS, *map(str, sorted(CSRC.glob("*.c"))), "-o", str(tmp / name), "-lm"], check=True,
-                           capture_output=True, timeout=120)
+            subprocess.run([cc, *compile_flags(), *map(str, sorted(CSRC.glob("*.c"))), "-o", str(tmp / name), "-lm"],
+                           check=True, capture_output=True, timeout=120)
             os.replace(tmp / name, d / name)      # atomic: a concurrent build finds a whole library
             return d / name
         finally:

@@ -135,10 +135,12 @@ def test_linear_leaves_float16_to_torch():
     assert not lin.pack() and lin.packed is None
 
 
-@pytest.mark.parametrize("flags,dtypes", [("-mno-avx512f", 0), ("-mno-avx512bw", 0), ("-mno-avx512bf16", 1)])
+@pytest.mark.parametrize("flags,dtypes", [("-mno-avx512f", 3), ("-mno-avx512bw", 3), ("-mno-avx512bf16", 1),
+                                          ("-mno-avx2", 0)])
 def test_builds_without_the_instructions_say_so(flags, dtypes, tmp_path, monkeypatch):
-    """A CPU without AVX-512 (or its BF16 extension) reports the dtypes it cannot multiply, which then
-    go to oneDNN."""
+    """A build without AVX-512 (F, BW) multiplies both dtypes by its AVX2 tiles; one without AVX-512's BF16
+    extension, float32 only; one with neither AVX-512 nor AVX2, none. It reports the dtypes it cannot multiply,
+    which then go to oneDNN."""
     if kernels.library() is None:
         pytest.skip("no C compiler")
     wrapper = tmp_path / "cc-flags"
@@ -146,6 +148,7 @@ def test_builds_without_the_instructions_say_so(flags, dtypes, tmp_path, monkeyp
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(kernels.MARCH_ENV, "native")          # the flags take instructions from this CPU's
     library = ctypes.CDLL(str(kernels.build()))
     assert kernels.typed(library, "gemm_dtypes")() == dtypes
 

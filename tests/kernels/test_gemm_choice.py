@@ -16,6 +16,7 @@ from timings import measured
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or not layers.gemm_packs(torch.bfloat16),
                                 reason="csrc/gemm.c does not multiply bfloat16 here")
 AMX = "amx" in layers.gemm_kernels(torch.bfloat16)
+VECTOR = layers.vector_kernel(layers.gemm_kernels(torch.bfloat16))      # the build's own tiles: avx512 or avx2
 
 
 def _timings(avx512: list[float], amx: list[float], onednn: list[float]) -> dict[int, dict[str, float]]:
@@ -57,7 +58,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(checkpoint, tmp_pa
     report = llm.stats()["gemm"]
     assert report["source"] == "measured"
     names = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
-    candidates = {"avx512", "onednn", *(["amx"] if AMX else [])}
+    candidates = {VECTOR, "onednn", *(["amx"] if AMX else [])}
     assert list(report["seconds"]) == names
     for name in names:
         by_rows = report["seconds"][name]
@@ -89,7 +90,7 @@ def test_each_forced_choice_gives_the_same_tokens(checkpoint, monkeypatch, caplo
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 3 * i))} for i in range(5)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = {}
-    for forced in ("avx512", "onednn", *(["amx"] if AMX else [])):
+    for forced in (VECTOR, "onednn", *(["amx"] if AMX else [])):
         monkeypatch.setenv(GEMM_ENV, forced)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=gemm_choice.__name__):
@@ -104,7 +105,7 @@ def test_each_forced_choice_gives_the_same_tokens(checkpoint, monkeypatch, caplo
         outs[forced] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         steps = llm.stats()["steps"]
         assert (steps.get("native", 0) > 0) == (forced != "onednn")
-    assert all(tokens == outs["avx512"] for tokens in outs.values())
+    assert all(tokens == outs[VECTOR] for tokens in outs.values())
 
 
 def test_a_forced_choice_this_cpu_cannot_run_is_an_error(checkpoint, monkeypatch):

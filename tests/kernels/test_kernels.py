@@ -168,7 +168,8 @@ def test_a_thread_whose_scratch_runs_out_takes_its_team_another_way(no_memory, o
     """csrc/gemm.c's int4 products of bfloat16 rows by VNNI put each thread's rows in fixed point in its own scratch;
     where that memory runs out on one thread of the team, every thread widens the chunks instead (as where every
     allocation fails), so that each output is computed one way, whichever thread computes it."""
-    if not layers.gemm_packs(torch.bfloat16) or "avx512_vnni" not in open("/proc/cpuinfo").read():
+    if not layers.gemm_packs(torch.bfloat16) or "avx512_vnni" not in open("/proc/cpuinfo").read() or \
+            "avx512" not in layers.gemm_kernels(torch.bfloat16):
         pytest.skip("csrc/gemm.c multiplies int4 weights by bfloat16 rows without VNNI here: no scratch to run out")
     g = torch.Generator().manual_seed(0)
     # each group of 32 inputs leads with 2^20, whose weight is 0: the others' fixed point is coarse (see

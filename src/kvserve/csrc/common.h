@@ -293,9 +293,19 @@ void rotate_keys_row(float *x, int d, int dtype);
 /* csrc/sampling.c's argmax of each row of x [rows][n] (rows `stride` numbers apart). */
 void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int64_t *out, int threads);
 
-#if AVX512_BW_VL
-/* csrc/gemm.c's kernels: AVX-512's tiles, or AMX's (see there). */
-enum { GEMM_AVX512 = 0, GEMM_AMX = 1 };
+/* csrc/gemm.c's kernels where the build has AVX2, FMA and F16C (x86-64-v3) but not AVX-512's 16-bit lanes: its
+ * AVX2 tiles */
+#if !AVX512_BW_VL && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define AVX2_FMA 1
+#include <immintrin.h>
+#else
+#define AVX2_FMA 0
+#endif
+#define GEMM_SIMD (AVX512_BW_VL || AVX2_FMA)      /* csrc/gemm.c multiplies (gemm_dtypes) */
+
+#if GEMM_SIMD
+/* csrc/gemm.c's kernels: AVX-512's tiles, or AMX's, or (AVX2 builds) AVX2's (see there). */
+enum { GEMM_AVX512 = 0, GEMM_AMX = 1, GEMM_AVX2 = 2 };
 
 /* csrc/gemm.c's share of one thread of a team (see there). */
 void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,

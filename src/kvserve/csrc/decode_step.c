@@ -178,7 +178,7 @@ static inline void narrow(void *rows, int dtype, int t, int width, const float *
  * packed GEMM where p is packed (gated: silu(gate) * up, `out` numbers of each), else by the matrix-vector
  * products (never gated). Called from every thread; y is whole when it returns. */
 static void project(const Proj *p, int gated, int dtype, const void *x, int n, int in, int out, void *y) {
-#if AVX512_BW_VL
+#if GEMM_SIMD
     if (p->packed) {
         gemm_team(p->packed, p->scales, p->kind, p->b, dtype, x, in, n, in, out, y, gated,
                   n >= p->amx_from ? GEMM_AMX : GEMM_AVX512);
@@ -334,7 +334,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
                  uint8_t *sparse_record, int record_width, void *logits, int threads) {
     const int hdim = m->hidden, d = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     const int inter = m->intermediate, dt = m->dtype, q_size = nh * d, qkv_size = (nh + 2 * nkv) * d;
-#if AVX512_BW_VL
+#if GEMM_SIMD
     const int gemm = m->lm_head.packed != NULL;     /* every layer packed; the logits straight from the GEMM */
 #else
     const int gemm = 0;
@@ -359,7 +359,7 @@ int decode_step(const Model *m, int n, const int64_t *input_ids, const int64_t *
             memset(x + (size_t)t * hdim, 0, sizeof(float) * hdim);
             continue;
         }
-#if AVX512_BW_VL
+#if GEMM_SIMD
         if (!m->embed) {            /* the table's only copy is the tied lm_head's packed weight */
             const Proj *head = &m->lm_head;
             gemm_row(head->packed, head->scales, head->kind, dt, hdim, id, x + (size_t)t * hdim);

@@ -1,8 +1,9 @@
 /* y[m][n] = x[m][k] . W[n][k]^T (+ bias[n]): the CPU's linear layers, float32 or bfloat16 (`dtype`: F32
- * or BF16 of common.h), with AVX-512 F, BW and VL (bfloat16: also its BF16 extension). A GotoBLAS-style
- * GEMM over a weight packed once at load: panels of NR = 32 output columns, each stored k-row by k-row
- * (bfloat16: pairs of k rows interleaved, as VDPBF16PS and AMX's TDPBF16PS read them, and k padded with
- * zeros to a whole number of AMX tile depths, 32). Two kernels read the same panels (`kernel`):
+ * or BF16 of common.h), with AVX-512 F, BW and VL (bfloat16: also its BF16 extension), or AVX2 and FMA. A
+ * GotoBLAS-style GEMM over a weight packed once at load: panels of NR = 32 output columns, each stored k-row by
+ * k-row (bfloat16 in AVX-512 builds: pairs of k rows interleaved, as VDPBF16PS and AMX's TDPBF16PS read them; and
+ * k padded with zeros to a whole number of AMX tile depths, 32). Two kernels read the same panels (`kernel`), or
+ * in a build without AVX-512 a third:
  *
  * - AVX512: a tile of up to MR = 14 input rows by one panel keeps its 28 sums in registers while a
  *   k-chunk of the panel (32 KiB, in L1) and of the rows (in L2) goes by; the threads share the panels.
@@ -10,6 +11,8 @@
  *   16 or 32 rows by one panel in 2 or 4 tiles of sums, fed 32 k at a time from two tiles of the rows
  *   and two of the panel. Its tiles do 16 times the multiplications per instruction, and win from a few
  *   rows on; which kernel runs at which row count is measured at start-up (kvserve.model.gemm_choice).
+ * - AVX2 (builds without AVX-512's 16-bit lanes that have AVX2, FMA and F16C: x86-64-v3): every k-chunk of a
+ *   panel widened to float32 once, in L1, then tiles of up to 3 rows by the panel over it (see its section).
  *
  * Sums run in float32, in k order within chunks of KC (at a few rows and k of hundreds, float32 errors
  * up to a few times those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
@@ -32,8 +35,8 @@
  * (SwiGLU): the 2n products are never stored, nor read back by a separate activation pass. */
 #include "common.h"
 
-#if AVX512_BW_VL
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if GEMM_SIMD
+#if AVX512_BW_VL && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -41,27 +44,38 @@
 #define AMX 0
 #endif
 
-#define NV 2                 /* vectors of 16 columns per panel */
-#define NR (16 * NV)
+#define NR 32                /* output columns per panel */
+#if AVX512_BW_VL
+#define NV (NR / 16)         /* vectors of 16 columns per panel */
 #define MR 14                /* rows per tile: 28 sums + 2 weight vectors + 1 broadcast in 32 registers */
-#define MC (18 * MR)         /* rows that share a pass over the panels: their k-chunk stays in L2 */
 #define KC 256               /* k per chunk (bfloat16: 512): NR x KC of the panel fills half of L1 */
+#else
+#define NV8 (NR / 8)         /* AVX2: vectors of 8 columns per panel */
+#define MR 3                 /* rows per tile: 12 sums + 3 broadcasts + 1 weight vector in 16 registers */
+#define KC 128               /* k per chunk, widened to float32: NR x KC floats fill half of a 32 KiB L1 */
+#endif
+#define MC (252 / MR * MR)   /* rows that share a pass over the panels: their k-chunk stays in L2 */
 #define KT 32                /* k of an AMX tile (bfloat16): a panel's k is padded to a multiple of it */
+/* bfloat16 panels hold pairs of k rows interleaved, as AVX-512's VDPBF16PS and AMX's tiles read them; AVX2 builds
+ * widen every chunk to float32, and every dtype's panels hold their numbers k row by k row, as float32's */
+#define PAIRED AVX512_BW_VL
 
 static int amx_granted;     /* the OS lets this process use AMX's tile data (gemm_kernels asked) */
 
-/* Bits of the kernels this build can run in this process: 1 << GEMM_AVX512, and 1 << GEMM_AMX where
- * the CPU has AMX (BF16) and the OS grants its tile state (asked here, once: call before gemm runs AMX). */
+/* Bits of the kernels this build can run in this process: 1 << GEMM_AVX512 (AVX2 builds: 1 << GEMM_AVX2), and
+ * 1 << GEMM_AMX where the CPU has AMX (BF16) and the OS grants its tile state (asked here, once: call before gemm
+ * runs AMX). */
 int gemm_kernels(void) {
 #if AMX
     if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 #endif
-    return 1 << GEMM_AVX512 | (amx_granted ? 1 << GEMM_AMX : 0);
+    return 1 << (AVX512_BW_VL ? GEMM_AVX512 : GEMM_AVX2) | (amx_granted ? 1 << GEMM_AMX : 0);
 }
 
-/* Bits of the dtypes this build multiplies (1 << F32 | 1 << BF16). */
+/* Bits of the dtypes this build multiplies (1 << F32 | 1 << BF16): AVX-512 builds multiply bfloat16 with its
+ * BF16 extension, AVX2 builds widen it to float32. */
 int gemm_dtypes(void) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || !AVX512_BW_VL
     return 1 << F32 | 1 << BF16;
 #else
     return 1 << F32;
@@ -92,12 +106,13 @@ int64_t gemm_groups_size(int dtype, int n, int k, int gated) {
 }
 
 /* Where number i of a packed int4 weight lies (packed_at's order): its byte, and whether in the high half.
- * bfloat16 products: blocks of four k rows (128 numbers) of 64 bytes, byte 4c + t holding k row t of column c
+ * bfloat16 products (PAIRED): blocks of four k rows (128 numbers) of 64 bytes, byte 4c + t holding k row t of column c
  * in its low half and of column c + 16 in its high half, so that a byte-wise mask (columns 0-15) or a shift
  * and a mask (16-31) gives 16 32-bit lanes of four k rows each, as VPDPBUSD reads them (tile_int4). float32:
- * a unit of a k row (32 numbers, 16 bytes), byte j its number j in the low half and j + 16 in the high half. */
+ * a unit of a k row (32 numbers, 16 bytes), byte j its number j in the low half and j + 16 in the high half (so
+ * too bfloat16 products in AVX2 builds). */
 static inline int64_t int4_byte(int dtype, int64_t i, int *high) {
-    if (dtype == BF16) {        /* i: packed_at's index, pairs of k rows interleaved column by column */
+    if (dtype == BF16 && PAIRED) {    /* i: packed_at's index, pairs of k rows interleaved column by column */
         const int v = (int)(i % 128), j = v % 64 / 2, t = 2 * (v / 64) + v % 2;
         *high = j >= 16;
         return i / 128 * 64 + 4 * (j % 16) + t;
@@ -137,9 +152,9 @@ static int panel_column(int p, int j, int n, int gated) {
 static inline int int8_order(int v) { return v < 32 ? v / 8 * 16 + v % 8 : (v - 32) / 8 * 16 + 8 + v % 8; }
 
 /* Where number kk of column j of panel p lies in a packed weight of `kind` for products in dtype, `depth` k
- * rows a panel (bfloat16: pairs of k rows interleaved, column by column; int8 for them: see int8_order). */
+ * rows a panel (bfloat16, PAIRED: pairs of k rows interleaved, column by column; int8 for them: see int8_order). */
 static inline int64_t packed_at(int kind, int dtype, int p, int depth, int kk, int j) {
-    if (dtype != BF16) return ((int64_t)p * depth + kk) * NR + j;
+    if (dtype != BF16 || !PAIRED) return ((int64_t)p * depth + kk) * NR + j;
     const int64_t pair = ((int64_t)p * depth + kk / 2 * 2) * NR;
     const int v = 2 * j + kk % 2;
     return pair + (kind == INT8 && INT8_BY_BYTES ? int8_order(v) : v);
@@ -219,6 +234,7 @@ void gemm_rows(const void *packed, const void *scales, int kind, int dtype, int 
     }
 }
 
+#if AVX512_BW_VL
 /* The scales and minimums of an int4 group (NR of each, float16) as two vectors of each: columns 0-15 and
  * 16-31. */
 static inline void int4_group(const uint16_t *group, __m512 s[2], __m512 m[2]) {
@@ -332,6 +348,8 @@ static void widen_int8(const int8_t *from, const int8_t *next, int64_t count, in
     }
 }
 
+#endif
+
 /* Memory of a thread's own, kept from call to call (grown as needed). */
 typedef struct {
     void *data;
@@ -387,6 +405,7 @@ typedef struct {
     float *gate;            /* GATE, SWIGLU: the tile's gate sums, as the dtype rounds them, NR a row */
 } Chunk;
 
+#if AVX512_BW_VL
 static inline __attribute__((always_inline)) void begin(__m512 acc[MR][NV]) {
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
@@ -670,9 +689,9 @@ static inline __attribute__((always_inline)) void tile_int8(int dtype, const int
 }
 
 /* One tile, its row count a constant in each case, so that the sums stay in registers. */
-static void tile(int dtype, const void *panel, const void *next, const void *x, int64_t ldx, int kc, int mr,
-                 float *partial, const Chunk *c, void *y, int ldy) {
-    (void)dtype;        /* a build without BF16 multiplies float32 only */
+static void tile(int dtype, int kind, const void *panel, const void *next, const void *x, int64_t ldx, int kc,
+                 int mr, float *partial, const Chunk *c, void *y, int ldy) {
+    (void)dtype, (void)kind;    /* a build without BF16 multiplies float32 only; the panel is in dtype */
 #if defined(__AVX512BF16__)
 #define ROWS_BF16(R) if (dtype == BF16) { tile_bf16(panel, next, x, ldx, kc, R, partial, c, y, ldy); break; }
 #else
@@ -813,6 +832,146 @@ static int amx_team(const void *packed, const void *scales, int kind, const uint
     return 0;
 }
 #endif
+#endif    /* AVX512_BW_VL's tiles */
+
+#if !AVX512_BW_VL
+/* AVX2 and FMA (x86-64-v3): each k-chunk of a panel a thread multiplies is first widened to float32 in L1
+ * (widen_chunk: bfloat16 by a shift, int8 exactly, int4 to q * scale + min), then every tile of rows of the
+ * pass reads it (tile_rows): a quantized or bfloat16 panel is widened once per pass over the panels, not once a
+ * tile of rows. At a few rows (IN_PLACE_ROWS: decode), bfloat16 and int8 chunks are read in place instead and
+ * widened in registers: a chunk stored to L1 and loaded back costs more than its few rows' products, and its
+ * stores, behind loads that wait on memory, stall the stream of the panel. */
+
+#define WIDEN_AHEAD 2048    /* bytes of a panel asked for ahead of its widening (see widen_chunk) */
+/* Up to this many rows a pass, tiles read bfloat16 and int8 chunks in place, widened in registers as multiplied;
+ * beyond, widen_chunk's one widening per chunk costs less than each tile's */
+#define IN_PLACE_ROWS 6
+
+/* Numbers i .. i + 7 of a panel as floats, of each kind. */
+static inline __m256 widen8_bf16(const uint16_t *from) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
+}
+
+static inline __m256 widen8_int8(const int8_t *from) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)from)));
+}
+
+/* k rows k0 .. k0 + kc of a panel of `kind` (BF16, INT8 or INT4 with its `groups`: gemm_pack_groups' for the
+ * panel, from its first group) as float32, k row by k row (NR each), into `to`: bfloat16 and int8 numbers exactly
+ * (an int8 column's scale is applied to its sums), int4 ones as q * scale + min in float32 (q * scale is exact, 4
+ * bits by 11: the one rounding is the sum's). The panel is asked for WIDEN_AHEAD bytes ahead (a thread's panels lie
+ * one after another): without it, the stores wait behind loads that wait on memory, one at a time. */
+static void widen_chunk(const void *panel, const uint16_t *groups, int kind, int k0, int kc, float *to) {
+    if (kind == BF16) {
+        const uint16_t *from = (const uint16_t *)panel + (int64_t)k0 * NR;
+        for (int i = 0; i < kc * NR; i += 8) {
+            if (i % 32 == 0) _mm_prefetch((const char *)(from + i) + WIDEN_AHEAD, _MM_HINT_T0);
+            _mm256_store_ps(to + i, widen8_bf16(from + i));
+        }
+    } else if (kind == INT8) {
+        const int8_t *from = (const int8_t *)panel + (int64_t)k0 * NR;
+        for (int i = 0; i < kc * NR; i += 8) {
+            if (i % 64 == 0) _mm_prefetch((const char *)(from + i) + WIDEN_AHEAD, _MM_HINT_T0);
+            _mm256_store_ps(to + i, widen8_int8(from + i));
+        }
+    } else {
+        const __m256i nibble = _mm256_set1_epi32(15);
+        __m256 s[NV8], m[NV8];
+        for (int kk = k0; kk < k0 + kc; kk++) {
+            if (kk == k0 || kk % G4 == 0) {
+                const uint16_t *group = groups + (int64_t)(kk / G4) * 2 * NR;
+                for (int j = 0; j < NV8; j++) {
+                    s[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + 8 * j)));
+                    m[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(group + NR + 8 * j)));
+                }
+            }
+            /* byte j of the k row: column j in its low half, column j + 16 in its high half */
+            const uint8_t *row = (const uint8_t *)panel + (int64_t)kk * NR / 2;
+            if (kk % 4 == 0) _mm_prefetch((const char *)row + WIDEN_AHEAD, _MM_HINT_T0);
+            const __m256i bytes[2] = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)row)),
+                                      _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8)))};
+            float *out = to + (int64_t)(kk - k0) * NR;
+            for (int j = 0; j < NV8; j++) {
+                const __m256i q = j < 2 ? _mm256_and_si256(bytes[j], nibble) : _mm256_srli_epi32(bytes[j - 2], 4);
+                _mm256_store_ps(out + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s[j], m[j]));
+            }
+        }
+    }
+}
+
+/* Row r of a tile's whole sums (NR floats) into y with the column's scale and the bias: or (a gated weight's)
+ * its gate sums, or silu(gate) * up, rounded as the AVX-512 tiles' emit rounds. */
+static void emit_row(const float *sums, int r, const Chunk *c, int dtype, void *y, int ldy) {
+    for (int j = 0; j < c->cols; j++) {
+        float v = sums[j];
+        if (c->scale) v *= c->scale[j];
+        if (c->bias) v += param(c->bias, dtype, j);
+        if (c->out != PLAIN) {      /* as swiglu() rounds, the gate and up sums first */
+            float *gate = c->gate + r * NR + j;
+            v = as_dtype(v, dtype);
+            if (c->out == GATE) {
+                *gate = v;
+                continue;
+            }
+            v = as_dtype(as_dtype(silu(*gate), dtype) * v, dtype);
+        }
+        store(y, dtype, (int64_t)r * ldy + j, v);
+    }
+}
+
+/* Numbers i .. i + 7 of a chunk of `kind` (F32, BF16 or INT8) as floats. */
+static inline __attribute__((always_inline)) __m256 load8(const void *w, int kind, int64_t i) {
+    if (kind == BF16) return widen8_bf16((const uint16_t *)w + i);
+    if (kind == INT8) return widen8_int8((const int8_t *)w + i);
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+/* mr rows of x (dtype F32 or BF16, ldx apart) by kc k rows of a chunk of `kind` (NR numbers each; BF16 and INT8
+ * widened as they are loaded): the chunk's sums join the earlier chunks' in `partial` (sums of chunks: the
+ * rounding error grows with KC, not k), or (last chunk) go to y (emit_row). Each k row's MR broadcasts of x stay in
+ * registers while the chunk's four vectors go by. */
+static inline __attribute__((always_inline)) void tile_rows(const void *w, int kind, const void *x, int64_t ldx,
+                                                           int dtype, int kc, int mr, float *partial, const Chunk *c,
+                                                           void *y, int ldy) {
+    float rows[MR][KC] __attribute__((aligned(32)));      /* bfloat16 rows widened */
+    const float *a[MR];
+    for (int r = 0; r < mr; r++) {
+        if (dtype == BF16) load_row(rows[r], (const uint16_t *)x + r * ldx, BF16, kc);
+        a[r] = dtype == BF16 ? rows[r] : (const float *)x + r * ldx;
+    }
+    __m256 acc[MR][NV8];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NV8; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int kk = 0; kk < kc; kk++) {
+        __m256 xs[MR];
+        for (int r = 0; r < mr; r++) xs[r] = _mm256_broadcast_ss(a[r] + kk);
+        for (int j = 0; j < NV8; j++) {
+            const __m256 b = load8(w, kind, (int64_t)kk * NR + 8 * j);
+            for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(xs[r], b, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float *sums = partial + r * NR;
+        for (int j = 0; j < NV8; j++)
+            _mm256_storeu_ps(sums + 8 * j, c->first ? acc[r][j] : _mm256_add_ps(_mm256_loadu_ps(sums + 8 * j), acc[r][j]));
+        if (c->last) emit_row(sums, r, c, dtype, y, ldy);
+    }
+}
+
+/* One tile, its row count and the kind of the chunk's numbers (F32, or BF16 and INT8 read in place) constants in
+ * each case, so that the sums stay in registers (`next` unused: the hardware's prefetcher streams the panels). */
+static void tile(int dtype, int kind, const void *panel, const void *next, const void *x, int64_t ldx, int kc,
+                 int mr, float *partial, const Chunk *c, void *y, int ldy) {
+    (void)next;
+#define ROWS(R) case R: \
+        if (kind == BF16) tile_rows(panel, BF16, x, ldx, dtype, kc, R, partial, c, y, ldy); \
+        else if (kind == INT8) tile_rows(panel, INT8, x, ldx, dtype, kc, R, partial, c, y, ldy); \
+        else tile_rows(panel, F32, x, ldx, dtype, kc, R, partial, c, y, ldy); \
+        break;
+    switch (mr) { ROWS(1) ROWS(2) ROWS(3) }
+#undef ROWS
+}
+#endif
 
 /* gemm's share of one thread of a team: call from every thread of a parallel region; y is whole once
  * they have all returned and met at a barrier (this ends without one). y has n columns; a gated
@@ -830,12 +989,12 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
     (void)kernel;
 #endif
     const int panels = num_panels(gated ? 2 * n : n, gated), depth = panel_depth(dtype, k);
-    const int kc_max = dtype == BF16 ? 2 * KC : KC, per_unit = gated ? 2 : 1;
+    const int kc_max = dtype == BF16 && PAIRED ? 2 * KC : KC, per_unit = gated ? 2 : 1;
     const size_t size = elem_size(dtype), wsize = elem_size(kind);
     /* bytes of a panel's k row (int4: a pair's, halved), and an int4 weight's groups a panel */
     const int64_t row_bytes = kind == INT4 ? NR / 2 : (int64_t)NR * wsize, groups4 = int4_groups(dtype, k);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
-    float widened[KC * NR] __attribute__((aligned(64)));     /* an int8 chunk in dtype: 32 KiB, in L1 */
+    float widened[KC * NR] __attribute__((aligned(64)));     /* a chunk widened: in L1 */
     /* an int4 weight's bfloat16 products: a block of rows in fixed point, with their groups' units and sums
      * (split_rows; where any thread's find no memory, the chunks are widened as float32's are, on every thread: the
      * team's products, rounded alike, whichever thread computes them) */
@@ -888,6 +1047,8 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                         continue;
                     }
 #endif
+                    int held = kind;    /* the kind of the chunk's numbers (AVX2's tiles: as it is read, or F32) */
+#if AVX512_BW_VL
                     if (kind == INT4) {
                         widen_int4((const uint8_t *)panel, (const uint16_t *)scales + p * groups4 * 2 * NR, k0,
                                    dtype == BF16 ? (kc + 3) / 4 * 4 : kc, dtype, widened);
@@ -908,11 +1069,18 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                                    dtype, widened);
                         chunk = widened, next = NULL;
                     }
+#else
+                    if (kind == INT4 || (kind != F32 && mb > IN_PLACE_ROWS)) {
+                        widen_chunk(panel, kind == INT4 ? (const uint16_t *)scales + p * groups4 * 2 * NR : NULL, kind,
+                                    k0, kc, widened);
+                        chunk = widened, next = NULL, held = F32;
+                    }
+#endif
                     for (int g = 0, r0 = 0; g < groups; g++) {
                         const int mr = mb / groups + (g < mb % groups);
                         Chunk rows = c;
                         rows.gate = gate + r0 * NR;
-                        tile(dtype, chunk, g == 0 ? next : NULL, (const char *)x + ((m0 + r0) * ldx + k0) * size,
+                        tile(dtype, held, chunk, g == 0 ? next : NULL, (const char *)x + ((m0 + r0) * ldx + k0) * size,
                              ldx, kc, mr, partial + r0 * NR, &rows, (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size,
                              n);
                         r0 += mr;

@@ -14,11 +14,11 @@ from torch import nn
 
 from kvserve.config import QUANTIZATIONS
 from kvserve.engine.cpu_memory import cpu_tensor
-from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function
+from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function, library
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _PACK_BATCH_HINT = 64
-GEMM_KERNELS = ("avx512", "amx")     # csrc/gemm.c's kernels, as it numbers them
+GEMM_KERNELS = ("avx512", "amx", "avx2")     # csrc/gemm.c's kernels, as it numbers them
 NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
 WEIGHT_FORMATS = ("gemm", "onednn", "plain")
 # the numbers of a packed weight, as csrc/common.h numbers their kinds
@@ -37,7 +37,7 @@ class Linear(nn.Linear):
     quantization: str | None = None         # of QUANTIZATIONS
     weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
-    amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not AVX-512's
+    amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not AVX-512's (or AVX2's)
     # int8: the largest magnitude of each output column over all its inputs, where the layer holds a part of them
     # (RowParallelLinear), taken for the column's scale; None: the weight's own
     column_absmax: torch.Tensor | None = None
@@ -74,9 +74,10 @@ class Linear(nn.Linear):
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
         if weight_format != "gemm" or w.device.type != "cpu" or not gemm_packs(w.dtype):
-            raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: a CPU with "
-                             f"AVX-512 (F, BW, VL; for bfloat16 also BF16), a C compiler and a float32 or bfloat16 "
-                             f"model; got a {w.dtype} weight on {w.device.type} packed as {weight_format!r}")
+            raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: kernels built "
+                             f"with AVX2 and FMA or AVX-512 (F, BW, VL; for bfloat16 also BF16), a C compiler and a "
+                             f"float32 or bfloat16 model; got a {w.dtype} weight on {w.device.type} packed as "
+                             f"{weight_format!r}")
         if quantization == "int8":
             q, self.scales = quantize_int8(w, self.column_absmax)
         else:
@@ -143,7 +144,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 @lru_cache(maxsize=None)
 def _gemm_function(name: str, dtype: torch.dtype):
-    """csrc/gemm.c's `name` where this CPU's build multiplies dtype, else None."""
+    """csrc/gemm.c's `name` where the built library multiplies dtype (its gemm_dtypes), else None."""
     dtypes = function("gemm_dtypes")
     if dtypes is None or dtype not in COMPUTE_DTYPES or not dtypes() >> DTYPE_KINDS[dtype] & 1:
         return None
@@ -151,7 +152,7 @@ def _gemm_function(name: str, dtype: torch.dtype):
 
 
 def gemm_packs(dtype: torch.dtype) -> bool:
-    """Whether csrc/gemm.c multiplies dtype on this CPU (Linear.pack then packs for it)."""
+    """Whether csrc/gemm.c, as built here, multiplies dtype (Linear.pack then packs for it)."""
     return _gemm_function("gemm", dtype) is not None
 
 
@@ -259,8 +260,10 @@ def gemm_pack(w: torch.Tensor, gated: bool = False, dtype: torch.dtype | None = 
 
 
 def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernels csrc/gemm.c runs for dtype in this process, of GEMM_KERNELS: avx512 wherever it multiplies
-    dtype; amx for bfloat16 where the CPU has AMX and the OS grants this process its tile state (asked here)."""
+    """The kernels csrc/gemm.c runs for dtype in this process, of GEMM_KERNELS, as the built library reports them:
+    its vector kernel wherever it multiplies dtype (avx512, or avx2 in a build for a CPU without AVX-512: see
+    kvserve.kernels.march); amx for bfloat16 where the build and the CPU have AMX and the OS grants this process its
+    tile state (asked here)."""
     fn = _gemm_function("gemm_kernels", dtype)
     if fn is None:
         return ()
@@ -268,11 +271,17 @@ def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(k for i, k in enumerate(GEMM_KERNELS) if bits >> i & 1 and (k != "amx" or dtype == torch.bfloat16))
 
 
+def vector_kernel(kernels: tuple[str, ...]) -> str:
+    """The kernel of `kernels` (csrc/gemm.c's, or a timing's candidates) that multiplies below a layer's amx_from:
+    its vector kernel, avx512 or avx2 (avx512 where it has neither)."""
+    return next((k for k in kernels if k in ("avx512", "avx2")), "avx512")
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
          gated: bool = False, amx_from: int = NEVER, scales: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack (quantized: with its scales, int8's or int4's
     gemm_pack_groups, and w its dequantized weight); gated: silu(gate) * up of out_features each, w packed gated.
-    Products of amx_from rows or more run AMX's kernel (where gemm_kernels has it), others AVX-512's."""
+    Products of amx_from rows or more run AMX's kernel (where gemm_kernels has it), others the vector kernel's."""
     quantized = packed.dtype in (torch.int8, torch.uint8)
     if quantized != (scales is not None) or (not quantized and x.dtype != packed.dtype) or \
             (bias is not None and bias.dtype != x.dtype):
@@ -283,6 +292,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
         y = y if bias is None else y.add_(bias)
         return F.silu(y[..., :out_features]) * y[..., out_features:] if gated else y
     fn = _gemm_function("gemm", x.dtype)
+    kernel = "amx" if x.numel() // x.shape[-1] >= amx_from else _vector_kernel(library(), x.dtype)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -290,8 +300,14 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     fn(packed.data_ptr(), None if scales is None else scales.data_ptr(), WEIGHT_KINDS[packed.dtype],
        None if bias is None else bias.data_ptr(), DTYPE_KINDS[x.dtype], rows.data_ptr(), rows.stride(0), rows.shape[0],
        rows.shape[1], out_features, y.data_ptr(), gated,
-       GEMM_KERNELS.index("amx" if rows.shape[0] >= amx_from else "avx512"), torch.get_num_threads())
+       GEMM_KERNELS.index(kernel), torch.get_num_threads())
     return y
+
+
+@lru_cache(maxsize=None)
+def _vector_kernel(lib: object, dtype: torch.dtype) -> str:
+    """vector_kernel of the library lib's kernels (kvserve.kernels.library: one answer per build)."""
+    return vector_kernel(gemm_kernels(dtype))
 
 
 class Embedding(nn.Embedding):
