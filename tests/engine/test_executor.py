@@ -52,3 +52,21 @@ def test_metrics_count_steps_by_executor(tiny_llama):
                      'kvserve:steps_total{executor="native",model_name="tiny"}': 0.0,
                      'kvserve:steps_total{executor="eager",model_name="tiny"}': 1.0}
     assert "# TYPE kvserve:steps_total counter" in text
+
+
+def test_a_prompt_whose_last_chunk_is_one_token_forks_its_samples_before_several_steps_a_call(tiny_llama):
+    """A prompt cut into chunks of 8, 8 and 1 tokens: its last token is scheduled as a decode, but its n samples fork
+    from it, so the several-steps call waits for the next step; both samples decode, as one sample does alone."""
+    prompt = {"prompt_token_ids": list(range(5, 22))}
+    kw = dict(block_size=4, num_kv_blocks=64, long_prefill_token_threshold=8)
+    one = LLM(str(tiny_llama), **kw).generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                               use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(tiny_llama), **kw)
+    engine, done = llm.engine, []
+    engine.add_request("r", prompt, SamplingParams(n=2, max_tokens=12, temperature=0, ignore_eos=True), final_only=True)
+    for _ in range(40):                 # (a lost sample would leave the request unfinished for ever)
+        done += [o for o in engine.step() if o.finished]
+        if done:
+            break
+    assert done and [c.token_ids for c in done[0].outputs] == [one, one]
+    assert llm.stats()["steps"]["native_multi_step"] > 0

@@ -138,10 +138,10 @@ class NativeMultiStep:
     def supports(self, step: Step) -> bool:
         """Decodes only, with no drafts to verify, as many as the C step takes, of final-only requests (nobody sees
         the steps between) that are greedy, with no logprobs, no eviction and logits they do not change (logit_bias,
-        allowed_token_ids, bad_words, min_tokens: the C step takes the plain argmax), none under sparse attention at
-        its prompt's last token,
-        while no request waits for a place or for its blocks from the second tier (it would wait the whole call);
-        at least two steps before any sequence reaches its max_tokens or max_model_len.
+        allowed_token_ids, bad_words, min_tokens: the C step takes the plain argmax), none at its prompt's last token
+        (its first token is sampled, and its n samples forked, as any step's), while no request waits for a place or
+        for its blocks from the second tier (it would wait the whole call); at least two steps before any sequence
+        reaches its max_tokens or max_model_len.
         Then it reserves the blocks of all the steps (all or none: without them, the step is not taken)."""
         sched = step.sched
         if (sched.num_decodes < len(sched.seqs) or any(sched.num_spec_tokens) or self.scheduler.waiting
@@ -150,11 +150,12 @@ class NativeMultiStep:
         steps = self.max_steps
         for seq in sched.seqs:
             p = seq.params
-            # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet); under sparse
-            # attention, whose choice holds for the whole call, a prompt's last token (dense) goes alone
+            # (a prompt computed a token a step is scheduled as a decode, and samples nothing yet); its last token
+            # goes alone: its n samples fork from it, and under sparse attention, whose choice holds for the whole
+            # call, it attends densely
             if (not p.greedy or p.logprobs is not None or seq.eviction is not None or p.changes_logits
                     or seq.request_id not in self.final_only or seq.num_computed_tokens + 1 < seq.num_tokens
-                    or seq.sparse is not None and seq.num_computed_tokens < seq.num_prompt_tokens):
+                    or seq.num_computed_tokens < seq.num_prompt_tokens):
                 return False
             steps = min(steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
         if steps < 2 or not self.scheduler.reserve_ahead(sched, steps):
