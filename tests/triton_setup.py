@@ -6,6 +6,9 @@ is first imported; a test module imports this first. Without triton installed, i
 from __future__ import annotations
 
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -28,3 +31,17 @@ TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5},
        torch.float16: {"atol": 3e-3, "rtol": 3e-3}}
 # small tiles, so that short sequences span several query tiles, key tiles, pages and partitions
 SMALL_TILES = {"prefill_block_m": 16, "prefill_block_n": 16, "decode_block_n": 16, "partition_size": 32}
+
+
+def compile_for_hopper(script: str) -> None:
+    """Run `script` (which compiles kernels for an sm_90 target and prints "compiled") in a process without the
+    interpreter; skips where Triton's NVIDIA backend (ptxas) is not installed."""
+    import triton
+
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

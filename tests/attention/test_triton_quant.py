@@ -7,15 +7,11 @@ so that short contexts span several key tiles, pages and decode partitions.
 """
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from triton_setup import DEVICE, SMALL_TILES, TOL  # noqa: I001  (first: it sets TRITON_INTERPRET)
+from triton_setup import DEVICE, SMALL_TILES, TOL, compile_for_hopper  # noqa: I001  (first: it sets TRITON_INTERPRET)
 
 from attention_cases import make_case, quantize_case
 from kvserve.attention.textbook import TextbookBackend
@@ -109,12 +105,4 @@ print("compiled")
 
 
 def test_quantized_kernels_compile_for_hopper():
-    import triton
-
-    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                            timeout=300, check=False)
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    compile_for_hopper(_COMPILE_FOR_HOPPER)
