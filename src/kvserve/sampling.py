@@ -271,6 +271,12 @@ class TokenMask:
     rows: list[int]
     bias: torch.Tensor
 
+    def applied(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of logits [rows, vocab] with the forbidden tokens at -inf."""
+        logits = logits.to(torch.float32, copy=True)
+        logits.index_add_(0, torch.tensor(self.rows, device=logits.device), self.bias.to(logits.device))
+        return logits
+
 
 @dataclass
 class SampleResult:
@@ -330,8 +336,7 @@ class Sampler:
         that ask) are the model's own, before those changes and the temperature (vLLM's default, raw_logprobs), but
         after the mask (as vLLM's, whose grammars mask the logits before its sampler)."""
         if mask is not None:
-            logits = logits.to(torch.float32, copy=True)
-            logits.index_add_(0, torch.tensor(mask.rows, device=logits.device), mask.bias.to(logits.device))
+            logits = mask.applied(logits)
         raw = logits
         if any(p.has_logits_processors for p in params):
             logits = _processed(logits, params, histories or [([], 0)] * len(params), self.eos_token_ids)
@@ -478,9 +483,14 @@ class RejectionSampler:
         self.sampler = sampler
 
     def __call__(self, logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                 generators: list[torch.Generator | None], histories: list[History]) -> list[DraftResult]:
+                 generators: list[torch.Generator | None], histories: list[History],
+                 mask: TokenMask | None = None) -> list[DraftResult]:
         """logits [sum of (1 + drafts), V]: each sequence's rows in turn, after its last verified token then after each
-        of its drafts; its drafts, params, generator and tokens (History)."""
+        of its drafts; its drafts, params, generator and tokens (History). p is zero where the `mask` of a row forbids
+        a token (a grammar's: its drafts are ones it allows), and the logprobs are taken after the mask, as the
+        Sampler's."""
+        if mask is not None:
+            logits = mask.applied(logits)
         rows, starts = [], []
         for d, p, (tokens, prompt_len) in zip(drafts, params, histories):
             starts.append(len(rows))

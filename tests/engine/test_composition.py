@@ -176,7 +176,4 @@ def test_structured_outputs_compose_with_each_feature(feature, models, tmp_path)
         expected = reference(path, engine_kwargs({feature}, exact=True), structured=True)
         assert tokens(got) == [[t] * n for t in expected]
     assert stats["grammar_masks_overlapped"] > 0
-    if feature == "ngram":          # a constrained request decodes without drafts, beside others that speculate
-        assert stats["spec_decode_num_draft_tokens"] == 0
-    else:
-        check_features_ran({feature}, stats)
+    check_features_ran({feature}, stats)

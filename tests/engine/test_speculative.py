@@ -14,7 +14,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.arg_utils import add_engine_args, engine_kwargs
 from kvserve.config import EngineConfig
 from kvserve.engine.speculative import NoSpeculation, SpeculativeConfig, ngram_lookup
-from kvserve.sampling import RejectionSampler, Sampler
+from kvserve.sampling import RejectionSampler, Sampler, TokenMask
 from kvserve.server.metrics import EngineCollector
 from spec_oracle import NGRAM, OracleProposer, generate_ids, with_oracle
 from tiny_models import HYBRID, VOCAB
@@ -114,24 +114,6 @@ def test_ngram_speculation_gives_plain_greedy_tokens(tiny_llama):
     assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
     assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
     assert stats["steps"]["native"] > 0
-
-
-def test_a_request_held_to_a_grammar_decodes_without_drafts_beside_those_that_speculate(tiny_llama):
-    """Structured outputs and n-gram speculation in one batch: the constrained request proposes no drafts and gives
-    the tokens it gives without speculation; the others speculate."""
-    from kvserve.structured import StructuredOutputsParams
-
-    choice = SamplingParams(max_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(
-        choice=["alpha beta gamma", "delta"]))
-    params = [choice] + [GREEDY] * 2
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
-    expected = LLM(str(tiny_llama), num_scheduler_steps=1).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(tiny_llama), speculative_config=NGRAM, num_scheduler_steps=1)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-    assert outs[0].outputs[0].text in ("alpha beta gamma", "delta")
-    assert "spec_decode_num_draft_tokens" not in outs[0].metrics
-    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_a_sequence_proposes_within_max_tokens_max_model_len_and_the_batch_limit(tiny_llama):
@@ -318,7 +300,7 @@ def test_a_draft_model_gives_plain_greedy_tokens(tiny_llama, draft, eager):
 # ---- sampling follows the target's distribution ------------------------------------------------------------------
 
 # the chi-square statistic a right sampler exceeds with probability 1e-4, by degrees of freedom (scipy.stats.chi2.isf)
-CHI2_BOUND = {4: 23.51, 15: 44.26}
+CHI2_BOUND = {2: 18.42, 3: 21.11, 4: 23.51, 15: 44.26}
 
 
 def _chi_square(counts: list[int], probs: list[float]) -> float:
@@ -351,6 +333,34 @@ def test_rejection_sampling_draws_from_the_targets_distribution():
     # and greedy rows keep the drafts that are the argmax, then the argmax
     greedy = sampler(logits[:6], [[0, 2], [1, 2]], [SamplingParams(temperature=0)] * 2, [None] * 2, [([], 0)] * 2)
     assert [(r.token_ids, r.num_accepted) for r in greedy] == [([0, 2, 0], 2), ([0], 0)]
+
+
+def test_rejection_sampling_within_masks_draws_from_the_masked_distribution():
+    """A grammar's masks on a verification's rows (tokens 1 and 4 forbidden first, then token 0; nothing after) and
+    drafts that they allow, as propose leaves them: each emitted token follows p renormalized over the tokens its
+    row allows, never another; a greedy row's argmax is the mask's."""
+    p0 = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    p1 = torch.tensor([0.1, 0.1, 0.3, 0.3, 0.2])
+    rows = 20_000
+    bias = torch.zeros(3, 5)
+    bias[0, [1, 4]] = bias[1, 0] = -math.inf
+    sampler = RejectionSampler(Sampler(torch.Generator().manual_seed(2)))
+    drafts = [[0, 2]] * (rows // 2) + [[3, 4]] * (rows // 2)
+    logits = torch.stack([p0.log(), p1.log(), p1.log()]).repeat(rows, 1)
+    mask = TokenMask(list(range(3 * rows)), bias.repeat(rows, 1))
+    results = sampler(logits, drafts, [SamplingParams(temperature=1.0)] * rows, [None] * rows, [([], 0)] * rows,
+                      mask)
+    first = Counter(r.token_ids[0] for r in results)
+    assert set(first) <= {0, 2, 3}
+    allowed = p0[[0, 2, 3]] / p0[[0, 2, 3]].sum()
+    assert _chi_square([first[t] for t in (0, 2, 3)], allowed.tolist()) < CHI2_BOUND[2]
+    second = Counter(r.token_ids[1] for r in results if r.num_accepted >= 1)
+    assert set(second) <= {1, 2, 3, 4}
+    allowed = p1[1:] / p1[1:].sum()
+    assert _chi_square([second[t] for t in (1, 2, 3, 4)], allowed.tolist()) < CHI2_BOUND[3]
+    greedy = sampler(torch.stack([p1.log(), p0.log(), p1.log()]), [[3, 4]], [SamplingParams(temperature=0)],
+                     [None], [([], 0)], TokenMask([0, 1, 2], bias))
+    assert (greedy[0].token_ids, greedy[0].num_accepted) == ([2], 0)     # the masked argmax of row 0, not draft 3
 
 
 def _allowed_probs(llm: LLM, prompt: list[int], allowed: list[int]) -> list[float]:

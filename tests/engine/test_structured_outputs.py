@@ -4,16 +4,21 @@ computed while the model runs, and the multi-step C path never takes a constrain
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.speculative import Proposer
 from kvserve.sampling import Sampler, TokenMask
 from kvserve.structured import StructuredOutputsParams
 from schemas import demo_schemas
+from spec_oracle import OracleProposer
+from tiny_models import VOCAB
 
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Paged attention splits", "import os"]
 PERSON = {"type": "object", "properties": {
@@ -242,3 +247,130 @@ def test_the_demo_model_s_outputs_validate_against_fifty_schemas():
         c = out.outputs[0]
         assert c.finish_reason == "stop", (schema, c.text)
         jsonschema.validate(json.loads(c.text), schema)
+
+
+# ---- with speculative decoding -------------------------------------------------------------------------------------
+
+def _allowed(grammar, drafts=()) -> list[set[int]]:
+    """The tokens the grammar allows next and after each of `drafts`, one fill_bitmask call."""
+    bitmask = torch.zeros(len(drafts) + 1, (VOCAB + 31) // 32, dtype=torch.int32)
+    grammar.fill_bitmask(bitmask, 0, drafts)
+    bits = bitmask.numpy().view(np.uint8)
+    return [set(np.flatnonzero(np.unpackbits(row, bitorder="little")[:VOCAB]).tolist()) for row in bits]
+
+
+def test_a_grammar_s_masks_after_drafts_are_those_of_taking_them_one_by_one(llm):
+    """fill_bitmask with drafts gives, row by row, the masks a copy of the grammar shows as it takes them, and leaves
+    the grammar as it was; validate counts the drafts it allows up to the first it does not, and ends at EOS."""
+    grammar = llm.engine.structured.grammar(SamplingParams(structured_outputs=json_params()))
+    tokenizer = llm.get_tokenizer()
+    drafts = tokenizer.encode('{"name":"ab', add_special_tokens=False)
+    assert grammar.validate(drafts) == len(drafts)
+    rows = _allowed(grammar, drafts)
+    walker = grammar.fork()
+    for token, row in zip(drafts, rows):
+        assert row == _allowed(walker)[0] and token in row
+        assert walker.accept(token)
+    assert rows[-1] == _allowed(walker)[0]
+    assert _allowed(grammar)[0] == rows[0]                         # the grammar has not moved
+    forbidden = min(set(range(VOCAB)) - rows[2])
+    assert grammar.validate(drafts[:2] + [forbidden] + drafts[3:]) == 2
+    choice = llm.engine.structured.grammar(SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes"])))
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    assert choice.validate(yes + [eos, eos]) == len(yes) + 1      # EOS ends it: nothing after
+    assert _allowed(choice, yes + [eos])[-1] == set(range(VOCAB))  # after EOS the grammar constrains nothing
+    assert choice.accept(yes[0]) and choice.validate([eos]) == (1 if len(yes) == 1 else 0)
+
+
+class GrammarWalk(Proposer):
+    """Drafts of constrained sequences walked through a copy of their grammar: at each token, plain decoding's
+    (`references`, by prompt) with probability 1 - miss while the outputs follow it, else one the grammar allows
+    drawn at random; then a token it forbids, which propose must cut. Unconstrained sequences get none."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], miss: float, seed: int = 0):
+        self.references, self.miss, self.rng = references, miss, random.Random(seed)
+
+    def draft(self, seqs, limits):
+        return [self._walk(s, k) if s.grammar.constrains else [] for s, k in zip(seqs, limits)]
+
+    def _walk(self, seq, k: int) -> list[int]:
+        reference = self.references.get(tuple(seq.prompt_token_ids), [])
+        ref, on_track = reference[seq.num_output_tokens:], reference[:seq.num_output_tokens] == seq.output_token_ids
+        walker, drafts = seq.grammar.fork(), []
+        for i in range(k - 1):
+            allowed = _allowed(walker)[0]
+            hit = on_track and i < len(ref) and self.rng.random() >= self.miss
+            token = ref[i] if hit else self.rng.choice(sorted(allowed))
+            on_track = hit
+            if not walker.accept(token) or not walker.constrains:
+                return drafts + [token]
+            drafts.append(token)
+        return drafts + [min(set(range(VOCAB)) - _allowed(walker)[0])]
+
+
+@pytest.mark.parametrize("kind", CONSTRAINTS)
+def test_speculation_within_a_grammar_gives_plain_decoding_s_tokens(ckpt, kind):
+    """Drafts checked against each sequence's grammar and verified under its masks: greedy outputs equal those of
+    decoding without speculation, a free request speculates beside them, the forbidden drafts never reach the
+    model (each step's drafts stop before them), some drafts are accepted and some rejected, and every block comes
+    back."""
+    kw = dict(block_size=4, num_kv_blocks=512, max_model_len=512, num_scheduler_steps=1)
+    prompts = PROMPTS + [p + " and" for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=160, structured_outputs=CONSTRAINTS[kind])] * 7
+    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    expected = LLM(str(ckpt), **kw).generate(prompts, params, use_tqdm=False)
+    k = 4
+    llm = LLM(str(ckpt), speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
+    references = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
+    walk = GrammarWalk(references, miss=0.5)
+    spec = llm.engine.speculator
+    spec.proposer = CombinedProposer(walk, OracleProposer(references, miss=0.3))
+    verified = []             # (drafts, how many the grammar allows) of each constrained verification
+
+    def verify(seqs, out, masks):
+        masks([s for s, k in zip(seqs, out.num_drafts) if k])       # the mask thread done with the grammars
+        verified.extend((len(s.spec_token_ids), s.grammar.validate(s.spec_token_ids))
+                        for s in seqs if s.grammar.constrains and s.spec_token_ids)
+        return verify_drafts(seqs, out, masks)
+
+    verify_drafts, spec.verify = spec.verify, verify
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert verified and all(n == valid <= k - 1 for n, valid in verified)
+    for out in outs[:-1]:
+        check(kind, out.outputs[0].text)
+        assert out.metrics["spec_decode_num_accepted_tokens"] > 0
+    assert sum(o.metrics["spec_decode_num_accepted_tokens"] for o in outs[:-1]) < \
+        sum(o.metrics["spec_decode_num_draft_tokens"] for o in outs[:-1])
+    assert outs[-1].metrics["spec_decode_num_accepted_tokens"] > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+    llm.engine.kv.check_invariants()
+
+
+class CombinedProposer(Proposer):
+    """Each sequence's drafts from the first proposer, or from the second where the first proposes none."""
+
+    def __init__(self, first: Proposer, second: Proposer):
+        self.first, self.second = first, second
+
+    def draft(self, seqs, limits):
+        return [a or b for a, b in zip(self.first.draft(seqs, limits), self.second.draft(seqs, limits))]
+
+
+@pytest.mark.parametrize("mode", ["temperature", "top_k_top_p"])
+def test_sampled_speculation_within_a_grammar_follows_it(ckpt, mode):
+    """Sampled outputs verified under their grammar's masks follow it, n > 1 forks included."""
+    llm = LLM(str(ckpt), block_size=4, num_kv_blocks=512, max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outs = llm.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=160, structured_outputs=json_params(),
+                                                    **MODES[mode]), use_tqdm=False)
+    walk = GrammarWalk({}, miss=1.0)
+    llm.engine.speculator.proposer = walk
+    outs += llm.generate(PROMPTS[2:], SamplingParams(n=2, max_tokens=160, structured_outputs=json_params(),
+                                                     **MODES[mode]), use_tqdm=False)
+    for out in outs:
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            check("json", c.text)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0

@@ -7,6 +7,7 @@ the masks of the sequences' grammars, computed while the model runs), and its to
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from itertools import count
 
 import torch
@@ -86,7 +87,8 @@ class LLMEngine:
             return outputs
         try:
             # the drafts first: those rejected leave the cache before the evictor reads it
-            verified, seqs, logits = self.speculator.verify([sched.seqs[r] for r in out.sample_rows], out)
+            verified, seqs, logits = self.speculator.verify([sched.seqs[r] for r in out.sample_rows], out,
+                                                            partial(self.structured.draft_masks, masks))
             self.evictor.after_step(sched.seqs, out.attention_mass)
             if out.prompt_spans:
                 self.outputs.score_prompts(sched.seqs, out.prompt_logits, out.prompt_spans)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -26,9 +26,11 @@ from kvserve.config import QUANTIZATIONS
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import Sequence, SequenceStatus
 from kvserve.kv.eviction import EvictionPolicy
-from kvserve.sampling import DraftResult, RejectionSampler, Sampler
+from kvserve.sampling import DraftResult, RejectionSampler, Sampler, TokenMask
 
 METHODS = ("ngram", "draft_model")
+# the token masks of the verification rows of some sequences (structured outputs'), or None: what verify samples in
+DraftMasks = Callable[[list[Sequence]], TokenMask | None]
 # At larger batches a step of this CPU computes more than it reads, and a verification's extra rows cost their
 # share: measured by `kvserve bench spec` (docs/performance.md's spec section)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
@@ -187,11 +189,11 @@ class SpeculativeDecoding:
 
     def propose(self, seqs: list[Sequence], running: list[Sequence]) -> None:
         """Drafts for those of `seqs` (sequences that gained tokens) that run and decode next, within each one's
-        limit (max_drafts): none while more than disable_by_batch_size sequences run, and none for a sequence held
-        to a grammar (structured outputs), which decodes a token a step beside those that speculate."""
+        limit (max_drafts): none while more than disable_by_batch_size sequences run. A sequence held to a grammar
+        (structured outputs) keeps the drafts its grammar allows, up to the first it does not: the others could
+        never be accepted."""
         self.proposer.retain(running)
-        decoding = [s for s in seqs if s.status is SequenceStatus.RUNNING and s.num_computed_tokens + 1 == s.num_tokens
-                    and not s.grammar.constrains]
+        decoding = [s for s in seqs if s.status is SequenceStatus.RUNNING and s.num_computed_tokens + 1 == s.num_tokens]
         if len(running) > self.config.disable_by_batch_size:
             for seq in decoding:
                 seq.spec_token_ids = []
@@ -202,7 +204,7 @@ class SpeculativeDecoding:
             seq.spec_token_ids = []
         if wanted:
             for (seq, _), drafts in zip(wanted, self.proposer.draft(*map(list, zip(*wanted)))):
-                seq.spec_token_ids = drafts
+                seq.spec_token_ids = drafts[:seq.grammar.validate(drafts)]
 
     def max_drafts(self, seq: Sequence) -> int:
         """The drafts a sequence may verify next: num_speculative_tokens, fewer where its tokens would pass max_tokens
@@ -219,17 +221,18 @@ class SpeculativeDecoding:
                 k = min(k, room - 1)
         return k
 
-    def verify(self, seqs: list[Sequence], out) -> tuple[list[Verified], list[Sequence], Any]:
+    def verify(self, seqs: list[Sequence], out, masks: DraftMasks) -> tuple[list[Verified], list[Sequence], Any]:
         """The step's verifications (StepOutput `out`'s rows with drafts), in `seqs` (the step's sampling sequences):
-        each sequence's accepted drafts and the token after them, its rejected drafts' blocks released; and the
-        other sequences with their logits rows, to sample as usual."""
+        each sequence's accepted drafts and the token after them (drawn within the `masks` of their rows: those of
+        structured outputs' grammars), its rejected drafts' blocks released; and the other sequences with their
+        logits rows, to sample as usual."""
         if not any(out.num_drafts):
             return [], seqs, out.logits
         checked = [seqs[i] for i, k in enumerate(out.num_drafts) if k]
         rest = [i for i, k in enumerate(out.num_drafts) if not k]
         results = self.rejection_sampler(out.verify_logits, [s.spec_token_ids for s in checked],
                                          [s.params for s in checked], [s.generator for s in checked],
-                                         [(s.token_ids, s.num_prompt_tokens) for s in checked])
+                                         [(s.token_ids, s.num_prompt_tokens) for s in checked], masks(checked))
         for seq, result in zip(checked, results):
             num_drafts = len(seq.spec_token_ids)
             self.counters.observe(num_drafts, result.num_accepted)
@@ -262,7 +265,7 @@ class NoSpeculation:
     def propose(self, seqs: list[Sequence], running: list[Sequence]) -> None:
         """Nothing."""
 
-    def verify(self, seqs: list[Sequence], out) -> tuple[list[Verified], list[Sequence], Any]:
+    def verify(self, seqs: list[Sequence], out, masks: DraftMasks) -> tuple[list[Verified], list[Sequence], Any]:
         return [], seqs, out.logits
 
     def stats(self) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import llguidance
 import llguidance.hf
@@ -79,8 +80,27 @@ class MatcherGrammar:
     def constrains(self) -> bool:
         return not self.ended
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        consumed = 0
+        for i, token in enumerate(drafts, start=1):
+            if token in self.eos_token_ids:       # the grammar ends there: nothing after is masked
+                bitmask[row + i:row + len(drafts) + 1] = -1
+                break
+            if not self.matcher.consume_token(token):
+                raise ValueError(f"draft token {token} is not one the grammar allows (validate drafts first)")
+            consumed += 1
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row + i)
+        self.matcher.rollback(consumed)
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        if self.ended:
+            return len(tokens)
+        if self.matcher.is_stopped():           # complete: only EOS, which the matcher's validation does not count
+            n = int(bool(tokens) and tokens[0] in self.eos_token_ids)
+        else:
+            n = self.matcher.validate_tokens(list(tokens))
+        return next((i + 1 for i, t in enumerate(tokens[:n]) if t in self.eos_token_ids), n)
 
     def accept(self, token: int) -> bool:
         if self.ended:

@@ -1,6 +1,7 @@
 """StructuredOutputManager: the requests' grammars and each step's token masks (vLLM v1's structured output
-manager). A step's masks depend only on tokens sampled before it, so they are computed in a thread of their own
-while the model runs, and the sampler adds them to the logits."""
+manager). A step's masks depend only on tokens sampled before it and on the drafts it verifies, so they are
+computed in a thread of their own while the model runs, and the sampler (or the rejection sampler, for the rows of
+a verification) adds them to the logits."""
 from __future__ import annotations
 
 import time
@@ -22,10 +23,12 @@ _BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axi
 
 @dataclass
 class MaskJob:
-    """The masks of a step's constrained sequences, under way: `index` gives each one's row (by seq_id)."""
+    """The masks of a step's constrained sequences, under way: each one's rows start at `index[seq_id]`, the row
+    after its last token, then (speculative decoding) one after each of its drafts."""
 
     future: Future | None = None          # -> torch.Tensor [rows, vocab]: 0 or -inf
     index: dict[int, int] = field(default_factory=dict)
+    bias: torch.Tensor | None = None      # the future's result, once waited for
 
 
 class StructuredOutputManager:
@@ -57,15 +60,20 @@ class StructuredOutputManager:
 
     def start_masks(self, seqs: list[Sequence]) -> MaskJob:
         """Start computing the masks of the constrained sequences among a step's `seqs`, in the manager's thread:
-        their grammars are not advanced until `masks` has returned them."""
-        grammars = [s.grammar for s in seqs if s.grammar.constrains]
-        if not grammars:
+        for each, the row after its last token and those after each of its drafts (speculative decoding). Their
+        grammars are not advanced until `masks` and `draft_masks` have returned them."""
+        constrained = [s for s in seqs if s.grammar.constrains]
+        if not constrained:
             return MaskJob()
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
-        index = {s.seq_id: i for i, s in enumerate(s for s in seqs if s.grammar.constrains)}
-        self.num_overlapped += len(grammars)
-        return MaskJob(self._thread.submit(self._bias, grammars), index)
+        index, rows = {}, 0
+        for seq in constrained:
+            index[seq.seq_id] = rows
+            rows += 1 + len(seq.spec_token_ids)
+        self.num_overlapped += rows
+        jobs = [(s.grammar, list(s.spec_token_ids)) for s in constrained]
+        return MaskJob(self._thread.submit(self._bias, jobs, rows), index)
 
     def masks(self, job: MaskJob, seqs: list[Sequence]) -> TokenMask | None:
         """The masks of the constrained sequences among the step's sampling `seqs`, by row: the job's, and those of
@@ -73,27 +81,50 @@ class StructuredOutputManager:
         rows = [i for i, s in enumerate(seqs) if s.grammar.constrains]
         if not rows:
             return None
-        start = time.perf_counter()
-        parts = [job.future.result()] if job.future is not None else []
-        self.wait_seconds += time.perf_counter() - start
+        parts = [self._wait(job)] if job.future is not None else []
         index = dict(job.index)
         late = [seqs[i] for i in rows if seqs[i].seq_id not in index]
         if late:
             self.num_inline += len(late)
-            index.update({s.seq_id: len(index) + k for k, s in enumerate(late)})
-            parts.append(self._bias([s.grammar for s in late]))
+            first = len(parts[0]) if parts else 0
+            index.update({s.seq_id: first + k for k, s in enumerate(late)})
+            parts.append(self._bias([(s.grammar, []) for s in late], len(late)))
         bias = parts[0] if len(parts) == 1 else torch.cat(parts)
         picks = [index[seqs[i].seq_id] for i in rows]
         return TokenMask(rows, bias if picks == list(range(len(bias))) else bias[picks])
 
-    def _bias(self, grammars: list[Grammar]) -> torch.Tensor:
-        """[len(grammars), vocab] float32: 0 where the grammar allows the token, -inf where it does not."""
+    def draft_masks(self, job: MaskJob, seqs: list[Sequence]) -> TokenMask | None:
+        """The masks of a verification's rows, where their sequence is constrained: each of `seqs` has in turn the
+        row after its last token, then one after each of its drafts (Sequence.spec_token_ids, as `start_masks`
+        saw them); None where no sequence is constrained."""
+        rows, picks, at = [], [], 0
+        for seq in seqs:
+            n = 1 + len(seq.spec_token_ids)
+            if seq.grammar.constrains:
+                rows += range(at, at + n)
+                picks += range(job.index[seq.seq_id], job.index[seq.seq_id] + n)
+            at += n
+        return TokenMask(rows, self._wait(job)[picks]) if rows else None
+
+    def _wait(self, job: MaskJob) -> torch.Tensor:
+        """The job's masks, waited for (once)."""
+        if job.bias is None:
+            start = time.perf_counter()
+            job.bias = job.future.result()
+            self.wait_seconds += time.perf_counter() - start
+        return job.bias
+
+    def _bias(self, jobs: list[tuple[Grammar, list[int]]], rows: int) -> torch.Tensor:
+        """[rows, vocab] float32: 0 where a grammar allows the token, -inf where it does not; each grammar's rows
+        in turn, the next token's and those after each of its drafts."""
         start = time.perf_counter()
-        bitmask = torch.empty(len(grammars), self.words, dtype=torch.int32)
-        for row, grammar in enumerate(grammars):
-            grammar.fill_bitmask(bitmask, row)
+        bitmask = torch.empty(rows, self.words, dtype=torch.int32)
+        row = 0
+        for grammar, drafts in jobs:
+            grammar.fill_bitmask(bitmask, row, drafts)
+            row += 1 + len(drafts)
         bits = bitmask.numpy().view(np.uint8)         # little-endian: byte k of a word holds its tokens 8k..8k+7
-        bias = np.take(_BYTE_BIAS, bits, axis=0).reshape(len(grammars), -1)[:, :self.vocab_size]
+        bias = np.take(_BYTE_BIAS, bits, axis=0).reshape(rows, -1)[:, :self.vocab_size]
         self.fill_seconds += time.perf_counter() - start
         return torch.from_numpy(bias)
 
