@@ -1,6 +1,7 @@
-/* The C kernels (src/kvserve/csrc) against plain-C references computed in double, built with them into one program
- * for whichever target the kernels are built for: an ARM64 build runs under qemu-user, where Python and torch do
- * not (tests/kernels/test_aarch64.py builds and runs it, and a native build too). Checked on awkward shapes:
+/* The C kernels (src/kvserve/csrc) against plain-C references computed in double, for whichever target the kernels
+ * are built for: an ARM64 build runs under qemu-user, where Python and torch do not (tests/kernels/test_aarch64.py
+ * links it with kvserve.kernels' ARM64 library and runs it there, and with the native library here). Checked on
+ * awkward shapes:
  *
  * - gemm.c: every weight kind (the dtype's, int8, int4) for float32 and bfloat16 products, with a bias, input rows
  *   a stride apart, and gated (SwiGLU), by the build's vector kernel; and gemm_rows, exactly;
@@ -14,8 +15,9 @@
  * (a hash of every byte the codecs wrote: bit for bit the same on every target, their file computing without fused
  * multiply-adds) and last "checks: N failed: F". The exit status is 1 where any check failed.
  *
- * Build: CC -O2 -march=... -fopenmp -Isrc/kvserve/csrc tests/kernels/csrc/check_kernels.c src/kvserve/csrc/(*).c -lm
- */
+ * Build, for the target of the library it is linked with (common.h's macros must be the library's):
+ *   CC -O2 -march=TARGET -fopenmp -Isrc/kvserve/csrc tests/kernels/csrc/check_kernels.c LIBRARY.so -lm
+ * (or with the sources of src/kvserve/csrc in place of the library). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
