@@ -252,7 +252,8 @@ def cache_dirs(what: str) -> list[Path]:
 
 def march() -> str:
     """The instruction set the kernels are built for: $KVSERVE_MARCH as the compiler's -march takes it (x86-64-v3:
-    AVX2 and FMA, for CPUs without AVX-512), or native (the default): every instruction this CPU has. ValueError
+    AVX2 and FMA, for CPUs without AVX-512; on ARM64, e.g. armv8.2-a), or native (the default): every instruction
+    this CPU has. ValueError
     for a name that is not one word of letters, digits, '-', '_', '.' or '+'."""
     target = os.environ.get(MARCH_ENV) or "native"
     if not re.fullmatch(r"[\w.+-]+", target):

@@ -301,11 +301,18 @@ void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int6
 #else
 #define AVX2_FMA 0
 #endif
-#define GEMM_SIMD (AVX512_BW_VL || AVX2_FMA)      /* csrc/gemm.c multiplies (gemm_dtypes) */
+/* csrc/gemm.c's kernels where the build targets ARM64, whose every CPU has NEON (AdvSIMD): its NEON tiles */
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define NEON_FMA 1
+#include <arm_neon.h>
+#else
+#define NEON_FMA 0
+#endif
+#define GEMM_SIMD (AVX512_BW_VL || AVX2_FMA || NEON_FMA)      /* csrc/gemm.c multiplies (gemm_dtypes) */
 
 #if GEMM_SIMD
-/* csrc/gemm.c's kernels: AVX-512's tiles, or AMX's, or (AVX2 builds) AVX2's (see there). */
-enum { GEMM_AVX512 = 0, GEMM_AMX = 1, GEMM_AVX2 = 2 };
+/* csrc/gemm.c's kernels: AVX-512's tiles, or AMX's, or (AVX2 builds) AVX2's, or (ARM64 builds) NEON's (see there). */
+enum { GEMM_AVX512 = 0, GEMM_AMX = 1, GEMM_AVX2 = 2, GEMM_NEON = 3 };
 
 /* csrc/gemm.c's share of one thread of a team (see there). */
 void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,

@@ -1,9 +1,9 @@
 /* y[m][n] = x[m][k] . W[n][k]^T (+ bias[n]): the CPU's linear layers, float32 or bfloat16 (`dtype`: F32
- * or BF16 of common.h), with AVX-512 F, BW and VL (bfloat16: also its BF16 extension), or AVX2 and FMA. A
+ * or BF16 of common.h), with AVX-512 F, BW and VL (bfloat16: also its BF16 extension), AVX2 and FMA, or NEON. A
  * GotoBLAS-style GEMM over a weight packed once at load: panels of NR = 32 output columns, each stored k-row by
  * k-row (bfloat16 in AVX-512 builds: pairs of k rows interleaved, as VDPBF16PS and AMX's TDPBF16PS read them; and
  * k padded with zeros to a whole number of AMX tile depths, 32). Two kernels read the same panels (`kernel`), or
- * in a build without AVX-512 a third:
+ * in a build without AVX-512 another one:
  *
  * - AVX512: a tile of up to MR = 14 input rows by one panel keeps its 28 sums in registers while a
  *   k-chunk of the panel (32 KiB, in L1) and of the rows (in L2) goes by; the threads share the panels.
@@ -13,6 +13,7 @@
  *   rows on; which kernel runs at which row count is measured at start-up (kvserve.model.gemm_choice).
  * - AVX2 (builds without AVX-512's 16-bit lanes that have AVX2, FMA and F16C: x86-64-v3): every k-chunk of a
  *   panel widened to float32 once, in L1, then tiles of up to 3 rows by the panel over it (see its section).
+ * - NEON (ARM64 builds): AVX2's design in NEON's 128-bit vectors (see its section).
  *
  * Sums run in float32, in k order within chunks of KC (at a few rows and k of hundreds, float32 errors
  * up to a few times those of torch's GEMM); a bfloat16 output is rounded once, to nearest even.
@@ -49,31 +50,36 @@
 #define NV (NR / 16)         /* vectors of 16 columns per panel */
 #define MR 14                /* rows per tile: 28 sums + 2 weight vectors + 1 broadcast in 32 registers */
 #define KC 256               /* k per chunk (bfloat16: 512): NR x KC of the panel fills half of L1 */
-#else
+#elif AVX2_FMA
 #define NV8 (NR / 8)         /* AVX2: vectors of 8 columns per panel */
 #define MR 3                 /* rows per tile: 12 sums + 3 broadcasts + 1 weight vector in 16 registers */
+#define KC 128               /* k per chunk, widened to float32: NR x KC floats fill half of a 32 KiB L1 */
+#else
+#define NV4 (NR / 4)         /* NEON: vectors of 4 columns per panel */
+#define MR 3                 /* rows per tile: 24 sums + 3 broadcasts + 2 weight vectors in 32 registers */
 #define KC 128               /* k per chunk, widened to float32: NR x KC floats fill half of a 32 KiB L1 */
 #endif
 #define MC (252 / MR * MR)   /* rows that share a pass over the panels: their k-chunk stays in L2 */
 #define KT 32                /* k of an AMX tile (bfloat16): a panel's k is padded to a multiple of it */
-/* bfloat16 panels hold pairs of k rows interleaved, as AVX-512's VDPBF16PS and AMX's tiles read them; AVX2 builds
- * widen every chunk to float32, and every dtype's panels hold their numbers k row by k row, as float32's */
+/* bfloat16 panels hold pairs of k rows interleaved, as AVX-512's VDPBF16PS and AMX's tiles read them; AVX2 and NEON
+ * builds widen every chunk to float32, and every dtype's panels hold their numbers k row by k row, as float32's */
 #define PAIRED AVX512_BW_VL
 
 static int amx_granted;     /* the OS lets this process use AMX's tile data (gemm_kernels asked) */
 
-/* Bits of the kernels this build can run in this process: 1 << GEMM_AVX512 (AVX2 builds: 1 << GEMM_AVX2), and
+/* Bits of the kernels this build can run in this process: 1 << GEMM_AVX512 (AVX2 builds: 1 << GEMM_AVX2; ARM64
+ * builds: 1 << GEMM_NEON), and
  * 1 << GEMM_AMX where the CPU has AMX (BF16) and the OS grants its tile state (asked here, once: call before gemm
  * runs AMX). */
 int gemm_kernels(void) {
 #if AMX
     if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 #endif
-    return 1 << (AVX512_BW_VL ? GEMM_AVX512 : GEMM_AVX2) | (amx_granted ? 1 << GEMM_AMX : 0);
+    return 1 << (AVX512_BW_VL ? GEMM_AVX512 : AVX2_FMA ? GEMM_AVX2 : GEMM_NEON) | (amx_granted ? 1 << GEMM_AMX : 0);
 }
 
 /* Bits of the dtypes this build multiplies (1 << F32 | 1 << BF16): AVX-512 builds multiply bfloat16 with its
- * BF16 extension, AVX2 builds widen it to float32. */
+ * BF16 extension, AVX2 and NEON builds widen it to float32. */
 int gemm_dtypes(void) {
 #if defined(__AVX512BF16__) || !AVX512_BW_VL
     return 1 << F32 | 1 << BF16;
@@ -110,7 +116,7 @@ int64_t gemm_groups_size(int dtype, int n, int k, int gated) {
  * in its low half and of column c + 16 in its high half, so that a byte-wise mask (columns 0-15) or a shift
  * and a mask (16-31) gives 16 32-bit lanes of four k rows each, as VPDPBUSD reads them (tile_int4). float32:
  * a unit of a k row (32 numbers, 16 bytes), byte j its number j in the low half and j + 16 in the high half (so
- * too bfloat16 products in AVX2 builds). */
+ * too bfloat16 products in AVX2 and NEON builds). */
 static inline int64_t int4_byte(int dtype, int64_t i, int *high) {
     if (dtype == BF16 && PAIRED) {    /* i: packed_at's index, pairs of k rows interleaved column by column */
         const int v = (int)(i % 128), j = v % 64 / 2, t = 2 * (v / 64) + v % 2;
@@ -840,13 +846,35 @@ static int amx_team(const void *packed, const void *scales, int kind, const uint
  * pass reads it (tile_rows): a quantized or bfloat16 panel is widened once per pass over the panels, not once a
  * tile of rows. At a few rows (IN_PLACE_ROWS: decode), bfloat16 and int8 chunks are read in place instead and
  * widened in registers: a chunk stored to L1 and loaded back costs more than its few rows' products, and its
- * stores, behind loads that wait on memory, stall the stream of the panel. */
+ * stores, behind loads that wait on memory, stall the stream of the panel. ARM64 builds (NEON) run the same tiles
+ * in NEON's vectors (see there); emit_row and tile are the two's. */
 
 #define WIDEN_AHEAD 2048    /* bytes of a panel asked for ahead of its widening (see widen_chunk) */
 /* Up to this many rows a pass, tiles read bfloat16 and int8 chunks in place, widened in registers as multiplied;
  * beyond, widen_chunk's one widening per chunk costs less than each tile's */
 #define IN_PLACE_ROWS 6
 
+/* Row r of a tile's whole sums (NR floats) into y with the column's scale and the bias: or (a gated weight's)
+ * its gate sums, or silu(gate) * up, rounded as the AVX-512 tiles' emit rounds. */
+static void emit_row(const float *sums, int r, const Chunk *c, int dtype, void *y, int ldy) {
+    for (int j = 0; j < c->cols; j++) {
+        float v = sums[j];
+        if (c->scale) v *= c->scale[j];
+        if (c->bias) v += param(c->bias, dtype, j);
+        if (c->out != PLAIN) {      /* as swiglu() rounds, the gate and up sums first */
+            float *gate = c->gate + r * NR + j;
+            v = as_dtype(v, dtype);
+            if (c->out == GATE) {
+                *gate = v;
+                continue;
+            }
+            v = as_dtype(as_dtype(silu(*gate), dtype) * v, dtype);
+        }
+        store(y, dtype, (int64_t)r * ldy + j, v);
+    }
+}
+
+#if AVX2_FMA
 /* Numbers i .. i + 7 of a panel as floats, of each kind. */
 static inline __m256 widen8_bf16(const uint16_t *from) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
@@ -899,26 +927,6 @@ static void widen_chunk(const void *panel, const uint16_t *groups, int kind, int
     }
 }
 
-/* Row r of a tile's whole sums (NR floats) into y with the column's scale and the bias: or (a gated weight's)
- * its gate sums, or silu(gate) * up, rounded as the AVX-512 tiles' emit rounds. */
-static void emit_row(const float *sums, int r, const Chunk *c, int dtype, void *y, int ldy) {
-    for (int j = 0; j < c->cols; j++) {
-        float v = sums[j];
-        if (c->scale) v *= c->scale[j];
-        if (c->bias) v += param(c->bias, dtype, j);
-        if (c->out != PLAIN) {      /* as swiglu() rounds, the gate and up sums first */
-            float *gate = c->gate + r * NR + j;
-            v = as_dtype(v, dtype);
-            if (c->out == GATE) {
-                *gate = v;
-                continue;
-            }
-            v = as_dtype(as_dtype(silu(*gate), dtype) * v, dtype);
-        }
-        store(y, dtype, (int64_t)r * ldy + j, v);
-    }
-}
-
 /* Numbers i .. i + 7 of a chunk of `kind` (F32, BF16 or INT8) as floats. */
 static inline __attribute__((always_inline)) __m256 load8(const void *w, int kind, int64_t i) {
     if (kind == BF16) return widen8_bf16((const uint16_t *)w + i);
@@ -957,6 +965,101 @@ static inline __attribute__((always_inline)) void tile_rows(const void *w, int k
         if (c->last) emit_row(sums, r, c, dtype, y, ldy);
     }
 }
+
+#else
+/* NEON (ARM64): AVX2's tiles in 128-bit vectors of four floats, with twice the registers (MR's 24 sums); bfloat16
+ * widened by a shift (its bits are a float32's top half), int8 by vmovl to 16 bits and then 32 (exact), int4 by a
+ * mask and a shift of each byte. The products are float32's, as AVX2's: ARMv8.6's BFDOT and BFMMLA read pairs of k
+ * rows interleaved (PAIRED), which these panels do not hold. */
+
+/* Numbers i .. i + 7 of a chunk of `kind` (F32, BF16 or INT8) as two vectors of floats. */
+static inline __attribute__((always_inline)) void load8(const void *w, int kind, int64_t i, float32x4_t out[2]) {
+    if (kind == BF16) {
+        const uint16x8_t h = vld1q_u16((const uint16_t *)w + i);
+        out[0] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16));
+        out[1] = vreinterpretq_f32_u32(vshll_high_n_u16(h, 16));
+    } else if (kind == INT8) {
+        const int16x8_t q = vmovl_s8(vld1_s8((const int8_t *)w + i));
+        out[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(q)));
+        out[1] = vcvtq_f32_s32(vmovl_high_s16(q));
+    } else {
+        out[0] = vld1q_f32((const float *)w + i);
+        out[1] = vld1q_f32((const float *)w + i + 4);
+    }
+}
+
+/* k rows k0 .. k0 + kc of a panel as float32 into `to`: as AVX2's widen_chunk (see there). */
+static void widen_chunk(const void *panel, const uint16_t *groups, int kind, int k0, int kc, float *to) {
+    if (kind != INT4) {
+        const int64_t first = (int64_t)k0 * NR, size = (int64_t)elem_size(kind);
+        for (int i = 0; i < kc * NR; i += 8) {
+            if (i * size % 64 == 0) __builtin_prefetch((const char *)panel + (first + i) * size + WIDEN_AHEAD);
+            float32x4_t v[2];
+            load8(panel, kind, first + i, v);
+            vst1q_f32(to + i, v[0]);
+            vst1q_f32(to + i + 4, v[1]);
+        }
+        return;
+    }
+    float32x4_t s[NV4], m[NV4];
+    for (int kk = k0; kk < k0 + kc; kk++) {
+        if (kk == k0 || kk % G4 == 0) {
+            const uint16_t *group = groups + (int64_t)(kk / G4) * 2 * NR;
+            for (int j = 0; j < NV4; j++) {
+                s[j] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(group + 4 * j)));
+                m[j] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(group + NR + 4 * j)));
+            }
+        }
+        /* byte j of the k row: column j in its low half, column j + 16 in its high half */
+        const uint8_t *row = (const uint8_t *)panel + (int64_t)kk * NR / 2;
+        if (kk % 4 == 0) __builtin_prefetch(row + WIDEN_AHEAD);
+        const uint8x16_t bytes = vld1q_u8(row), q[2] = {vandq_u8(bytes, vdupq_n_u8(15)), vshrq_n_u8(bytes, 4)};
+        float *out = to + (int64_t)(kk - k0) * NR;
+        for (int half = 0; half < 2; half++) {
+            const uint16x8_t wide[2] = {vmovl_u8(vget_low_u8(q[half])), vmovl_high_u8(q[half])};
+            for (int v = 0; v < 4; v++) {
+                const int j = 4 * half + v;       /* columns 4j .. 4j + 3 */
+                const uint32x4_t u = v % 2 ? vmovl_high_u16(wide[v / 2]) : vmovl_u16(vget_low_u16(wide[v / 2]));
+                vst1q_f32(out + 4 * j, vfmaq_f32(m[j], vcvtq_f32_u32(u), s[j]));
+            }
+        }
+    }
+}
+
+/* mr rows of x by kc k rows of a chunk of `kind`: as AVX2's tile_rows (see there), each k row's MR broadcasts of x
+ * in registers while the chunk's eight vectors go by, two at a time. */
+static inline __attribute__((always_inline)) void tile_rows(const void *w, int kind, const void *x, int64_t ldx,
+                                                           int dtype, int kc, int mr, float *partial, const Chunk *c,
+                                                           void *y, int ldy) {
+    float rows[MR][KC] __attribute__((aligned(16)));      /* bfloat16 rows widened */
+    const float *a[MR];
+    for (int r = 0; r < mr; r++) {
+        if (dtype == BF16) load_row(rows[r], (const uint16_t *)x + r * ldx, BF16, kc);
+        a[r] = dtype == BF16 ? rows[r] : (const float *)x + r * ldx;
+    }
+    float32x4_t acc[MR][NV4];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NV4; j++) acc[r][j] = vdupq_n_f32(0.0f);
+    for (int kk = 0; kk < kc; kk++) {
+        float32x4_t xs[MR];
+        for (int r = 0; r < mr; r++) xs[r] = vdupq_n_f32(a[r][kk]);
+        for (int j = 0; j < NV4; j += 2) {
+            float32x4_t b[2];
+            load8(w, kind, (int64_t)kk * NR + 4 * j, b);
+            for (int r = 0; r < mr; r++) {
+                acc[r][j] = vfmaq_f32(acc[r][j], xs[r], b[0]);
+                acc[r][j + 1] = vfmaq_f32(acc[r][j + 1], xs[r], b[1]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float *sums = partial + r * NR;
+        for (int j = 0; j < NV4; j++)
+            vst1q_f32(sums + 4 * j, c->first ? acc[r][j] : vaddq_f32(vld1q_f32(sums + 4 * j), acc[r][j]));
+        if (c->last) emit_row(sums, r, c, dtype, y, ldy);
+    }
+}
+#endif
 
 /* One tile, its row count and the kind of the chunk's numbers (F32, or BF16 and INT8 read in place) constants in
  * each case, so that the sums stay in registers (`next` unused: the hardware's prefetcher streams the panels). */

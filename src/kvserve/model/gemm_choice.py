@@ -1,9 +1,9 @@
 """Which GEMM multiplies the CPU's linear layers: chosen by measurement at start-up, not by instruction set.
 
 Candidates, timed on each of the model's linear shapes at a few row counts (ROWS: decode steps of 1 to 64
-sequences, and a prefill's PREFILL_ROWS): csrc/gemm.c's vector kernel (AVX-512's, or AVX2's in a build for a
-CPU without AVX-512), its AMX kernel (bfloat16, where the CPU has AMX and the OS grants it) and oneDNN's prepacked
-GEMM. A weight is held once (Linear.load),
+sequences, and a prefill's PREFILL_ROWS): csrc/gemm.c's vector kernel (AVX-512's, AVX2's in a build for a
+CPU without AVX-512, NEON's in an ARM64 build), its AMX kernel (bfloat16, where the CPU has AMX and the OS grants
+it) and oneDNN's prepacked GEMM. A weight is held once (Linear.load),
 packed for csrc/gemm.c or for oneDNN, so one of the two packs the whole model: the one whose products take
 less time per row at the decode row counts, summed over the model's layers (decoding reads every weight
 for each token; a prefill, many rows at once, runs on whichever packs the weights, and the report says what
@@ -14,7 +14,7 @@ every larger count measured (Linear.amx_from).
 
 The timings are cached per CPU and build of the kernels, torch version and thread count, under
 ~/.cache/kvserve/gemm (or $KVSERVE_CACHE): a second start measures nothing. KVSERVE_GEMM forces a choice:
-avx512, avx2 or amx (csrc/gemm.c, that kernel at every row count: one the build has) or onednn; `measure`, the
+avx512, avx2, neon or amx (csrc/gemm.c, that kernel at every row count: one the build has) or onednn; `measure`, the
 default, measures.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ GEMM_ENV = "KVSERVE_GEMM"
 # packed for oneDNN, the model loses the native decode step, whose saving (the steps' dispatch, the ops between
 # the products) these timings do not see
 ONEDNN_MARGIN = 1.25
-CHOICES = ("measure", "avx512", "amx", "onednn", "avx2")
+CHOICES = ("measure", "avx512", "amx", "onednn", "avx2", "neon")
 DECODE_ROWS = (1, 4, 8, 16, 64)
 PREFILL_ROWS = 512
 ROWS = (*DECODE_ROWS, PREFILL_ROWS)
@@ -75,7 +75,7 @@ def model_shapes(cfg: ModelConfig) -> list[Shape]:
             Shape("down_proj", h, cfg.intermediate_size, False, n), Shape("lm_head", cfg.vocab_size, h, False, 1)]
 
 
-# seconds of one product: layer name -> rows -> candidate ("avx512" or "avx2", "amx", "onednn") -> seconds
+# seconds of one product: layer name -> rows -> candidate ("avx512", "avx2" or "neon", "amx", "onednn") -> seconds
 Timings = dict[str, dict[int, dict[str, float]]]
 
 
@@ -209,8 +209,9 @@ def _check_quantizable(quantization: str, dtype: torch.dtype, device: torch.devi
     if device.type != "cpu":
         where = f"the CPU only (csrc/gemm.c), not {device.type}"
     elif dtype not in COMPUTE_DTYPES or not gemm_packs(dtype):
-        where = (f"csrc/gemm.c, which needs kernels built with AVX2 and FMA or AVX-512 (F, BW, VL; bfloat16 also "
-                 f"BF16), a C compiler and a float32 or bfloat16 model; here it does not multiply {dtype}")
+        where = (f"csrc/gemm.c, which needs kernels built with AVX2 and FMA, AVX-512 (F, BW, VL; bfloat16 also "
+                 f"BF16) or ARM64's NEON, a C compiler and a float32 or bfloat16 model; here it does not multiply "
+                 f"{dtype}")
     elif forced == "onednn":
         where = f"csrc/gemm.c, not oneDNN ({GEMM_ENV}=onednn)"
     if where:

@@ -18,7 +18,7 @@ from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function, lib
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _PACK_BATCH_HINT = 64
-GEMM_KERNELS = ("avx512", "amx", "avx2")     # csrc/gemm.c's kernels, as it numbers them
+GEMM_KERNELS = ("avx512", "amx", "avx2", "neon")     # csrc/gemm.c's kernels, as it numbers them
 NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
 WEIGHT_FORMATS = ("gemm", "onednn", "plain")
 # the numbers of a packed weight, as csrc/common.h numbers their kinds
@@ -37,7 +37,7 @@ class Linear(nn.Linear):
     quantization: str | None = None         # of QUANTIZATIONS
     weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
-    amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not AVX-512's (or AVX2's)
+    amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not the vector kernel
     # int8: the largest magnitude of each output column over all its inputs, where the layer holds a part of them
     # (RowParallelLinear), taken for the column's scale; None: the weight's own
     column_absmax: torch.Tensor | None = None
@@ -75,9 +75,9 @@ class Linear(nn.Linear):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None), got {quantization!r}")
         if weight_format != "gemm" or w.device.type != "cpu" or not gemm_packs(w.dtype):
             raise ValueError(f"quantization={quantization!r} multiplies by csrc/gemm.c's panels: kernels built "
-                             f"with AVX2 and FMA or AVX-512 (F, BW, VL; for bfloat16 also BF16), a C compiler and a "
-                             f"float32 or bfloat16 model; got a {w.dtype} weight on {w.device.type} packed as "
-                             f"{weight_format!r}")
+                             f"with AVX2 and FMA, AVX-512 (F, BW, VL; for bfloat16 also BF16) or ARM64's NEON, a C "
+                             f"compiler and a float32 or bfloat16 model; got a {w.dtype} weight on {w.device.type} "
+                             f"packed as {weight_format!r}")
         if quantization == "int8":
             q, self.scales = quantize_int8(w, self.column_absmax)
         else:
@@ -261,9 +261,9 @@ def gemm_pack(w: torch.Tensor, gated: bool = False, dtype: torch.dtype | None = 
 
 def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
     """The kernels csrc/gemm.c runs for dtype in this process, of GEMM_KERNELS, as the built library reports them:
-    its vector kernel wherever it multiplies dtype (avx512, or avx2 in a build for a CPU without AVX-512: see
-    kvserve.kernels.march); amx for bfloat16 where the build and the CPU have AMX and the OS grants this process its
-    tile state (asked here)."""
+    its vector kernel wherever it multiplies dtype (avx512; avx2 in a build for a CPU without AVX-512, see
+    kvserve.kernels.march; neon in an ARM64 build); amx for bfloat16 where the build and the CPU have AMX and the OS
+    grants this process its tile state (asked here)."""
     fn = _gemm_function("gemm_kernels", dtype)
     if fn is None:
         return ()
@@ -273,8 +273,8 @@ def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
 
 def vector_kernel(kernels: tuple[str, ...]) -> str:
     """The kernel of `kernels` (csrc/gemm.c's, or a timing's candidates) that multiplies below a layer's amx_from:
-    its vector kernel, avx512 or avx2 (avx512 where it has neither)."""
-    return next((k for k in kernels if k in ("avx512", "avx2")), "avx512")
+    its vector kernel, avx512, avx2 or neon (avx512 where it has none)."""
+    return next((k for k in kernels if k in ("avx512", "avx2", "neon")), "avx512")
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
