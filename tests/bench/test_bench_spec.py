@@ -70,3 +70,15 @@ def test_bench_spec_runs_llama_cpp_lookup_beside_ngram_at_batch_1(checkpoint, tm
     header = next(line for line in out.splitlines() if line.startswith("workload") and "llama.cpp" in line)
     columns = [c.strip() for c in header.split("  ") if c.strip()]
     assert columns[:5] == ["workload", "kvserve plain", "kvserve ngram", "vs plain", "llama.cpp plain"]
+
+
+def test_the_llama_cpp_column_says_why_it_does_not_run(checkpoint):
+    from kvserve.bench.spec_llamacpp import why_not
+
+    llama, qwen = checkpoint(), checkpoint(arch="qwen2")
+    if not llamacpp.available():
+        assert why_not(llama, [1]) == "not installed: pip install 'kvserve[peers]'"
+        return
+    assert why_not(llama, [1, 16]) is None
+    assert why_not(llama, [16]) == "llama-cpp-python's Llama decodes a sequence at a time: --batches has no 1"
+    assert why_not(qwen, [1]) == "it converts Llama checkpoints only, not 'qwen2'"
