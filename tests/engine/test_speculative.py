@@ -232,6 +232,16 @@ def test_sink_eviction_verifies_no_draft_across_an_eviction(tiny_llama, gemma2):
         assert llm.stats()["num_evicted_tokens"] > 0
 
 
+def test_forked_samples_under_sink_eviction_rotate_sinks_of_their_own(tiny_llama):
+    """A request's n samples share its sink's working copies when they fork; each accepts drafts at its own pace, so
+    each evicts at its own steps, and rotates working copies of its own: every sample gives plain decoding's tokens."""
+    prompt = list(range(5, 13)) + list(range(100, 114))
+    params = SamplingParams(n=3, max_tokens=15, temperature=0, ignore_eos=True)
+    llm = _same_with_speculation(tiny_llama, [prompt], params, miss=0.5, k=1, eviction="sink:sinks=2,window=12",
+                                 block_size=3, long_prefill_token_threshold=8)
+    assert llm.stats()["num_evicted_tokens"] > 0
+
+
 def test_snapkv_evicts_the_prompt_before_any_draft(tiny_llama):
     prompts = [list(range(5, 45)), list(range(60, 100))]
     _same_with_speculation(tiny_llama, prompts, eviction="snapkv:budget=16,window=4", block_size=4)

@@ -1,27 +1,32 @@
 """Property: whatever drafts are right or wrong, speculative decoding leaves the KV cache as plain decoding of the same
 tokens leaves it: after every step each sequence's block tables hold exactly its verified tokens' blocks (a sliding
 group's window released as far as plain decoding releases it), its prefix keys are its verified tokens', no block
-leaks; at the end the prefix cache and the second tier hold verified blocks only, each with plain decoding's bytes."""
+leaks; at the end the prefix cache and the second tier hold verified blocks only, each with plain decoding's bytes.
+So too where a request's n samples fork over shared blocks (a verification's drafts copy the block they share on
+write) and where a sequence is preempted with drafts pending or right after a verification rejected some (its
+blocks recomputed, or swapped to the second tier and read back)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.blocks import BlockKey, block_key
 from spec_oracle import NGRAM, generate_ids, with_oracle
+from tiny_models import HYBRID
 
-WINDOW = 6
+WINDOW = HYBRID["gemma2"]["sliding_window"]
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint):
-    """A Llama, and a Gemma 2 of a sliding layer (window 6) and a global one: two layer groups."""
-    return {"llama": checkpoint("llama", max_position_embeddings=128),
-            "gemma2": checkpoint("gemma2", sliding_window=WINDOW, head_dim=16,
-                                 max_position_embeddings=128)}
+def models(tiny_llama, gemma2):
+    """The suite's shared checkpoints: a Llama, and a Gemma 2 of a sliding layer and a global one (two layer
+    groups)."""
+    return {"llama": tiny_llama, "gemma2": gemma2}
 
 
 # each case: its model and engine options (the tier's path is filled in per example)
@@ -32,7 +37,64 @@ CASES = {
     "sink": ("llama", {"eviction": "sink:sinks=2,window=12"}),
     "hybrid sink": ("gemma2", {"eviction": f"sink:sinks=2,window={WINDOW + 4}"}),
     "disk tier": ("llama", {"kv_offload": "disk:{}", "kv_offload_size": "4MiB"}),
+    # a preempted sequence's blocks written to the tier and read back when it resumes
+    "disk tier swap": ("llama", {"kv_offload": "disk:{}", "kv_offload_size": "4MiB", "preemption_mode": "swap"}),
 }
+
+
+@dataclass
+class Seen:
+    """What a run went through: forked samples' verifications and the copies their drafts made of a shared block,
+    preemptions of a sequence with drafts pending, right after a verification rejected drafts, of a forked sample,
+    and those swapped to the tier."""
+
+    forked_verifications: int = 0
+    draft_copies: int = 0
+    preempted_with_drafts: int = 0
+    preempted_after_rollback: int = 0
+    preempted_forks: int = 0
+    swapped: int = 0
+    rolled_back: set[int] = field(default_factory=set)   # sequences whose last verification rejected drafts
+
+
+def _watch(engine) -> Seen:
+    """Count in a Seen what the engine's scheduler and speculation go through (wrapping their methods)."""
+    seen, scheduler, kv, speculator = Seen(), engine.scheduler, engine.kv, engine.speculator
+    preempt, schedule, allocate, verify = scheduler.preempt, scheduler.schedule, kv.allocate, speculator.verify
+    drafting: set[int] = set()      # sequences that reserve blocks for drafts in the step being scheduled
+
+    def watched_preempt(seq, swap=False):
+        forked = len(engine.requests[seq.request_id]) > 1
+        seen.preempted_with_drafts += bool(seq.spec_token_ids)
+        seen.preempted_after_rollback += seq.seq_id in seen.rolled_back
+        seen.preempted_forks += forked
+        seen.swapped += swap
+        preempt(seq, swap)
+
+    def watched_allocate(seq_id, num_computed, num_new):
+        copies = allocate(seq_id, num_computed, num_new)
+        seen.draft_copies += len(copies) * (seq_id in drafting and num_new > 1)   # a token and drafts
+        return copies
+
+    def watched_schedule():
+        drafting.update(s.seq_id for s in scheduler.running if s.spec_token_ids)
+        out = schedule()
+        drafting.clear()
+        seen.rolled_back -= {s.seq_id for s in out.seqs}     # their rollback is no longer their last step
+        return out
+
+    def watched_verify(seqs, out):
+        drafts = {s.seq_id: len(s.spec_token_ids) for s in seqs}
+        verified, rest, logits = verify(seqs, out)
+        for v in verified:
+            seen.forked_verifications += len(engine.requests[v.seq.request_id]) > 1
+            if v.result.num_accepted < drafts[v.seq.seq_id]:
+                seen.rolled_back.add(v.seq.seq_id)
+        return verified, rest, logits
+
+    scheduler.preempt, scheduler.schedule, kv.allocate = watched_preempt, watched_schedule, watched_allocate
+    speculator.verify = watched_verify
+    return seen
 
 
 def _keys(tokens: list[int], block_size: int) -> list:
@@ -85,28 +147,43 @@ def _cached_pages(llm, verified: dict) -> dict:
                           for i in layers[BlockKey.group_of(h)]]) for h, b in blocks.items()}
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=st.sampled_from(sorted(CASES)), block_size=st.integers(2, 6), common=st.integers(0, 10),
-       tails=st.lists(st.integers(1, 14), min_size=1, max_size=6), max_tokens=st.integers(4, 20),
-       n=st.sampled_from([1, 1, 2]), miss=st.sampled_from([0.0, 0.2, 0.5, 0.8]), k=st.integers(1, 5),
-       seed=st.integers(0, 2**16), spare_blocks=st.integers(0, 8))
-# and cases that surely preempt, evict, and write blocks to the tier
-@example("disk tier", 3, 6, [8, 3, 2, 12, 5, 9], 16, 2, 0.2, 3, 48, 0)
-@example("hybrid", 3, 10, [14, 6, 11, 2, 9], 20, 2, 0.2, 4, 11, 0)
-@example("int8 pages", 2, 4, [14, 14, 14, 14], 20, 1, 0.2, 5, 3, 0)
-@example("hybrid sink", 4, 2, [10, 12, 9, 11], 20, 2, 0.5, 4, 7, 0)
-def test_speculation_leaves_the_cache_plain_decoding_leaves(models, tmp_path_factory, case, block_size, common,
-                                                            tails, max_tokens, n, miss, k, seed, spare_blocks):
-    model, options = CASES[case]
-    prompts = [list(range(5, 5 + common)) + [100 + 7 * i + j for j in range(t)] for i, t in enumerate(tails)]
-    params = [SamplingParams(n=n if i == 0 else 1, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+@dataclass(frozen=True)
+class Run:
+    """One run: prompts of a `common` prefix and tails of these lengths, the first (and every other one) with n
+    samples; drafts of k tokens from an oracle that spoils each with probability `miss`; a pool of room for the
+    longest request and spare_blocks more, so that the others wait or are preempted."""
+
+    case: str
+    block_size: int
+    common: int
+    tails: tuple[int, ...]
+    max_tokens: int
+    n: int
+    miss: float
+    k: int
+    seed: int
+    spare_blocks: int
+
+
+def _run(models, tmp_path_factory, run: Run) -> tuple[Seen, dict]:
+    """Decode `run` plainly and with speculation, checking the speculating engine's cache after every step and its
+    cached pages at the end against plain decoding's; what the speculating engine went through, and its stats."""
+    model, options = CASES[run.case]
+    bs, k, max_tokens = run.block_size, run.k, run.max_tokens
+    prompts = [list(range(5, 5 + run.common)) + [100 + 7 * i + j for j in range(t)] for i, t in enumerate(run.tails)]
+    params = [SamplingParams(n=1 if i % 2 else run.n, max_tokens=max_tokens, temperature=0, ignore_eos=True)
               for i in range(len(prompts))]
     # room for the longest request in each layer group (and the null block), and a few blocks more: the others wait
     # or are preempted; under eviction room for all at once, as a preempted sequence's recomputation in prompt chunks
     # evicts other blocks than its decode steps did (plain decoding's tokens then depend on where it was preempted)
-    blocks = [-(-(len(p) + max_tokens + k) // block_size) for p in prompts]
-    room = sum(blocks) + n * max(blocks) if "eviction" in options else max(blocks) + spare_blocks
-    kw = dict(block_size=block_size, num_kv_blocks=2 * room + 2, max_num_seqs=3, long_prefill_token_threshold=8)
+    blocks = [-(-(len(p) + max_tokens + k) // bs) for p in prompts]
+    if "eviction" in options:
+        room = max(blocks) + sum(p.n * b for p, b in zip(params, blocks))
+    else:
+        room = max(blocks) + run.spare_blocks
+    groups = 2 if model == "gemma2" else 1
+    kw = dict(block_size=bs, num_kv_blocks=groups * room + 2, max_num_seqs=3, long_prefill_token_threshold=8,
+              skip_tokenizer_init=True)
 
     def engine_options() -> dict:
         return {name: value.format(tmp_path_factory.mktemp("tier")) if name == "kv_offload" else value
@@ -117,8 +194,9 @@ def test_speculation_leaves_the_cache_plain_decoding_leaves(models, tmp_path_fac
     assert "eviction" not in options or plain.stats()["num_preemptions"] == 0
     llm = LLM(str(models[model]), speculative_config={**NGRAM, "num_speculative_tokens": k}, **kw,
               **engine_options())
-    with_oracle(llm, prompts, reference, miss, seed)
+    with_oracle(llm, prompts, reference, run.miss, run.seed)
     engine, outputs = llm.engine, {}
+    seen = _watch(engine)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, p, final_only=True)
     while engine.has_unfinished_requests():
@@ -130,7 +208,7 @@ def test_speculation_leaves_the_cache_plain_decoding_leaves(models, tmp_path_fac
     assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
     # the cache holds verified blocks alone, with plain decoding's bytes
     verified = {key.in_group(g).hash: key.in_group(g) for prompt, samples in zip(prompts, reference)
-                for sample in samples for key in _keys(prompt + sample, block_size)
+                for sample in samples for key in _keys(prompt + sample, bs)
                 for g in range(len(engine.kv.layer_groups))}
     spec_pages, plain_pages = _cached_pages(llm, verified), _cached_pages(plain, verified)
     for block_hash in spec_pages.keys() & plain_pages.keys():
@@ -138,3 +216,43 @@ def test_speculation_leaves_the_cache_plain_decoding_leaves(models, tmp_path_fac
         # the other), within a step of the quantized formats' grids
         ours, theirs = spec_pages[block_hash], plain_pages[block_hash]
         torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-2 * float(theirs.abs().max()) + 1e-5)
+    return seen, llm.stats()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(sorted(CASES)), block_size=st.integers(2, 6), common=st.integers(0, 10),
+       tails=st.lists(st.integers(1, 14), min_size=1, max_size=6).map(tuple), max_tokens=st.integers(4, 20),
+       n=st.sampled_from([1, 1, 2, 3]), miss=st.sampled_from([0.0, 0.2, 0.5, 0.8]), k=st.integers(1, 5),
+       seed=st.integers(0, 2**16), spare_blocks=st.integers(0, 8))
+def test_speculation_leaves_the_cache_plain_decoding_leaves(models, tmp_path_factory, case, block_size, common,
+                                                            tails, max_tokens, n, miss, k, seed, spare_blocks):
+    _run(models, tmp_path_factory, Run(case, block_size, common, tails, max_tokens, n, miss, k, seed, spare_blocks))
+
+
+FORKED = ("forked_verifications", "draft_copies")
+PREEMPTED = ("preempted_with_drafts", "preempted_after_rollback", "preempted_forks")
+
+
+# runs that surely go through the states named, in each case (found by drawing runs and counting what each went
+# through); the property holds in each
+SCENARIOS = [
+    (Run("full", 3, 0, (11, 3), 8, 2, 0.2, 3, 27362, 0), FORKED + PREEMPTED),
+    (Run("int8 pages", 5, 9, (8, 10), 16, 2, 0.5, 4, 9486, 1), FORKED + PREEMPTED),
+    (Run("hybrid", 6, 0, (4, 5, 10, 14), 12, 3, 0.5, 2, 30937, 1), FORKED + PREEMPTED),
+    (Run("disk tier", 6, 1, (9, 11), 16, 2, 0.2, 4, 35112, 1), FORKED + PREEMPTED + ("kv_offload_blocks_stored",)),
+    (Run("disk tier swap", 2, 6, (3, 6, 11, 6), 13, 2, 0.5, 2, 2634, 2), FORKED + PREEMPTED + ("swapped",)),
+    # three samples of a request whose drafts are accepted at different steps, each evicting at its own
+    (Run("sink", 3, 8, (4, 7, 9, 6, 14), 15, 3, 0.5, 5, 748, 6), ("forked_verifications", "num_evicted_tokens")),
+    (Run("hybrid sink", 4, 3, (11, 11, 4, 3), 11, 3, 0.5, 2, 47341, 1), FORKED + ("num_evicted_tokens",)),
+]
+
+
+@pytest.mark.parametrize("run, reached", [pytest.param(run, reached, id=run.case) for run, reached in SCENARIOS])
+def test_forks_and_preemption_amid_speculation_leave_the_cache_plain_decoding_leaves(models, tmp_path_factory, run,
+                                                                                     reached):
+    """Forked samples verify drafts over the blocks they share (copied on write); sequences are preempted with
+    drafts pending, right after a verification rejected some, forked ones among them, then recomputed (or swapped
+    to the tier and read back): the cache is plain decoding's throughout."""
+    seen, stats = _run(models, tmp_path_factory, run)
+    counts = {**vars(seen), **stats}
+    assert all(counts[name] > 0 for name in reached), {name: counts[name] for name in reached}

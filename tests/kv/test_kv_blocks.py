@@ -165,6 +165,27 @@ def test_fork_shares_blocks() -> None:
     kv.check_invariants()
 
 
+def test_unshare_gives_fresh_blocks_where_a_fork_shares_them() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate(0, 0, 10)
+    kv.replace(0, range(1), pin=True)       # a sink's working copy, its original pinned
+    kv.fork(0, 1)
+    parent = list(kv.block_tables[0])
+    kv.unshare(1, range(2))
+    child = kv.block_tables[1]
+    assert child[2] == parent[2] and not {*child[:2]} & {*parent}
+    assert [kv.pool.ref_counts[b] for b in parent] == [1, 1, 2]
+    kv.unshare(1, range(2))                 # its own already: nothing changes
+    assert kv.block_tables[1] == child
+    kv.check_invariants()
+    kv.fork(0, 2)
+    assert kv.num_free_blocks == 2
+    before = snapshot(kv)
+    with pytest.raises(NoFreeBlocksError):  # three shared blocks, two free: none is replaced
+        kv.unshare(2, range(3))
+    assert snapshot(kv) == before
+
+
 def test_fork_into_existing_sequence_raises() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     kv.allocate(0, 0, 2)

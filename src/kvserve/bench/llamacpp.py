@@ -1,10 +1,12 @@
-"""llama.cpp beside kvserve in `bench throughput`, on the same random checkpoint (the `peers` extra).
+"""llama.cpp beside kvserve in `bench throughput` and `bench spec`, on the same checkpoint (the `peers` extra).
 
 The checkpoint is written to a BF16 GGUF (`write_gguf`, with the `gguf` package) and quantized by llama.cpp
 itself to the types users download for these sizes: Q8_0 beside kvserve's int8 weights, Q4_0 beside int4.
-llama.cpp runs through llama-cpp-python's C API, not its Python `Llama` class, so that a batch of
-sequences decodes together, one token each a step, as the engine's does. Only the Llama architecture is
-converted: the bench's other shapes (Qwen2's biases) have no peer column.
+For `bench throughput` llama.cpp runs through llama-cpp-python's C API (`LlamaCpp`), not its Python `Llama`
+class, so that a batch of sequences decodes together, one token each a step, as the engine's does. For
+`bench spec` it runs through the `Llama` class (batch 1), whose prompt lookup decoding is llama-cpp-python's
+(LOOKUP_ROUTE). Only the Llama architecture is converted: the bench's other shapes (Qwen2's biases) have no
+peer column.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import ctypes
 import importlib.util
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +26,11 @@ from safetensors import safe_open
 PEER_TYPES = {None: ("bf16", 32), "int8": ("q8_0", 7), "int4": ("q4_0", 2)}
 _BATCH = 512            # llama.cpp's logical batch: prompt tokens per llama_decode call
 _QUIET = None           # the log callback that drops llama.cpp's lines, made on first use (kept: C holds it)
+# What `bench spec`'s llama.cpp column runs, as it prints it: not llama.cpp's own lookup decoding
+LOOKUP_ROUTE = ("llama-cpp-python's Llama.generate with llama_cpp.llama_speculative.LlamaPromptLookupDecoding: "
+                "llama-cpp-python's numpy port of apoorvumang/prompt-lookup-decoding (the earliest match of the "
+                "longest suffix n-gram), each step's token and drafts verified by one llama_decode; not llama.cpp's "
+                "own lookup decoding (examples/lookup, common_ngram_cache)")
 
 
 def available() -> bool:
@@ -50,14 +59,19 @@ def _tensors(config: dict):
             yield f"blk.{i}.{ours}.weight", f"model.layers.{i}.{theirs}.weight", heads.get(ours, 0)
 
 
+def model_type(checkpoint: Path) -> str | None:
+    """The checkpoint's model_type (config.json's): write_gguf converts "llama" alone."""
+    return json.loads((checkpoint / "config.json").read_text()).get("model_type")
+
+
 def write_gguf(checkpoint: Path, out: Path) -> Path:
     """A BF16 GGUF (norms in float32, as llama.cpp keeps them) of the Llama checkpoint at `checkpoint`, with no
     tokenizer ("no_vocab": token ids in, logits out). ValueError for another architecture."""
     import gguf
 
     config = json.loads((checkpoint / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(f"the llama.cpp peer converts Llama checkpoints only, not {config.get('model_type')!r}")
+    if model_type(checkpoint) != "llama":
+        raise ValueError(f"the llama.cpp peer converts Llama checkpoints only, not {model_type(checkpoint)!r}")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer = gguf.GGUFWriter(out, "llama")
     writer.add_context_length(config["max_position_embeddings"])
@@ -172,3 +186,46 @@ class LlamaCpp:
             for out, t in zip(outs, last):
                 out.append(t)
         return outs, times
+
+
+@dataclass
+class CountedDrafts:
+    """A draft model for llama-cpp-python's `Llama(draft_model=...)`: `draft`'s drafts, counted. Llama.generate asks
+    it once before each llama_decode of the next token (with the drafts)."""
+
+    draft: Callable
+    calls: int = 0
+    tokens: int = 0
+
+    def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
+        drafts = self.draft(input_ids, **kwargs)
+        self.calls += 1
+        self.tokens += len(drafts)
+        return drafts
+
+
+def lookup_llama(path: Path, n_ctx: int, threads: int, lookup: tuple[int, int] | None):
+    """llama-cpp-python's `Llama` over the GGUF at `path`, on `threads` threads (prompt and decode alike), with
+    `lookup` = (max n-gram, drafts) a CountedDrafts of its LlamaPromptLookupDecoding (LOOKUP_ROUTE) as its draft
+    model, or none."""
+    llama_cpp = _library()
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = None if lookup is None else CountedDrafts(LlamaPromptLookupDecoding(*lookup))
+    # logits_all with a draft model: Llama turns it on itself then, but sizes its logits buffer by the argument
+    # (n_batch rows), which a prompt and its outputs past n_batch tokens overflow
+    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=_BATCH, n_threads=threads, n_threads_batch=threads,
+                           logits_all=draft is not None, draft_model=draft, verbose=False)
+
+
+def greedy_decode(llama, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+    """`Llama.generate`'s greedy tokens after `prompt`, from an empty cache: the first (after the prompt's
+    evaluation, untimed) and `tokens` more, and the seconds those took."""
+    llama.reset()
+    gen = llama.generate(prompt, temp=0.0, reset=True)
+    out = [next(gen)]
+    start = time.perf_counter()
+    out += [next(gen) for _ in range(tokens)]
+    seconds = time.perf_counter() - start
+    gen.close()
+    return out, seconds

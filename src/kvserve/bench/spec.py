@@ -10,6 +10,10 @@ on two workloads:
   editing does (lookup pays);
 - free: a chunk to continue (free generation: lookup finds what the model repeats of it, or of itself).
 
+Beside part 1, where the `peers` extra is installed (--llama-cpp, bench/spec_llamacpp.py): llama.cpp on a BF16 GGUF of
+the same checkpoint, batch 1, the same prompts and threads, greedy decode tokens/s without and with prompt lookup (as
+llama-cpp-python implements it: bench/llamacpp.py's LOOKUP_ROUTE), timed in every round after the engines.
+
 Part 2, what a verification costs (--cost-shape, default TinyLlama-1.1B's, random weights, bfloat16: their drafts
 would never be accepted, so no acceptance is measured there): the time of one step of B sequences with k drafts each
 against one step of B sequences of one token, by the C step (a row per token, as the engine verifies) and op by op
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kvserve.arg_utils import write_json
+from kvserve.bench import spec_llamacpp
 from kvserve.bench.common import (DEFAULT_SHAPE, SHAPES, decode_rate, describe_shape, make_checkpoint, print_table,
                                   random_prompts)
 from kvserve.engine.scheduler import SchedulerOutput
@@ -52,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,16", help="batch sizes (default 1,16)")
     p.add_argument("--tokens", type=int, default=None, help="decode tokens a sequence (default 128; quick: 32)")
     p.add_argument("--repeats", type=int, default=None, help="rounds of part 1 (default 5; quick: 1)")
+    p.add_argument("--llama-cpp", default=True, action=argparse.BooleanOptionalAction,
+                   help="beside part 1 at batch 1, llama.cpp on the same checkpoint (Llama shapes; needs the peers "
+                        "extra) without and with llama-cpp-python's prompt lookup decoding")
     p.add_argument("--cost-shape", default="tinyllama-1.1b", choices=[*sorted(SHAPES), "bench", "none"],
                    help="part 2's random-weight shape ('bench': the benches' small Llama; 'none': no part 2)")
     p.add_argument("--cost-batches", default="1,2,4,8,16")
@@ -84,22 +92,62 @@ def run_round(engines: dict[str, LLM], prompts: list[list[int]], tokens: int) ->
 
 
 def end_to_end(args: argparse.Namespace, batches: list[int], tokens: int, repeats: int) -> dict:
-    """Part 1: every engine and workload, `repeats` rounds at each batch size."""
+    """Part 1: every engine and workload, `repeats` rounds at each batch size; and at batch 1 llama.cpp's rounds after
+    the engines' in each (with --llama-cpp where it runs)."""
     draft = args.draft or str(resolve_model(args.model))
     quantization = None if args.draft_quantization == "none" else args.draft_quantization
     configs = {"plain": None, "ngram": NGRAM,
                "draft": {"model": draft, "num_speculative_tokens": NUM_DRAFTS, "quantization": quantization}}
-    results = {}
+    results, peer = {}, {"results": {}}
     for batch in batches:
         # speculation at every batch here, whatever the default: this is how the default is chosen
         engines = {name: LLM(args.model, dtype=args.dtype, max_num_seqs=max(batches),
                              speculative_config=None if spec is None else {**spec, "disable_by_batch_size": batch})
                    for name, spec in configs.items()}
-        for workload, prompts in workloads(engines["plain"].get_tokenizer(), batch).items():
-            run_round(engines, prompts, WARMUP_TOKENS)     # untimed: each engine's first steps set up its kernels
-            rounds = [run_round(engines, prompts, tokens) for _ in range(repeats)]
-            results[f"{workload}, batch {batch}"] = summarize(rounds)
-    return {"draft": f"{draft} ({quantization or 'as stored'})", "results": results}
+        loads = workloads(engines["plain"].get_tokenizer(), batch)
+        with tempfile.TemporaryDirectory() as tmp:
+            peers = _peers(args, batches, batch, loads, tokens, Path(tmp))
+            for workload, prompts in loads.items():
+                rounds, peer_rounds = _rounds(engines, peers, prompts, tokens, repeats)
+                results[f"{workload}, batch {batch}"] = summarize(rounds)
+                if peers is not None:
+                    peer["results"][workload] = spec_llamacpp.summarize(peer_rounds)
+            if peers is not None:
+                peer.update(peers.describe())
+                peers.close()
+    return {"draft": f"{draft} ({quantization or 'as stored'})", "results": results,
+            "llama_cpp": peer if peer["results"] else None}
+
+
+def _rounds(engines: dict[str, LLM], peers, prompts: list[list[int]], tokens: int, repeats: int) -> tuple[list, list]:
+    """An untimed round (each engine's first steps set up its kernels), then `repeats` rounds of the engines, each
+    followed by llama.cpp's on the first prompt where `peers` (spec_llamacpp.Peers) are given."""
+    run_round(engines, prompts, WARMUP_TOKENS)
+    if peers is not None:
+        spec_llamacpp.run_round(peers, prompts[0], WARMUP_TOKENS)
+    rounds, peer_rounds = [], []
+    for _ in range(repeats):
+        rounds.append(run_round(engines, prompts, tokens))
+        if peers is not None:
+            peer_rounds.append(spec_llamacpp.run_round(peers, prompts[0], tokens))
+    return rounds, peer_rounds
+
+
+def _peers(args: argparse.Namespace, batches: list[int], batch: int, loads: dict, tokens: int, tmp: Path):
+    """llama.cpp's two `Llama`s at batch 1 (spec_llamacpp.Peers), with --llama-cpp where they run; else None (and,
+    at the first batch, a line saying why)."""
+    if not args.llama_cpp:
+        return None
+    checkpoint = resolve_model(args.model)
+    why = spec_llamacpp.why_not(checkpoint, batches)
+    if why is not None:
+        if batch == batches[0]:
+            print(f"llama.cpp not run: {why}")
+        return None
+    if batch != 1:
+        return None
+    n_ctx = max(len(p) for prompts in loads.values() for p in prompts) + tokens + NUM_DRAFTS + 2
+    return spec_llamacpp.load(checkpoint, tmp, n_ctx, NGRAM["prompt_lookup_max"], NUM_DRAFTS)
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -221,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"load average {load:.1f} at the start; torch threads {torch.get_num_threads()}")
     part1 = end_to_end(args, batches, tokens, repeats)
     report_end_to_end(part1)
+    if part1["llama_cpp"] is not None:
+        spec_llamacpp.report(part1, part1["llama_cpp"])
     data = {"tokens": tokens, "repeats": repeats, "num_speculative_tokens": NUM_DRAFTS, "end_to_end": part1,
             "load_start": load}
     if args.cost_shape != "none":

@@ -112,6 +112,10 @@ class Evictor:
         sink_blocks = policy.sink_blocks(bs)
         if sink_blocks and not self.kv.pinned.get(seq.seq_id):
             self.kv.replace(seq.seq_id, range(sink_blocks), pin=True)
+        elif sink_blocks:
+            # a fork shares its parent's working copies, and its evictions may come at other steps (speculative
+            # decoding accepts drafts at each sample's own pace): each rotates copies of its own
+            self.kv.unshare(seq.seq_id, range(sink_blocks))
         self.kv.drop(seq.seq_id, drop)
         seq.num_evicted_tokens += len(drop) * bs
         self.num_evicted_tokens += len(drop) * bs

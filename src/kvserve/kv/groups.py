@@ -244,6 +244,20 @@ class GroupTables:
             self.pinned.setdefault(seq_id, []).extend(old)
         return old
 
+    def num_shared(self, seq_id: int, indices: range) -> int:
+        """Entries `indices` of a sequence's table whose blocks another sequence holds too."""
+        table = self.block_tables[seq_id]
+        return sum(1 for b in table[indices.start:indices.stop] if self.pool.ref_counts[b] > 1)
+
+    def unshare(self, seq_id: int, indices: range) -> None:
+        """A fresh block for each of entries `indices` whose block another sequence holds too; the shared one is
+        let go of. The fresh block's contents are the caller's to write, whole."""
+        table = self.block_tables[seq_id]
+        for i in range(indices.start, min(indices.stop, len(table))):
+            if self.pool.ref_counts[table[i]] > 1:
+                self.pool.decref(table[i])
+                (table[i],) = self.pool.allocate(1)
+
     def rebuild(self, seq_id: int, num_tokens: int) -> tuple[list[int], list[int]]:
         """Give a sequence a table of fresh blocks for the num_tokens tokens an eviction keeps; returns (old table,
         new table), whose old blocks it still owns until `release` (the kept tokens are copied over first)."""

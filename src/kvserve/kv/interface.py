@@ -168,6 +168,13 @@ class KVCache(ABC):
         they held are returned (pinned to the sequence when `pin`, else left to the caller to `release`)."""
 
     @abstractmethod
+    def unshare(self, seq_id: int, indices: range) -> None:
+        """A fresh block for each of entries `indices` of the groups that keep every token whose block another
+        sequence shares (the forks of a sequence's n samples share its sink's working copies, which each rewrites
+        for its own evictions); the caller writes them whole. NoFreeBlocksError, changing nothing, if the pool
+        lacks them."""
+
+    @abstractmethod
     def leading_blocks(self, seq_id: int, n: int) -> list[int]:
         """The first n entries of the tables of the groups that keep every token, in the order of `pinned`."""
 

@@ -211,6 +211,11 @@ class KVCacheManager(KVCache):
         check_free(self.pool, seq_id, len(indices) * len(self._full))
         return [b for m in self._full for b in m.replace(seq_id, indices, pin)]
 
+    def unshare(self, seq_id: int, indices: range) -> None:
+        check_free(self.pool, seq_id, sum(m.num_shared(seq_id, indices) for m in self._full))
+        for m in self._full:
+            m.unshare(seq_id, indices)
+
     def leading_blocks(self, seq_id: int, n: int) -> list[int]:
         return [b for m in self._full for b in m.block_tables[seq_id][:n]]
 

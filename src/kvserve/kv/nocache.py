@@ -79,7 +79,7 @@ class NoKVCache(KVCache):
     def _no_pages(self, *args) -> None:
         raise RuntimeError("eviction needs a paged KV cache (cache_mode 'paged'): this engine keeps none")
 
-    drop = replace = leading_blocks = rebuild = release = _no_pages
+    drop = replace = unshare = leading_blocks = rebuild = release = _no_pages
 
     def record_events(self, sink) -> None:
         """No prefix cache: nothing is ever indexed (the engine refuses KV events here)."""
