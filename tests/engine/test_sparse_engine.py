@@ -27,7 +27,7 @@ def llama(checkpoint):
 
 def generate(path, params: SamplingParams, prompts=PROMPTS, **kw):
     """Outputs and stats of an engine over `prompts`."""
-    llm = LLM(str(path), block_size=4, num_kv_blocks=240, dtype=kw.pop("dtype", "float32"), **kw)
+    llm = LLM(str(path), block_size=kw.pop("block_size", 4), num_kv_blocks=240, dtype=kw.pop("dtype", "float32"), **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, llm.stats()
 
@@ -51,7 +51,10 @@ def test_a_budget_past_the_context_is_dense_attention_exactly(llama):
     assert tokens(outs) == tokens(generate(llama, greedy)[0]) and stats["steps"]["native_multi_step"] > 0
 
 
-@pytest.mark.parametrize("kw", [{}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int4"}],
+# int4 pages in blocks of 16: in blocks of 4, a block's packed K and V hold fewer bytes than its float32 summary,
+# and choosing never pays (kv/sparse.py's selection_pays)
+@pytest.mark.parametrize("kw", [{}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"},
+                                {"kv_cache_dtype": "int4", "block_size": 16}],
                          ids=["float32", "bfloat16", "int8-pages", "int4-pages"])
 def test_every_path_chooses_the_same_blocks(llama, kw):
     """Under a budget smaller than the contexts: the C step (several steps a call, and one), and the eager native
