@@ -266,8 +266,9 @@ def test_summaries_stay_exact_through_preemption_prefix_hits_forks_and_the_tier(
     assert (stats["kv_offload_swap_ins"] > 0) == (preemption_mode == "swap")
 
 
-@pytest.mark.parametrize("kw", [{}, {"enforce_eager": True}, {"kv_cache_dtype": "int8"}], ids=["c-step", "eager",
-                                                                                              "int8-pages"])
+# int8 pages in blocks of 16 (in blocks of 4, choosing never pays: kv/sparse.py's selection_pays)
+@pytest.mark.parametrize("kw", [{}, {"enforce_eager": True}, {"kv_cache_dtype": "int8", "block_size": 16}],
+                         ids=["c-step", "eager", "int8-pages"])
 def test_summaries_forget_the_drafts_a_verification_rejects(llama, kw):
     """N-gram speculation beside sparse attention: a verification writes its drafts' keys into the summaries and
     rejects most of them; after every step every block is summarised exactly (from the tokens it keeps), and the
@@ -276,8 +277,8 @@ def test_summaries_forget_the_drafts_a_verification_rejects(llama, kw):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10] * 8, PROMPTS[1]]
     expected, _ = generate(llama, params, prompts, sparse_attention=QUEST, num_scheduler_steps=1, **kw)
-    llm = LLM(str(llama), block_size=4, num_kv_blocks=240, dtype="float32", sparse_attention=QUEST,
-              speculative_config=ngram, num_scheduler_steps=1, **kw)
+    llm = LLM(str(llama), num_kv_blocks=240, dtype="float32", sparse_attention=QUEST, speculative_config=ngram,
+              num_scheduler_steps=1, **{"block_size": 4, **kw})
     for i, p in enumerate(prompts):
         llm.engine.add_request(str(i), {"prompt_token_ids": p}, params)
     got = {}
