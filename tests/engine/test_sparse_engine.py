@@ -51,6 +51,29 @@ def test_a_budget_past_the_context_is_dense_attention_exactly(llama):
     assert tokens(outs) == tokens(generate(llama, greedy)[0]) and stats["steps"]["native_multi_step"] > 0
 
 
+def test_a_budget_that_skips_too_little_to_pay_is_dense_attention_exactly(llama):
+    """A budget below the longest context that would skip no more bytes of K and V than choosing reads of summaries
+    (kv/sparse.py's selection_pays: float32 pages in blocks of 4 tokens, 512 bytes a block and KV head against a
+    summary's 128; 2 to 5 of 34 to 37 middle blocks skipped): every task reads every block, and the tokens and
+    logprobs are dense attention's, bit for bit, by the C step (one step a call, and several) and the eager native
+    backend. A budget of a few blocks less chooses."""
+    quest = "quest:budget=144,recent=8,sinks=4"
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+    assert len(PROMPTS[0]) + params.max_tokens > 144 > max(map(len, PROMPTS[1:])) + params.max_tokens
+    dense, _ = generate(llama, params)
+    for path, kw in [("native", {"num_scheduler_steps": 1}), ("eager", {"enforce_eager": True})]:
+        outs, stats = generate(llama, params, sparse_attention=quest, **kw)
+        assert tokens(outs) == tokens(dense), path
+        assert [c.logprobs for o in outs for c in o.outputs] == [c.logprobs for o in dense for c in o.outputs], path
+        assert stats["sparse_blocks_read"] == stats["sparse_blocks_total"] > 0 and stats["steps"][path] > 0
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs, stats = generate(llama, greedy, sparse_attention=quest)
+    assert tokens(outs) == tokens(generate(llama, greedy)[0]) and stats["steps"]["native_multi_step"] > 0
+    assert stats["sparse_blocks_read"] == stats["sparse_blocks_total"] > 0
+    _, stats = generate(llama, greedy, sparse_attention="quest:budget=96,recent=8,sinks=4")
+    assert stats["sparse_blocks_read"] < stats["sparse_blocks_total"]
+
+
 # int4 pages in blocks of 16: in blocks of 4, a block's packed K and V hold fewer bytes than its float32 summary,
 # and choosing never pays (kv/sparse.py's selection_pays)
 @pytest.mark.parametrize("kw", [{}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"},

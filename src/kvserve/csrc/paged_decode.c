@@ -1186,8 +1186,9 @@ int decode_blocks(const Cache *c, int h, const int64_t *table, int64_t ctx, cons
             const float kth = kth_highest(ranked, n, k);
             int64_t ties = k;
             for (int64_t j = 0; j < n; j++) ties -= bound[j] > kth;
-            for (int64_t j = 0; j < n; j++)
-                if (bound[j] > kth || (bound[j] == kth && ties-- > 0)) sel[m++] = table[first + j];
+            /* (at most k, whatever a NaN in the bounds does to the comparisons) */
+            for (int64_t j = 0, left = k; j < n && left > 0; j++)
+                if (bound[j] > kth || (bound[j] == kth && ties-- > 0)) sel[m++] = table[first + j], left--;
         }
         for (int64_t j = last; j < nb; j++) sel[m++] = table[j];
         *out = (Blocks){sel, (m - 1) * bs + (ctx - (nb - 1) * bs), sel};   /* the last block: the context's last */
