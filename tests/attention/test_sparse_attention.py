@@ -12,10 +12,10 @@ import torch
 
 from kvserve import kernels
 from kvserve.attention import native
-from kvserve.attention.sparse import SparseDecode, select_blocks
+from kvserve.attention.sparse import SparseDecode, block_bytes, select_blocks
 from kvserve.attention.textbook import attend
 from kvserve.kv import KVSpec, KVStorage
-from kvserve.kv.sparse import Quest, parse_sparse_attention
+from kvserve.kv.sparse import Quest, parse_sparse_attention, selection_pays
 from kvserve.kv.summaries import round_down, round_up
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -68,9 +68,10 @@ def brute_force(case: Case, params, scale: float):
     """Quest from its definition, in float64, from the pages themselves (not their summaries): per (sequence, KV
     head) the blocks of the sinks and of the recent window, and the middle blocks of the highest
     sum over the group's heads of sum_i max(q_i min_i, q_i max_i) (min and max over the block's cached keys, as
-    attention reads them), the earlier of equal ones; then textbook attention over those blocks' tokens.
-    Returns the outputs [n, H, D], each (sequence, head)'s chosen table entries, and the smallest gap between a
-    chosen and an unchosen bound (relative), which must be clear of float32's rounding for the kernels to agree."""
+    attention reads them), the earlier of equal ones (every block where choosing does not pay: selection_pays);
+    then textbook attention over those blocks' tokens. Returns the outputs [n, H, D], each (sequence, head)'s chosen
+    table entries, and the smallest gap between a chosen and an unchosen bound (relative), which must be clear of
+    float32's rounding for the kernels to agree."""
     bs, kvh, groups = case.bs, case.kvh, case.groups
     out = torch.zeros(case.q.shape, dtype=torch.float64)
     chosen, gap = {}, float("inf")
@@ -82,12 +83,12 @@ def brute_force(case: Case, params, scale: float):
         budget, sinks, recent, _ = params[s]
         for h in range(kvh):
             q = case.q[s, h * groups:(h + 1) * groups].double()          # [G, D]
-            if budget <= 0 or ctx <= budget:
+            first = min(cdiv(sinks, bs), nb)
+            last = max((ctx - recent) // bs, first)
+            k = max(0, min(budget // bs - first - (nb - last), last - first))
+            if budget <= 0 or ctx <= budget or not selection_pays(last - first, k, *block_bytes(case.layer)):
                 picks = list(range(nb))
             else:
-                first = min(cdiv(sinks, bs), nb)
-                last = max((ctx - recent) // bs, first)
-                k = max(0, min(budget // bs - first - (nb - last), last - first))
                 bounds = {}
                 for j in range(first, last):
                     block = keys[h, j, :min(bs, ctx - j * bs)]
@@ -188,6 +189,90 @@ def test_select_blocks_chooses_as_the_brute_force(shape):
         assert tables[s, h, :len(picks)].tolist() == [case.tables[s][j] for j in picks], (s, h)
     counts, record = expected_counts(case, chosen, PARAMS)
     assert sparse.counts.tolist() == counts and torch.equal(sparse.record[0], record)
+
+
+# shape (as SHAPES), contexts: middles of many blocks (past the C bounds' steps of four blocks and their read-ahead,
+# with tails of one to three), head_dims that fill no whole vector of 16 lanes
+LONG = [((torch.bfloat16, "auto", 2, 1, 5, 40), [301, 222, 150]),
+        ((torch.float32, "auto", 2, 2, 3, 80), [413, 390, 257]),
+        ((torch.bfloat16, "int8", 3, 1, 4, 48), [700, 455, 204])]
+LONG_PARAMS = [(60, 5, 9, 0), (48, 0, 1, 0), (21, 3, 17, 0)]
+
+
+@needs_cc
+@pytest.mark.parametrize("shape, ctx_lens", LONG, ids=["bf16-bs2-d40", "f32-bs2-d80", "int8-bs3-d48"])
+def test_the_c_selection_is_the_brute_forces_over_long_middles(shape, ctx_lens):
+    """decode_blocks' choice (each task's reads, through the record) over middles of 40 to 400 blocks, and
+    attention over exactly them (the dense kernel's over a table of those blocks alone); select_blocks' too."""
+    d, groups, bs = shape[5], shape[4], shape[2]
+    case, _, chosen = clear_case(shape, ctx_lens, LONG_PARAMS, d ** -0.5)
+    counts, record = expected_counts(case, chosen, LONG_PARAMS)
+    sparse = case.sparse(LONG_PARAMS)
+    got = native.paged_decode(case.q, case.layer, case.block_tables, case.context_lens, d ** -0.5, sparse=sparse)
+    assert sparse.counts.tolist() == counts and torch.equal(sparse.record[0], record)
+    assert counts[0] < counts[1] / 2
+    for (s, h), picks in chosen.items():
+        heads = slice(h * groups, (h + 1) * groups)
+        table = torch.tensor([[case.tables[s][j] for j in picks]])
+        ctx = torch.tensor([sum(min(bs, ctx_lens[s] - j * bs) for j in picks)])
+        assert torch.equal(got[s, heads], native.paged_decode(case.q[s:s + 1], case.layer, table, ctx, d ** -0.5)[
+            0, heads]), (s, h)
+    sparse = case.sparse(LONG_PARAMS)
+    tables, _ = select_blocks(case.q, case.layer, case.block_tables, case.context_lens, sparse)
+    for (s, h), picks in chosen.items():
+        assert tables[s, h, :len(picks)].tolist() == [case.tables[s][j] for j in picks], (s, h)
+
+
+@needs_cc
+def test_equal_bounds_choose_the_earlier_blocks():
+    """Where every middle block bounds alike (the same key in each), the C kernel and select_blocks both read the
+    earliest of them: the choice is one, whatever order a partial selection leaves the bounds in."""
+    bs, d, ctx, nb = 2, 32, 101, 51
+    budget, sinks, recent = 24, 2, 4     # 1 sink block, 3 recent ones, 8 of the 47 middle ones
+    layer = KVStorage(KVSpec(1, 1, d, torch.bfloat16, bs, summaries=True), 64, "cpu").layer(0)
+    g = torch.Generator().manual_seed(0)
+    table = torch.randperm(64, generator=g)[:nb]
+    pos = torch.arange(ctx)
+    layer.write_tokens(torch.randn(1, 2, 1, d, generator=g).expand(ctx, 2, 1, d).to(torch.bfloat16).contiguous(),
+                       table[pos // bs] * bs + pos % bs)
+    q = torch.randn(1, 4, d, generator=g).to(torch.bfloat16)
+    want = [0, *range(1, 9), 48, 49, 50]
+    params = torch.tensor([[budget, sinks, recent, 0]])
+    sparse = SparseDecode(params, torch.zeros(2, dtype=torch.int64), torch.zeros(1, 1, nb, dtype=torch.uint8), layer=0)
+    native.paged_decode(q, layer, table[None], torch.tensor([ctx]), d ** -0.5, sparse=sparse)
+    assert sparse.record[0, 0].nonzero().flatten().tolist() == want
+    tables, lens = select_blocks(q, layer, table[None], torch.tensor([ctx]), SparseDecode(
+        params, torch.zeros(2, dtype=torch.int64), None, layer=0))
+    assert tables[0, 0, :len(want)].tolist() == table[want].tolist() and lens.tolist() == [[(len(want) - 1) * bs + 1]]
+
+
+# dtype, kv_cache_dtype, a block's bytes in a KV head (K and V, scales included; block size 16, head_dim 64), middle
+# blocks n and the blocks skipped where those bytes equal the n summaries' (2 x 64 numbers of the model's dtype)
+RULE = [(torch.bfloat16, "auto", 4096, 32, 2), (torch.float32, "auto", 8192, 32, 2),
+        (torch.bfloat16, "int8", 2112, 33, 4), (torch.bfloat16, "int4", 1152, 36, 8)]
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype, kv_cache_dtype, page, middle, skipped", RULE, ids=[r[1] + "-" + str(r[0])[6:]
+                                                                                    for r in RULE])
+def test_a_choice_that_skips_no_more_bytes_than_it_reads_attends_densely(dtype, kv_cache_dtype, page, middle,
+                                                                          skipped):
+    """kv/sparse.py's selection_pays: a task whose budget would skip `skipped` middle blocks, whose bytes equal those
+    of the n summaries the choice reads, reads every block (the C kernels and select_blocks, counted as the
+    engine's stats count them); one block fewer in the budget and it chooses, skipping skipped + 1."""
+    bs, d = 16, 64
+    case = Case(dtype, kv_cache_dtype, bs, 1, 4, d, [(middle + 1) * bs], shared=0)
+    assert block_bytes(case.layer) == (page, 2 * d * case.layer.summaries.data.element_size())
+    nb = middle + 1
+    for skip in (skipped, skipped + 1):
+        params = [((middle - skip + 1) * bs, 0, bs, 0)]         # no sinks, one recent block, middle - skip chosen
+        read = nb if skip == skipped else nb - skip
+        sparse = case.sparse(params)
+        native.paged_decode(case.q, case.layer, case.block_tables, case.context_lens, d ** -0.5, sparse=sparse)
+        assert sparse.counts.tolist() == [read, nb], skip
+        sparse = case.sparse(params)
+        select_blocks(case.q, case.layer, case.block_tables, case.context_lens, sparse)
+        assert sparse.counts.tolist() == [read, nb], skip
 
 
 def test_triton_decodes_over_each_heads_blocks(triton_interpreter):

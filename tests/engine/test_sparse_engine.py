@@ -27,7 +27,7 @@ def llama(checkpoint):
 
 def generate(path, params: SamplingParams, prompts=PROMPTS, **kw):
     """Outputs and stats of an engine over `prompts`."""
-    llm = LLM(str(path), block_size=4, num_kv_blocks=240, dtype=kw.pop("dtype", "float32"), **kw)
+    llm = LLM(str(path), block_size=kw.pop("block_size", 4), num_kv_blocks=240, dtype=kw.pop("dtype", "float32"), **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, llm.stats()
 
@@ -51,7 +51,33 @@ def test_a_budget_past_the_context_is_dense_attention_exactly(llama):
     assert tokens(outs) == tokens(generate(llama, greedy)[0]) and stats["steps"]["native_multi_step"] > 0
 
 
-@pytest.mark.parametrize("kw", [{}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int4"}],
+def test_a_budget_that_skips_too_little_to_pay_is_dense_attention_exactly(llama):
+    """A budget below the longest context that would skip no more bytes of K and V than choosing reads of summaries
+    (kv/sparse.py's selection_pays: float32 pages in blocks of 4 tokens, 512 bytes a block and KV head against a
+    summary's 128; 2 to 5 of 34 to 37 middle blocks skipped): every task reads every block, and the tokens and
+    logprobs are dense attention's, bit for bit, by the C step (one step a call, and several) and the eager native
+    backend. A budget of a few blocks less chooses."""
+    quest = "quest:budget=144,recent=8,sinks=4"
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+    assert len(PROMPTS[0]) + params.max_tokens > 144 > max(map(len, PROMPTS[1:])) + params.max_tokens
+    dense, _ = generate(llama, params)
+    for path, kw in [("native", {"num_scheduler_steps": 1}), ("eager", {"enforce_eager": True})]:
+        outs, stats = generate(llama, params, sparse_attention=quest, **kw)
+        assert tokens(outs) == tokens(dense), path
+        assert [c.logprobs for o in outs for c in o.outputs] == [c.logprobs for o in dense for c in o.outputs], path
+        assert stats["sparse_blocks_read"] == stats["sparse_blocks_total"] > 0 and stats["steps"][path] > 0
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs, stats = generate(llama, greedy, sparse_attention=quest)
+    assert tokens(outs) == tokens(generate(llama, greedy)[0]) and stats["steps"]["native_multi_step"] > 0
+    assert stats["sparse_blocks_read"] == stats["sparse_blocks_total"] > 0
+    _, stats = generate(llama, greedy, sparse_attention="quest:budget=96,recent=8,sinks=4")
+    assert stats["sparse_blocks_read"] < stats["sparse_blocks_total"]
+
+
+# int4 pages in blocks of 16: in blocks of 4, a block's packed K and V hold fewer bytes than its float32 summary,
+# and choosing never pays (kv/sparse.py's selection_pays)
+@pytest.mark.parametrize("kw", [{}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"},
+                                {"kv_cache_dtype": "int4", "block_size": 16}],
                          ids=["float32", "bfloat16", "int8-pages", "int4-pages"])
 def test_every_path_chooses_the_same_blocks(llama, kw):
     """Under a budget smaller than the contexts: the C step (several steps a call, and one), and the eager native
@@ -263,8 +289,9 @@ def test_summaries_stay_exact_through_preemption_prefix_hits_forks_and_the_tier(
     assert (stats["kv_offload_swap_ins"] > 0) == (preemption_mode == "swap")
 
 
-@pytest.mark.parametrize("kw", [{}, {"enforce_eager": True}, {"kv_cache_dtype": "int8"}], ids=["c-step", "eager",
-                                                                                              "int8-pages"])
+# int8 pages in blocks of 16 (in blocks of 4, choosing never pays: kv/sparse.py's selection_pays)
+@pytest.mark.parametrize("kw", [{}, {"enforce_eager": True}, {"kv_cache_dtype": "int8", "block_size": 16}],
+                         ids=["c-step", "eager", "int8-pages"])
 def test_summaries_forget_the_drafts_a_verification_rejects(llama, kw):
     """N-gram speculation beside sparse attention: a verification writes its drafts' keys into the summaries and
     rejects most of them; after every step every block is summarised exactly (from the tokens it keeps), and the
@@ -273,8 +300,8 @@ def test_summaries_forget_the_drafts_a_verification_rejects(llama, kw):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10] * 8, PROMPTS[1]]
     expected, _ = generate(llama, params, prompts, sparse_attention=QUEST, num_scheduler_steps=1, **kw)
-    llm = LLM(str(llama), block_size=4, num_kv_blocks=240, dtype="float32", sparse_attention=QUEST,
-              speculative_config=ngram, num_scheduler_steps=1, **kw)
+    llm = LLM(str(llama), num_kv_blocks=240, dtype="float32", sparse_attention=QUEST, speculative_config=ngram,
+              num_scheduler_steps=1, **{"block_size": 4, **kw})
     for i, p in enumerate(prompts):
         llm.engine.add_request(str(i), {"prompt_token_ids": p}, params)
     got = {}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvserve.kv.pages import LayerPages
-from kvserve.kv.sparse import SparseAttention
+from kvserve.kv.sparse import SparseAttention, selection_pays
 
 NONE = (-1, 0, 0, 0)        # the params of a sequence without sparse attention
 
@@ -85,7 +85,8 @@ def choose_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Ten
     """Which entries of each sequence's block table each of its KV heads reads, [n, KVH, width] (bool), as
     csrc/paged_decode.c's decode_blocks chooses them for q [n, H, D] (one query a sequence) over its pages
     (block_tables [n, width], context_lens [n]) under params [n, 4] (SparseDecode's); every block of the context
-    where a sequence attends densely. Without a host synchronisation."""
+    where a sequence attends densely, or where choosing does not pay (kv/sparse.py's selection_pays). Without a
+    host synchronisation."""
     n, num_heads, d = q.shape
     _, kvh, _, bs, _ = kv_cache.shape
     width = block_tables.shape[1]
@@ -99,14 +100,24 @@ def choose_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Ten
     nb = (ctx + bs - 1) // bs
     first = torch.minimum((sinks.clamp_min(0) + bs - 1) // bs, nb)
     last = torch.maximum((ctx - recent).div(bs, rounding_mode="floor"), first)
-    k = (budget.div(bs, rounding_mode="floor") - first - (nb - last)).clamp_min(0)
+    k = torch.minimum((budget.div(bs, rounding_mode="floor") - first - (nb - last)).clamp_min(0), last - first)
     j = torch.arange(width, device=q.device)
     middle = (j >= first) & (j < last)
     # each middle block's rank: by bound, of equal ones the earlier first (a stable sort)
     order = torch.sort(torch.where(middle, bound, -torch.inf), dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, j.expand_as(order))
     chosen = (middle & (rank < k)) | (j < first) | ((j >= last) & (j < nb))
-    return torch.where((budget > 0) & (ctx > budget), chosen, j < nb)
+    pays = selection_pays(last - first, k, *block_bytes(kv_cache))
+    return torch.where((budget > 0) & (ctx > budget) & pays, chosen, j < nb)
+
+
+def block_bytes(kv_cache: LayerPages) -> tuple[int, int]:
+    """A block's bytes in one KV head of a layer's pages (K and V, their scales included) and its summary's: what
+    kv/sparse.py's selection_pays weighs."""
+    kvh = kv_cache.shape[1]
+    pages = sum(t.numel() // t.shape[axis] * t.element_size() for t, axis in kv_cache.block_parts()) // kvh
+    summaries = kv_cache.summaries.data
+    return pages, summaries[0, 0].numel() * summaries.element_size()
 
 
 def select_blocks(q: torch.Tensor, kv_cache: LayerPages, block_tables: torch.Tensor, context_lens: torch.Tensor,

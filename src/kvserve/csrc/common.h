@@ -275,7 +275,8 @@ typedef struct {
  * reads for its `groups` query heads q (rows of d floats): under sparse attention (kv/sparse.py) with budget > 0
  * and ctx > budget, the blocks of the first `sinks` tokens, those of the last `recent`, and the others of the
  * highest bounds by the cache's summaries up to budget tokens in whole blocks, in table order; else (budget 0:
- * dense, budget < 0: no sparse attention) the table itself. Where budget >= 0 it counts them: counts[0] += blocks
+ * dense, budget < 0: no sparse attention, or a choice that skips fewer bytes than it reads: kv/sparse.py's
+ * selection_pays) the table itself. Where budget >= 0 it counts them: counts[0] += blocks
  * read, counts[1] += blocks of the context, and record[j] += 1 for each block j read (record NULL: none), both
  * atomically (the sequence's other tasks count into them too). 0, or -1 where memory ran out. */
 int decode_blocks(const Cache *c, int h, const int64_t *table, int64_t ctx, const float *q, int groups,

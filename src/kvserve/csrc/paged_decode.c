@@ -1042,45 +1042,9 @@ int attend_head(const Cache *c, int h, const int64_t *table, int64_t ctx, const 
  * by sum_g sum_i max(q_gi min_i, q_gi max_i) = pos . max - neg . min, where pos_i and neg_i sum the positive and the
  * negative parts of the heads' q_gi: two dot products of d numbers a block, whatever the heads. */
 
-/* A middle block and its bound, for the selection. */
-typedef struct {
-    float bound;
-    int64_t at;         /* its index in the table */
-} Ranked;
-
-/* Whether a ranks before b: the higher bound, of equal ones the earlier block (so that the choice is one). */
-static inline int ranks_before(const Ranked *a, const Ranked *b) {
-    return a->bound > b->bound || (a->bound == b->bound && a->at < b->at);
-}
-
-/* r[0..n) reordered so that its first k rank before all the others (Hoare's selection, median of three). */
-static void select_top(Ranked *r, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi && k > lo && k <= hi) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (ranks_before(&r[mid], &r[lo])) { Ranked t = r[mid]; r[mid] = r[lo], r[lo] = t; }
-        if (ranks_before(&r[hi], &r[lo])) { Ranked t = r[hi]; r[hi] = r[lo], r[lo] = t; }
-        if (ranks_before(&r[hi], &r[mid])) { Ranked t = r[hi]; r[hi] = r[mid], r[mid] = t; }
-        const Ranked pivot = r[mid];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (ranks_before(&r[i], &pivot)) i++;
-            while (ranks_before(&pivot, &r[j])) j--;
-            if (i <= j) { Ranked t = r[i]; r[i] = r[j], r[j] = t; i++, j--; }
-        }
-        if (k <= j) hi = j;         /* the first k lie within [lo, j] */
-        else if (k >= i) lo = i;    /* [lo, i) all rank among the first k */
-        else break;                 /* (j, i) holds the pivot's equals, the boundary among them */
-    }
-}
-
-static int by_table_order(const void *a, const void *b) {
-    const int64_t x = ((const Ranked *)a)->at, y = ((const Ranked *)b)->at;
-    return (x > y) - (x < y);
-}
-
 /* pos . max - neg . min of a block's summary (F32 or BF16 rows [2][d]: minimums, then maximums). */
-static float block_bound(const void *summary, int kind, const float *pos, const float *neg, int d) {
+static inline __attribute__((always_inline)) float block_bound(const void *summary, int kind, const float *pos,
+                                                               const float *neg, int d) {
 #if AVX512_BW_VL
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < d; i += 16) {
@@ -1094,6 +1058,86 @@ static float block_bound(const void *summary, int kind, const float *pos, const 
     for (int i = 0; i < d; i++) acc += pos[i] * param(summary, kind, d + i) - neg[i] * param(summary, kind, i);
     return acc;
 #endif
+}
+
+/* How many blocks ahead block_bounds asks for the summaries it reads, as the pages are asked for ahead of their use. */
+#define BOUNDS_AHEAD 16
+
+/* A block's summary (`row` bytes) asked for, to be read soon. */
+static inline void prefetch_summary(const char *summary, size_t row) {
+    for (size_t at = 0; at < row; at += 64) __builtin_prefetch(summary + at, 0, 3);
+}
+
+/* bound[j]: block_bound of block table[j]'s summary, for j in [0, n) (summaries: rows of `row` bytes from `head`).
+ * Four blocks at a time, whose sums (each a chain of dependent adds, in block_bound's order) overlap. */
+static void block_bounds(const char *head, size_t row, int kind, const int64_t *table, int64_t n, const float *pos,
+                         const float *neg, int d, float *bound) {
+    for (int64_t a = 0; a < BOUNDS_AHEAD && a < n; a++) prefetch_summary(head + (size_t)table[a] * row, row);
+    int64_t j = 0;
+#if AVX512_BW_VL
+    for (; j + 4 <= n; j += 4) {
+        for (int64_t a = j + BOUNDS_AHEAD; a < j + BOUNDS_AHEAD + 4 && a < n; a++)
+            prefetch_summary(head + (size_t)table[a] * row, row);
+        const char *s[4];
+        __m512 acc[4];
+        for (int b = 0; b < 4; b++) s[b] = head + (size_t)table[j + b] * row, acc[b] = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 16) {
+            const __mmask16 m = lanes16(d - i);
+            const __m512 p = _mm512_maskz_loadu_ps(m, pos + i), g = _mm512_maskz_loadu_ps(m, neg + i);
+            for (int b = 0; b < 4; b++) {
+                acc[b] = _mm512_fmadd_ps(p, load16(s[b], (size_t)d + i, m, kind), acc[b]);
+                acc[b] = _mm512_fnmadd_ps(g, load16(s[b], i, m, kind), acc[b]);
+            }
+        }
+        for (int b = 0; b < 4; b++) bound[j + b] = _mm512_reduce_add_ps(acc[b]);
+    }
+#endif
+    for (; j < n; j++) {
+        if (j + BOUNDS_AHEAD < n) prefetch_summary(head + (size_t)table[j + BOUNDS_AHEAD] * row, row);
+        bound[j] = block_bound(head + (size_t)table[j] * row, kind, pos, neg, d);
+    }
+}
+
+/* The k-th highest of x[0..n) (0 < k <= n), x reordered: Hoare's selection, median of three. */
+static float kth_highest(float *x, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    const int64_t want = k - 1;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        float t;
+        if (x[mid] > x[lo]) t = x[mid], x[mid] = x[lo], x[lo] = t;
+        if (x[hi] > x[lo]) t = x[hi], x[hi] = x[lo], x[lo] = t;
+        if (x[hi] > x[mid]) t = x[hi], x[hi] = x[mid], x[mid] = t;
+        const float pivot = x[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (x[i] > pivot) i++;
+            while (pivot > x[j]) j--;
+            if (i <= j) t = x[i], x[i] = x[j], x[j] = t, i++, j--;
+        }
+        if (want <= j) hi = j;          /* the k-th lies within [lo, j] */
+        else if (want >= i) lo = i;     /* [lo, i) all rank above it */
+        else break;                     /* (j, i) holds the pivot's equals: the k-th among them */
+    }
+    return x[want];
+}
+
+/* A block's bytes in one KV head: its K and V rows and their scales (the pages' layout above). */
+static int64_t block_bytes(const Cache *c) {
+    const int64_t numbers = (int64_t)c->bs * c->d;
+    if (c->kind == INT8 || c->kind == FP8) return 2 * (numbers + 2 * c->bs);     /* an fp16 scale a row */
+    if (c->kind == INT4) return 2 * (numbers / 2 + 4 * c->bs);                    /* fp16 (scale, min) a row */
+    return 2 * numbers * (int64_t)elem_size(c->kind);
+}
+
+/* k clamped to [0, n]. */
+static inline int64_t clamp_blocks(int64_t k, int64_t n) { return k < 0 ? 0 : k > n ? n : k; }
+
+/* kv/sparse.py's rule (attention/sparse.py's choose_blocks applies it too): choosing k of a task's n middle blocks
+ * pays where the bytes it skips, n - k blocks of page_bytes, exceed those it reads to choose, a summary of
+ * summary_bytes for each of the n; else the task reads them all. */
+static inline int selection_pays(int64_t n, int64_t k, int64_t page_bytes, int64_t summary_bytes) {
+    return (n - k) * page_bytes > n * summary_bytes;
 }
 
 /* Counts a task's reads (decode_blocks). */
@@ -1116,42 +1160,37 @@ int decode_blocks(const Cache *c, int h, const int64_t *table, int64_t ctx, cons
                   int64_t budget, int64_t sinks, int64_t recent, int64_t *counts, uint8_t *record, Blocks *out) {
     const int d = c->d, bs = c->bs;
     const int64_t nb = (ctx + bs - 1) / bs;
+    const size_t row = (size_t)2 * d * elem_size(c->summary_kind);    /* a block's summary: [2][d] */
     *out = (Blocks){table, ctx, NULL};
-    if (budget > 0 && ctx > budget && c->summary) {
-        const int64_t first = sinks <= 0 ? 0 : (sinks + bs - 1) / bs < nb ? (sinks + bs - 1) / bs : nb;
-        const int64_t last = (ctx - recent) / bs > first ? (ctx - recent) / bs : first;   /* the recent blocks' first */
-        int64_t k = budget / bs - first - (nb - last), n = last - first;
-        k = k < 0 ? 0 : k > n ? n : k;
-        int64_t *sel = malloc(sizeof(int64_t) * (size_t)(first + k + nb - last));
-        Ranked *r = malloc(sizeof(Ranked) * (size_t)(n > 0 ? n : 1));
-        if (!sel || !r) {
-            free(sel), free(r);
-            return -1;
-        }
+    const int64_t first = sinks <= 0 ? 0 : (sinks + bs - 1) / bs < nb ? (sinks + bs - 1) / bs : nb;
+    const int64_t last = (ctx - recent) / bs > first ? (ctx - recent) / bs : first;   /* the recent blocks' first */
+    const int64_t n = last - first, k = clamp_blocks(budget / bs - first - (nb - last), n);
+    if (budget > 0 && ctx > budget && c->summary && selection_pays(n, k, block_bytes(c), (int64_t)row)) {
+        int64_t *sel = malloc(sizeof(int64_t) * (size_t)(first + k + nb - last) + sizeof(float) * (size_t)(2 * n));
+        if (!sel) return -1;
+        float *bound = (float *)(sel + first + k + nb - last), *ranked = bound + n;
         float pos[d], neg[d];
-        for (int i = 0; i < d; i++) {
-            pos[i] = neg[i] = 0.0f;
-            for (int g = 0; g < groups; g++) {
+        for (int i = 0; i < d; i++) pos[i] = neg[i] = 0.0f;
+        for (int g = 0; g < groups; g++)
+            for (int i = 0; i < d; i++) {
                 const float v = q[(size_t)g * d + i];
                 pos[i] += v > 0.0f ? v : 0.0f, neg[i] += v < 0.0f ? -v : 0.0f;
             }
-        }
-        const size_t row = (size_t)2 * d * elem_size(c->summary_kind);    /* a block's summary: [2][d] */
-        const char *head = (const char *)c->summary + (size_t)h * c->nb * row;
-        for (int64_t j = 0; j < n; j++) {
-            if (j + 8 < n) {        /* the summaries are read as the pages are: ahead of their use */
-                const char *ahead = head + (size_t)table[first + j + 8] * row;
-                for (size_t at = 0; at < row; at += 64) __builtin_prefetch(ahead + at, 0, 3);
-            }
-            r[j] = (Ranked){block_bound(head + (size_t)table[first + j] * row, c->summary_kind, pos, neg, d), first + j};
-        }
-        select_top(r, n, k);
-        qsort(r, (size_t)k, sizeof(Ranked), by_table_order);
+        block_bounds((const char *)c->summary + (size_t)h * c->nb * row, row, c->summary_kind, table + first, n, pos,
+                     neg, d, bound);
         int64_t m = 0;
         for (int64_t j = 0; j < first; j++) sel[m++] = table[j];
-        for (int64_t j = 0; j < k; j++) sel[m++] = table[r[j].at];
+        if (k > 0) {
+            /* the k highest, in table order: every bound above the k-th, then its equals, the earlier first */
+            memcpy(ranked, bound, sizeof(float) * (size_t)n);
+            const float kth = kth_highest(ranked, n, k);
+            int64_t ties = k;
+            for (int64_t j = 0; j < n; j++) ties -= bound[j] > kth;
+            /* (at most k, whatever a NaN in the bounds does to the comparisons) */
+            for (int64_t j = 0, left = k; j < n && left > 0; j++)
+                if (bound[j] > kth || (bound[j] == kth && ties-- > 0)) sel[m++] = table[first + j], left--;
+        }
         for (int64_t j = last; j < nb; j++) sel[m++] = table[j];
-        free(r);
         *out = (Blocks){sel, (m - 1) * bs + (ctx - (nb - 1) * bs), sel};   /* the last block: the context's last */
     }
     if (budget >= 0 && counts) count_reads(out, ctx, bs, counts, record, table);

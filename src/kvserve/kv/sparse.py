@@ -7,7 +7,11 @@ sum_i max(q_i * min_i, q_i * max_i), which no key of the block can score above. 
 sequence, layer and KV head (the query heads of a GQA group share one selection: their bounds summed), it reads
 the blocks holding the first `sinks` tokens, those holding the last `recent` tokens, and the best-bounded others
 up to `budget` tokens in all (in whole blocks), and attends exactly over them. Prefill, the first
-`dense_layers` layers, sliding-window layers and a sequence whose context is at most `budget` stay dense.
+`dense_layers` layers, sliding-window layers and a sequence whose context is at most `budget` stay dense, and so
+does a (sequence, layer, KV head) where choosing would read more than it skips (selection_pays): choosing reads
+the summary of each block between the sinks and the recent window, so it pays only where the blocks it leaves out
+hold more bytes than those summaries (with bfloat16 pages and summaries and blocks of 16 tokens, where it leaves out
+more than 1/16 of those blocks).
 
 Beside an eviction policy (kv/eviction.py), the policy decides which tokens the cache keeps and sparse attention
 which of the kept blocks a decode reads: the context is the cache (the sinks its first tokens, the recent window
@@ -49,6 +53,16 @@ class Quest(SparseAttention):
     def params(self) -> tuple[int, int, int, int]:
         """What the kernels take of it per sequence: budget, sinks and recent (tokens), dense_layers."""
         return self.budget, self.sinks, self.recent, self.dense_layers
+
+
+def selection_pays(middle, chosen, page_bytes: int, summary_bytes: int):
+    """Whether a decode task chooses `chosen` of the `middle` blocks between its sinks and its recent window (ints,
+    or tensors of them) rather than reading them all: where the bytes it skips, middle - chosen blocks of
+    page_bytes (a block's K and V in one KV head, their scales included), exceed the bytes it reads to choose, a
+    summary of summary_bytes for each middle block. The other work of choosing (a bound of 2 x head_dim products a
+    block, and picking the highest) is smaller per block than attention's over a block of keys, so that where the
+    bytes say choose, choosing costs less than it saves."""
+    return (middle - chosen) * page_bytes > middle * summary_bytes
 
 
 POLICIES = {p.name: p for p in (Quest,)}
