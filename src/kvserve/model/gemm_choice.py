@@ -104,7 +104,8 @@ class GemmChoice:
         name."""
         for name, m in model.named_modules():
             if isinstance(m, Linear) and m.own_gemm:
-                m.amx_from, m.widen_from, m.vnni_from = self.plan(name.rsplit(".", 1)[-1]).values()
+                for key, rows in self.plan(name.rsplit(".", 1)[-1]).items():
+                    setattr(m, key, rows)
 
     def plan(self, name: str) -> dict[str, int]:
         """The rows from which the layer `name` runs each kernel (Linear.kernel_plan's keys)."""
