@@ -208,7 +208,10 @@ def speed(args: argparse.Namespace, model: str | None) -> dict[str, dict]:
     batches = sorted({int(b) for b in (args.decode_batches or str(args.decode_batch)).split(",") if b})
     tokens = _speed_tokens(args)
     rows_of = variants(args)
-    common = dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=max(*batches, args.prefill_batch),
+    seqs = max(*batches, args.prefill_batch)
+    # the pages the largest batch takes, no more: every row's engine is held at once
+    blocks = seqs * -(-(args.decode_prompt + tokens + 2) // args.block_size)
+    common = dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=seqs, num_kv_blocks=blocks,
                   enable_prefix_caching=False, max_num_batched_tokens=args.prefill_batch * args.decode_prompt)
     llms = {name: LLM(model, **kwargs, **common) for name, kwargs in rows_of.items()}
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
