@@ -16,6 +16,7 @@ from kvserve.bench.common import linear_params, linear_step, make_checkpoint
 from kvserve.bench.report import plot_eviction, plot_quant
 from kvserve.cli import main
 from kvserve.config import ModelConfig
+from kvserve.model.layers import gemm_kernels
 from timings import measured
 
 TINY = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "4",
@@ -244,6 +245,28 @@ def test_bench_quant_weights_json(checkpoint, tmp_path):
     assert rows["int4"]["weight_bytes"] < rows["int8"]["weight_bytes"]
     assert rows["none"]["kl"] == 0
     assert all(rows[q]["kl"] > 0 and rows[q]["top1_agreement"] > 0.5 for q in ("int8", "int4"))
+
+
+def test_bench_quant_speed_json(checkpoint, tmp_path, monkeypatch):
+    """--speed-only: decode tok/s at each batch and a prefill's seconds per weight format, each against the first
+    row, and the GEMMs each ran (KVSERVE_GEMM=vnni: the quantized layers' own kernel where the build has it)."""
+    vnni = "vnni" in gemm_kernels(torch.bfloat16)
+    if vnni:
+        monkeypatch.setenv("KVSERVE_GEMM", "vnni")
+    ckpt = checkpoint(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, dtype=torch.bfloat16,
+                      max_position_embeddings=256)
+    path = tmp_path / "speed.json"
+    args = ["--model", str(ckpt), "--weights", "--speed-only", "--decode-batches", "1,3", "--prefill-batch", "2",
+            "--decode-prompt", "8", "--decode-tokens", "4", "--repeats", "1"]
+    assert main(["bench", "quant", "--json", str(path), *args]) == 0
+    res = json.loads(path.read_text())
+    rows = res["rows"]
+    assert list(rows) == ["none", "int8", "int4"] and res["prefill_batch"] == 2
+    for name, r in rows.items():
+        assert list(r["decode_tok_s"]) == ["1", "3"] and all(measured(v) for v in r["decode_tok_s"].values())
+        assert measured(r["prefill_s"]) and r["gemm"].startswith("gemm: ")
+        assert ("vnni from 1" in r["gemm"]) == vnni, name
+    assert rows["none"]["prefill_ratio"] == 1 and set(rows["none"]["decode_ratio"].values()) == {1}
 
 
 def test_bench_eviction_json(checkpoint, tmp_path):

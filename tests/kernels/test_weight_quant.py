@@ -214,7 +214,7 @@ def test_quantized_weights_take_every_kv_dtype_and_eviction(checkpoint, tmp_path
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("kernel", ["avx512", "amx"])
+@pytest.mark.parametrize("kernel", ["avx512", "amx", "vnni", "widen"])
 def test_the_c_step_gives_the_eager_logits_with_quantized_weights(checkpoint, monkeypatch, kernel, quantization):
     from test_native_decode import compare_with_eager, prompts
 

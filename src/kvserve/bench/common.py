@@ -18,7 +18,8 @@ from kvserve.config import ModelConfig
 from kvserve.engine.cpu_memory import huge_page_buffer
 from kvserve.engine.native_decode import linear_rows
 from kvserve.kernels import COMPUTE_DTYPES, library
-from kvserve.model.layers import NEVER, Linear, gemm, gemm_kernels, gemm_pack, onednn_linear, onednn_pack
+from kvserve.model.layers import (NEVER, QUANTIZED_KERNELS, Linear, gemm, gemm_kernels, gemm_pack, onednn_linear,
+                                  onednn_pack)
 from kvserve.model.random_checkpoint import make_tokenizer, save_random_model
 from kvserve.sampling import SamplingParams
 
@@ -153,7 +154,7 @@ def _linears(w: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         if (prepacked := onednn_pack(w)) is not None:
             linears.append(lambda x: onednn_linear(x, prepacked, None))
         if (own := gemm_pack(w)) is not None:
-            for kernel in gemm_kernels(w.dtype):
+            for kernel in (k for k in gemm_kernels(w.dtype) if k not in QUANTIZED_KERNELS):   # w is not quantized
                 amx_from = 1 if kernel == "amx" else NEVER
                 linears.append(lambda x, amx_from=amx_from: gemm(x, own, None, w.shape[0], amx_from=amx_from))
     return linears

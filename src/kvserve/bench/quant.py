@@ -11,22 +11,31 @@ With --weights, the rows are the weights' quantizations instead (full precision,
 `quantization`),
 over a full-precision cache: the weights' bytes in place of the cache's, and the same quality and decode
 columns against the full-precision weights.
+
+With --speed-only (implied by --shape, a published model's shape with random weights, which have no quality to
+measure), speed alone: decode tokens/s at each of --decode-batches and the seconds of a prefill of --prefill-batch
+prompts, every row's engine timed in turn within each repeat (the machine's noise falls on all alike), medians of
+--repeats, and each row's ratio to the first.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 
 from kvserve.arg_utils import write_json
-from kvserve.bench.common import decode_rate, print_table, random_prompts
+from kvserve.bench.common import SHAPES, decode_rate, describe_shape, make_checkpoint, print_table, random_prompts
 from kvserve.config import QUANTIZATIONS
 from kvserve.eval.data import held_out_text
 from kvserve.eval.perplexity import perplexity
 from kvserve.eval.retrieval import passkey_accuracy
 from kvserve.llm import LLM
 from kvserve.planner import weight_bytes
+from kvserve.sampling import SamplingParams
 
 NAME = "quant"
 KV_DTYPES = ("auto", "int8", "fp8", "int4")
@@ -55,6 +64,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-prompt", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=None, help="timed tokens per sequence (default 64; quick: 16)")
     p.add_argument("--repeats", type=int, default=3, help="decode timings per dtype (median)")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="a published model's shape with random weights, instead of --model (speed only)")
+    p.add_argument("--speed-only", action="store_true", help="decode and prefill speed alone, no quality")
+    p.add_argument("--decode-batches", default=None,
+                   help="speed only: comma-separated batch sizes whose decode is timed (default: --decode-batch)")
+    p.add_argument("--prefill-batch", type=int, default=16,
+                   help="speed only: prompts of --decode-prompt tokens prefilled at once, timed")
 
 
 class Agreement:
@@ -108,6 +124,8 @@ def variants(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.shape or args.speed_only:
+        return run_speed(args)
     rows_of = variants(args)
     weights = args.weights is not None
     n_tokens = args.tokens or (1024 if args.quick else 8192)
@@ -157,6 +175,78 @@ def run(args: argparse.Namespace) -> int:
                                 "tokens": len(ids), "context": context, "passkey_lengths": lengths,
                                 "passkey_trials": trials, "rows": list(rows.values())})
     return 0
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    """--speed-only: each row's decode tokens/s at each batch and prefill seconds, interleaved (module docstring)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.shape:
+            shape = SHAPES[args.shape]
+            model = str(make_checkpoint(Path(tmp), shape, args.decode_prompt + _speed_tokens(args) + 8,
+                                        dtype=torch.bfloat16))
+            print(f"quant speed: {args.shape} ({describe_shape(shape)}), random weights")
+        rows = speed(args, model)
+    table = [[name, *(f"{r['decode_tok_s'][b]:.1f} ({r['decode_ratio'][b]:.2f}x)" for b in r["decode_tok_s"]),
+              f"{r['prefill_s']:.2f} ({r['prefill_ratio']:.2f}x)", r["gemm"]] for name, r in rows.items()]
+    batches = next(iter(rows.values()))["decode_tok_s"]
+    print_table(["rows", *(f"decode tok/s, batch {b} (x first)" for b in batches),
+                 f"prefill s, {args.prefill_batch} x {args.decode_prompt} (x first)", "GEMMs"], table)
+    write_json(args.json_path, {"model": args.shape or model, "dtype": args.dtype, "repeats": args.repeats,
+                                "decode_prompt": args.decode_prompt, "decode_tokens": _speed_tokens(args),
+                                "prefill_batch": args.prefill_batch, "rows": rows})
+    return 0
+
+
+def _speed_tokens(args: argparse.Namespace) -> int:
+    return args.decode_tokens or (16 if args.quick else 64)
+
+
+def speed(args: argparse.Namespace, model: str | None) -> dict[str, dict]:
+    """Row name -> decode tokens/s by batch, prefill seconds (medians), their ratios to the first row's, and the
+    row's GEMMs (kernels by layer)."""
+    batches = sorted({int(b) for b in (args.decode_batches or str(args.decode_batch)).split(",") if b})
+    tokens = _speed_tokens(args)
+    rows_of = variants(args)
+    seqs = max(*batches, args.prefill_batch)
+    # the pages the largest batch takes, no more: every row's engine is held at once
+    blocks = seqs * -(-(args.decode_prompt + tokens + 2) // args.block_size)
+    common = dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=seqs, num_kv_blocks=blocks,
+                  enable_prefix_caching=False, max_num_batched_tokens=args.prefill_batch * args.decode_prompt)
+    llms = {name: LLM(model, **kwargs, **common) for name, kwargs in rows_of.items()}
+    vocab = next(iter(llms.values())).engine.model_config.vocab_size
+    prompts = {b: random_prompts(b, args.decode_prompt, vocab, seed=b) for b in {*batches, args.prefill_batch}}
+    rates = {name: {b: [] for b in batches} for name in llms}
+    prefills: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(args.repeats):          # interleaved, so that the machine's noise falls on all alike
+        for name, llm in llms.items():
+            for b in batches:
+                rates[name][b].append(decode_rate(llm, prompts[b], tokens, repeats=1))
+            prefills[name].append(_prefill_seconds(llm, prompts[args.prefill_batch]))
+    rows = {name: {"decode_tok_s": {b: statistics.median(r) for b, r in rates[name].items()},
+                   "prefill_s": statistics.median(prefills[name]), "gemm": _kernels(llms[name].stats()["gemm"])}
+            for name in llms}
+    first = next(iter(rows.values()))
+    for row in rows.values():
+        row["decode_ratio"] = {b: row["decode_tok_s"][b] / first["decode_tok_s"][b] for b in batches}
+        row["prefill_ratio"] = row["prefill_s"] / first["prefill_s"]
+    return rows
+
+
+def _prefill_seconds(llm: LLM, prompts: list[list[int]]) -> float:
+    """Seconds for every prompt to get its first token (the prefill, one step where the batched tokens allow)."""
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, temperature=0),
+                 use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def _kernels(report: dict) -> str:
+    """The GEMM choice in a few words: the rows from which each kernel runs, by layer."""
+    parts = [f"{kernel} from {'/'.join(str(v) for v in sorted({v for v in report[key].values() if v is not None}))}"
+             for kernel, key in (("amx", "amx_from"), ("widen", "widen_from"), ("vnni", "vnni_from"))
+             if any(v is not None for v in report.get(key, {}).values())]
+    return f"{report['weight_format']}: " + (", ".join(parts) or "vector kernel only")
 
 
 def report_weights(rows: dict[str, dict]) -> None:

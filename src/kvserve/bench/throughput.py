@@ -386,8 +386,11 @@ def _decode_path(r: dict) -> str:
 
 
 def _gemm(report: dict) -> str:
-    amx = sorted({v for v in report["amx_from"].values() if v is not None})
-    kernels = f", AMX from {'/'.join(map(str, amx))} rows" if report["weight_format"] == "gemm" and amx else ""
+    kernels = ""
+    for name, key in (("AMX", "amx_from"), ("widen", "widen_from"), ("vnni", "vnni_from")):
+        starts = sorted({v for v in report.get(key, {}).values() if v is not None})
+        if report["weight_format"] == "gemm" and starts:
+            kernels += f", {name} from {'/'.join(map(str, starts))} rows"
     return f"{report['weight_format']}{kernels} ({report['source']})"
 
 

@@ -312,8 +312,9 @@ void argmax_rows(const void *x, int rows, int n, int64_t stride, int dtype, int6
 #define GEMM_SIMD (AVX512_BW_VL || AVX2_FMA || NEON_FMA)      /* csrc/gemm.c multiplies (gemm_dtypes) */
 
 #if GEMM_SIMD
-/* csrc/gemm.c's kernels: AVX-512's tiles, or AMX's, or (AVX2 builds) AVX2's, or (ARM64 builds) NEON's (see there). */
-enum { GEMM_AVX512 = 0, GEMM_AMX = 1, GEMM_AVX2 = 2, GEMM_NEON = 3 };
+/* csrc/gemm.c's kernels: AVX-512's tiles, or AMX's, or (AVX2 builds) AVX2's, or (ARM64 builds) NEON's; and for
+ * quantized weights AVX-512's tiles of int8 rows (VNNI) or of the weight widened to the dtype (WIDEN) (see there). */
+enum { GEMM_AVX512 = 0, GEMM_AMX = 1, GEMM_AVX2 = 2, GEMM_NEON = 3, GEMM_VNNI = 4, GEMM_WIDEN = 5 };
 
 /* csrc/gemm.c's share of one thread of a team (see there). */
 void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,

@@ -47,7 +47,7 @@ static const struct {
     size_t at;
 } LAYOUT[] = {
     SIZE_OF(Proj), FIELD(Proj, w), FIELD(Proj, b), FIELD(Proj, packed), FIELD(Proj, scales), FIELD(Proj, kind),
-    FIELD(Proj, amx_from),
+    FIELD(Proj, amx_from), FIELD(Proj, widen_from), FIELD(Proj, vnni_from),
     SIZE_OF(Layer), FIELD(Layer, qkv), FIELD(Layer, o), FIELD(Layer, gate_up), FIELD(Layer, down),
     FIELD(Layer, input_norm), FIELD(Layer, post_norm), FIELD(Layer, q_norm), FIELD(Layer, k_norm), FIELD(Layer, kv),
     FIELD(Layer, k_meta), FIELD(Layer, v_meta), FIELD(Layer, kv_kind), FIELD(Layer, rotate_keys),
@@ -181,7 +181,8 @@ static void project(const Proj *p, int gated, int dtype, const void *x, int n, i
 #if GEMM_SIMD
     if (p->packed) {
         gemm_team(p->packed, p->scales, p->kind, p->b, dtype, x, in, n, in, out, y, gated,
-                  n >= p->amx_from ? GEMM_AMX : GEMM_AVX512);
+                  n >= p->amx_from ? GEMM_AMX : n >= p->widen_from ? GEMM_WIDEN : n >= p->vnni_from ? GEMM_VNNI
+                                                                                                  : GEMM_AVX512);
         #pragma omp barrier
         return;
     }

@@ -11,10 +11,11 @@
 /* A linear layer: its weight packed for csrc/gemm.c, or (packed NULL) the weight [out][in] as torch
  * keeps it, for the matrix-vector products; its bias (or NULL); the packed numbers' kind (the model's
  * dtype, INT8 with a float32 scale per output column, or INT4 with its groups' scales and minimums); and
- * the rows from which csrc/gemm.c multiplies it by AMX's tiles (measured at start-up), not AVX-512's. */
+ * the rows from which csrc/gemm.c multiplies it by AMX's tiles (measured at start-up), not AVX-512's; below them,
+ * a quantized weight's rows from which it runs its WIDEN kernel, and below those its VNNI kernel. */
 typedef struct {
     const void *w, *b, *packed, *scales;
-    int kind, amx_from;
+    int kind, amx_from, widen_from, vnni_from;
 } Proj;
 
 /* A decoder layer. Its cache: pages [2][KVH][NB][BS][row] whose rows are of kv_kind (csrc/paged_decode.c's

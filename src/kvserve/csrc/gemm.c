@@ -31,6 +31,16 @@
  * products, and AMX's tiles, take each chunk widened to the dequantized weight rounded to the dtype: the
  * products of that weight.
  *
+ * Two more AVX-512 kernels multiply quantized weights (bfloat16 products), candidates of the measured choice
+ * beside the one above (kvserve.model.gemm_choice):
+ * - VNNI (with VNNI and VBMI): x itself quantized, each group of G4 numbers of a row to int8 with a float32 scale
+ *   of its own (max |x| / 127, as llama.cpp's Q8_0 blocks), and the weight's bytes multiplied by x's with
+ *   VPDPBUSD, exactly in int32 over a group: the products are those of the dequantized weight by x rounded to
+ *   its group's int8 (each number off by at most half its group's scale, max |x| / 254: see quantize_rows).
+ *   One VPDPBUSD does the work of two VDPBF16PS, and no weight is widened.
+ * - WIDEN: every k-chunk of a panel widened to the dequantized weight rounded to bfloat16, once, in L1, and
+ *   multiplied by VDPBF16PS for every row of the pass (int4: the products AMX's take).
+ *
  * A gated weight (an MLP's gate_proj and up_proj as one [2n, k]) is packed by pairs of panels, gate
  * columns then the same up columns, and multiplied into silu(gate) * up as the sums are written
  * (SwiGLU): the 2n products are never stored, nor read back by a separate activation pass. */
@@ -68,14 +78,22 @@
 static int amx_granted;     /* the OS lets this process use AMX's tile data (gemm_kernels asked) */
 
 /* Bits of the kernels this build can run in this process: 1 << GEMM_AVX512 (AVX2 builds: 1 << GEMM_AVX2; ARM64
- * builds: 1 << GEMM_NEON), and
- * 1 << GEMM_AMX where the CPU has AMX (BF16) and the OS grants its tile state (asked here, once: call before gemm
- * runs AMX). */
+ * builds: 1 << GEMM_NEON), with the quantized weights' 1 << GEMM_WIDEN and 1 << GEMM_VNNI where the build has
+ * their instructions, and 1 << GEMM_AMX where the CPU has AMX (BF16) and the OS grants its tile state (asked
+ * here, once: call before gemm runs AMX). */
 int gemm_kernels(void) {
 #if AMX
     if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 #endif
-    return 1 << (AVX512_BW_VL ? GEMM_AVX512 : AVX2_FMA ? GEMM_AVX2 : GEMM_NEON) | (amx_granted ? 1 << GEMM_AMX : 0);
+    int quantized = 0;      /* the quantized weights' own kernels (tiles of int8 rows need VBMI's byte shuffles) */
+#if AVX512_BW_VL && defined(__AVX512BF16__)
+    quantized |= 1 << GEMM_WIDEN;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    quantized |= 1 << GEMM_VNNI;
+#endif
+#endif
+    return 1 << (AVX512_BW_VL ? GEMM_AVX512 : AVX2_FMA ? GEMM_AVX2 : GEMM_NEON) | (amx_granted ? 1 << GEMM_AMX : 0) |
+           quantized;
 }
 
 /* Bits of the dtypes this build multiplies (1 << F32 | 1 << BF16): AVX-512 builds multiply bfloat16 with its
@@ -152,6 +170,8 @@ static int panel_column(int p, int j, int n, int gated) {
 #else
 #define INT4_BY_VNNI 0
 #endif
+/* The VNNI kernel (x in int8): int8 panels' bytes are reordered for VPDPBUSD as they are read (VBMI's VPERMB). */
+#define INT8_ROWS (INT4_BY_VNNI && INT8_BY_BYTES)
 
 /* Where number v (of 64) of a pair of k rows lies as stored (INT8_BY_BYTES): the unpacks take bytes 8l..8l+7
  * of 128-bit lane l to the low half of the pair, the next 8 to the high half. */
@@ -568,24 +588,129 @@ static void split_rows(const uint16_t *x, int64_t ldx, int m, int k, int depth, 
         }
 }
 
+#if INT8_ROWS
+#define MRV 6        /* rows of a tile of int8 rows (quantize_rows): 12 integer sums and 12 float ones in registers */
+
+/* Rows 0 .. m of x (ldx apart), bfloat16, quantized for the VNNI kernel: each group of G4 numbers (past k: zeros,
+ * up to `depth`) as q = x / unit rounded to nearest, unit = the group's max |x| / 127 (0 for a group of zeros),
+ * so |q| <= 127 and x - q unit is at most half a unit: max |x| / 254. q[r depth + kk]; units[r groups + g] the
+ * unit, sums[r groups + g] the group's sum of q unit (the rounded x's). */
+static void quantize_rows(const uint16_t *x, int64_t ldx, int m, int k, int depth, int8_t *q, float *units,
+                          float *sums) {
+    const int groups = depth / G4;
+    for (int r = 0; r < m; r++)
+        for (int g = 0; g < groups; g++) {
+            const int have = k - g * G4 < 0 ? 0 : k - g * G4 < G4 ? k - g * G4 : G4;
+            const __m512i v = _mm512_maskz_loadu_epi16(have == G4 ? ~0u : (1u << have) - 1, x + r * ldx + g * G4);
+            const __m512 half[2] = {
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)),
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16))};
+            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]), _mm512_abs_ps(half[1])));
+            const __m512 to_q = _mm512_set1_ps(largest > 0 ? 127.0f / largest : 0.0f);
+            __m512i total = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {       /* |x| 127 / largest <= 127 (to within float32's rounding) */
+                const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(half[h], to_q));
+                total = _mm512_add_epi32(total, n);
+                _mm_storeu_si128((__m128i *)(q + (int64_t)r * depth + g * G4 + 16 * h), _mm512_cvtepi32_epi8(n));
+            }
+            units[r * groups + g] = largest / 127.0f;
+            sums[r * groups + g] = (float)_mm512_reduce_add_epi32(total) * units[r * groups + g];
+        }
+}
+
+/* Where VPDPBUSD's order takes its bytes from two pairs of k rows of an int8 panel as stored (int8_order), once each
+ * is shuffled by this table (VPERMB): byte s of the shuffled pair is column j's k row s % 2 of the pair, j = 4L + w
+ * for words w < 4 of 128-bit lane L, else 16 + 4L + w - 4; interleaving the two pairs' words (VPUNPCKLWD,
+ * VPUNPCKHWD) then gives columns 0-15 and 16-31, four k rows of a column a 32-bit lane. */
+static inline __m512i vnni_order(void) {
+    int8_t at[64] __attribute__((aligned(64)));
+    for (int s = 0; s < 64; s++) {
+        const int lane = s / 16, w = s % 16 / 2, j = w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4;
+        at[s] = (int8_t)int8_order(2 * j + s % 2);
+    }
+    return _mm512_load_si512(at);
+}
+
+/* mr (<= MRV) rows of x by kc k of an int8 panel (bfloat16 products), its k-chunk starting at a group, x as
+ * quantize_rows gives it (`q`, `units`, `sums`: from the chunk's start). Each four k rows of the panel are
+ * reordered for VPDPBUSD (vnni_order) with 128 added to every number (an unsigned byte, as VPDPBUSD's first
+ * operand is), so a group's integer sums are sum (w + 128) q, exact in int32; once a group they are scaled by
+ * its unit into float32, and once a chunk 128 times the sum of the rows' rounded x is taken off. The column's
+ * scale is applied as the sums are written: the products are those of the dequantized weight by x rounded to
+ * int8, up to the order of the sums. */
+static inline __attribute__((always_inline)) void tile_vnni8(const int8_t *panel, __m512i order, const int8_t *q,
+                                                            int depth, const float *units, const float *sums, int ldg,
+                                                            int kc, int mr, float *partial, const Chunk *c, void *y,
+                                                            int ldy) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MR][NV];
+    float shift[MRV] = {0};
+    begin(acc);
+    for (int g0 = 0; g0 < kc; g0 += G4) {
+        __m512i dot[MRV][NV];
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < NV; j++) dot[r][j] = _mm512_setzero_si512();
+        #pragma GCC unroll 8
+        for (int kk = g0; kk < g0 + G4; kk += 4) {
+            const int8_t *b = panel + (int64_t)kk * NR;
+            _mm_prefetch((const char *)(b + 2 * PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + 2 * PREFETCH_FAR), _MM_HINT_T1);
+            const __m512i lo = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(b));
+            const __m512i hi = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(b + 2 * NR));
+            const __m512i w[NV] = {_mm512_xor_si512(_mm512_unpacklo_epi16(lo, hi), flip),
+                                   _mm512_xor_si512(_mm512_unpackhi_epi16(lo, hi), flip)};
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, q + (int64_t)r * depth + kk, 4);
+                const __m512i a = _mm512_set1_epi32(four);
+                for (int j = 0; j < NV; j++) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], w[j], a);
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            const __m512 unit = _mm512_set1_ps(units[r * ldg + g0 / G4]);
+            shift[r] += sums[r * ldg + g0 / G4];
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][j]), unit, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(shift[r]), _mm512_set1_ps(-128.0f), acc[r][j]);
+    finish(acc, partial, mr, c, BF16, y, ldy);
+}
+
+/* tile_vnni8 with its row count a constant in each case. */
+static void tile8(const int8_t *panel, __m512i order, const int8_t *q, int depth, const float *units,
+                  const float *sums, int ldg, int kc, int mr, float *partial, const Chunk *c, void *y, int ldy) {
+#define ROWS(R) case R: tile_vnni8(panel, order, q, depth, units, sums, ldg, kc, R, partial, c, y, ldy); break;
+    switch (mr) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+#undef ROWS
+}
+#endif
+
+#if INT8_ROWS
+#define ROWS4 MRV    /* rows of an int4 tile at most: MRQ of split_rows' pieces, MRV of quantize_rows' int8 */
+#else
+#define ROWS4 MRQ
+#endif
+
 /* mr (<= MRQ) rows of x by kc k of an int4 panel (bfloat16 products), its k-chunk starting at a group, x as
- * split_rows gives it (`pieces`, `units`, `sums`: from the chunk's start). Over a group of G4 k,
+ * split_rows gives it (`pieces`, np = PIECES a row, `units`, `sums`: from the chunk's start); or (np = 1, mr <=
+ * MRV) as quantize_rows gives it, one piece, x rounded to int8. Over a group of G4 k,
  * sum_k x (q scale + min) = scale sum_k x q + min sum_k x: VPDPBUSD sums q . v exactly in int32, a piece of v at
  * a time (q 0..15 unsigned bytes straight from the panel: a mask and a shift), and once a group, for each column,
  * the pieces' sums join as integers (|sum q v| < 32 x 15 x 2^22 < 2^31) and become sum(x q) scale + min sum(x)
  * in float32. The products are those of the dequantized weight q * scale + min in float32, up to the order of the
  * sums and x's rounding to its group's fixed point. */
 static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel, const uint16_t *groups,
-                                                           const int8_t *pieces, int depth, const float *units,
-                                                           const float *sums, int ldg, int kc, int mr,
-                                                           float *partial, const Chunk *c, void *y, int ldy) {
+                                                           const int8_t *pieces, int np, int depth,
+                                                           const float *units, const float *sums, int ldg, int kc,
+                                                           int mr, float *partial, const Chunk *c, void *y, int ldy) {
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[MR][NV];
     begin(acc);
     for (int g0 = 0; g0 < kc; g0 += G4) {
-        __m512i dot[MRQ][PIECES][NV];
+        __m512i dot[ROWS4][PIECES][NV];
         for (int r = 0; r < mr; r++)
-            for (int i = 0; i < PIECES; i++)
+            for (int i = 0; i < np; i++)
                 for (int j = 0; j < NV; j++) dot[r][i][j] = _mm512_setzero_si512();
         #pragma GCC unroll 8     /* a group whole: the sums stay in their registers, never copied */
         for (int kk = g0; kk < g0 + G4; kk += 4) {
@@ -594,9 +719,9 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
             const __m512i bytes = _mm512_loadu_si512(panel + (int64_t)kk / 4 * 64);
             const __m512i q[NV] = {_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low)};
             for (int r = 0; r < mr; r++)
-                for (int i = 0; i < PIECES; i++) {
+                for (int i = 0; i < np; i++) {
                     int32_t four;
-                    memcpy(&four, pieces + ((int64_t)r * PIECES + i) * depth + kk, 4);
+                    memcpy(&four, pieces + ((int64_t)r * np + i) * depth + kk, 4);
                     const __m512i a = _mm512_set1_epi32(four);
                     for (int j = 0; j < NV; j++) dot[r][i][j] = _mm512_dpbusd_epi32(dot[r][i][j], q[j], a);
                 }
@@ -609,7 +734,7 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
             const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + 16 * j)));
             const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + NR + 16 * j)));
             for (int r = 0; r < mr; r++) {
-                const __m512i whole = _mm512_add_epi32(
+                const __m512i whole = np == 1 ? dot[r][0][j] : _mm512_add_epi32(
                     _mm512_add_epi32(_mm512_slli_epi32(dot[r][2][j], 16), _mm512_slli_epi32(dot[r][1][j], 8)), dot[r][0][j]);
                 const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(whole), _mm512_set1_ps(units[r * ldg + g0 / G4]));
                 acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * ldg + g0 / G4]), min,
@@ -620,11 +745,18 @@ static inline __attribute__((always_inline)) void tile_int4(const uint8_t *panel
     finish(acc, partial, mr, c, BF16, y, ldy);
 }
 
-/* tile_int4 with its row count a constant in each case. */
-static void tile4(const uint8_t *panel, const uint16_t *groups, const int8_t *pieces, int depth, const float *units,
-                  const float *sums, int ldg, int kc, int mr, float *partial, const Chunk *c, void *y, int ldy) {
-#define ROWS(R) case R: tile_int4(panel, groups, pieces, depth, units, sums, ldg, kc, R, partial, c, y, ldy); break;
-    switch (mr) { ROWS(1) ROWS(2) }
+/* tile_int4 with its row count and pieces a row (np: PIECES, or 1 where INT8_ROWS) constants in each case. */
+static void tile4(const uint8_t *panel, const uint16_t *groups, const int8_t *pieces, int np, int depth,
+                  const float *units, const float *sums, int ldg, int kc, int mr, float *partial, const Chunk *c,
+                  void *y, int ldy) {
+#define ROWS(N, R) case R: tile_int4(panel, groups, pieces, N, depth, units, sums, ldg, kc, R, partial, c, y, ldy); break;
+    if (np == PIECES) {
+        switch (mr) { ROWS(PIECES, 1) ROWS(PIECES, 2) }
+        return;
+    }
+#if INT8_ROWS
+    switch (mr) { ROWS(1, 1) ROWS(1, 2) ROWS(1, 3) ROWS(1, 4) ROWS(1, 5) ROWS(1, 6) }
+#endif
 #undef ROWS
 }
 #endif
@@ -1080,7 +1212,8 @@ static void tile(int dtype, int kind, const void *panel, const void *next, const
  * they have all returned and met at a barrier (this ends without one). y has n columns; a gated
  * weight holds 2n (packed with gated set) and y = silu(gate) * up. The weight's numbers are of `kind`:
  * dtype's, INT8 with `scales` (float32, a column each) or INT4 with its groups' (gemm_pack_groups). kernel: GEMM_AVX512, or GEMM_AMX (bfloat16 only; where gemm_kernels
- * reports it, else AVX512 runs). */
+ * reports it, else AVX512 runs), or for quantized weights GEMM_VNNI or GEMM_WIDEN (where gemm_kernels reports them;
+ * else, and for other weights, AVX512's). */
 void gemm_team(const void *packed, const void *scales, int kind, const void *bias, int dtype, const void *x,
                int64_t ldx, int m, int k, int n, void *y, int gated, int kernel) {
 #if AMX
@@ -1098,26 +1231,35 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
     const int64_t row_bytes = kind == INT4 ? NR / 2 : (int64_t)NR * wsize, groups4 = int4_groups(dtype, k);
     float partial[MC * NR] __attribute__((aligned(64))), gate[MC * NR] __attribute__((aligned(64)));
     float widened[KC * NR] __attribute__((aligned(64)));     /* a chunk widened: in L1 */
-    /* an int4 weight's bfloat16 products: a block of rows in fixed point, with their groups' units and sums
-     * (split_rows; where any thread's find no memory, the chunks are widened as float32's are, on every thread: the
-     * team's products, rounded alike, whichever thread computes them) */
+    /* an int4 weight's bfloat16 products: a block of rows in fixed point, np = PIECES bytes a number (split_rows),
+     * or (the VNNI kernel, int8 or int4 weights) rounded to int8, np = 1 (quantize_rows); with their groups' units
+     * and sums. Where any thread's find no memory, the chunks are widened as float32's are, on every thread: the
+     * team's products, rounded alike, whichever thread computes them. */
 #if INT4_BY_VNNI
     int8_t *pieces = NULL;
     float *units = NULL, *xsums = NULL;
     const size_t mc = m < MC ? m : MC;
-    if (kind == INT4 && dtype == BF16) {
-        pieces = scratch(&fixed_rows, mc * (PIECES * depth + 2 * sizeof(float) * groups4));
+    int np = kind == INT4 && dtype == BF16 && kernel != GEMM_WIDEN ? PIECES : 0;
+#if INT8_ROWS
+    const __m512i order = vnni_order();
+    if (kernel == GEMM_VNNI && dtype == BF16 && (kind == INT8 || kind == INT4)) np = 1;
+#endif
+    if (np) {
+        pieces = scratch(&fixed_rows, mc * (np * depth + 2 * sizeof(float) * groups4));
         if (!team_all(pieces != NULL)) pieces = NULL;
     }
     if (pieces) {
-        units = (float *)(pieces + mc * PIECES * depth);
+        units = (float *)(pieces + mc * np * depth);
         xsums = units + mc * groups4;
     }
 #endif
     for (int m0 = 0; m0 < m; m0 += MC) {
         const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
 #if INT4_BY_VNNI
-        if (pieces) split_rows((const uint16_t *)x + m0 * ldx, ldx, mb, k, depth, pieces, units, xsums);
+        if (pieces && np == PIECES) split_rows((const uint16_t *)x + m0 * ldx, ldx, mb, k, depth, pieces, units, xsums);
+#if INT8_ROWS
+        if (pieces && np == 1) quantize_rows((const uint16_t *)x + m0 * ldx, ldx, mb, k, depth, pieces, units, xsums);
+#endif
 #endif
         /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
@@ -1137,14 +1279,24 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                     const void *chunk = panel + (int64_t)k0 * row_bytes;
 #if INT4_BY_VNNI
                     if (pieces) {
-                        const uint16_t *groups = (const uint16_t *)scales + (p * groups4 + k0 / G4) * 2 * NR;
-                        for (int g = 0, r0 = 0, tiles = (mb + MRQ - 1) / MRQ; g < tiles; g++) {
+                        const int most = np == PIECES ? MRQ : ROWS4;
+                        for (int g = 0, r0 = 0, tiles = (mb + most - 1) / most; g < tiles; g++) {
                             const int mr = mb / tiles + (g < mb % tiles);
                             Chunk rows = c;
                             rows.gate = gate + r0 * NR;
-                            tile4((const uint8_t *)chunk, groups, pieces + (int64_t)r0 * PIECES * depth + k0, depth,
-                                  units + r0 * groups4 + k0 / G4, xsums + r0 * groups4 + k0 / G4, (int)groups4, kc,
-                                  mr, partial + r0 * NR, &rows, (uint16_t *)y + ((int64_t)(m0 + r0) * n + u * NR), n);
+                            const int8_t *q = pieces + (int64_t)r0 * np * depth + k0;
+                            const float *unit = units + r0 * groups4 + k0 / G4, *sum = xsums + r0 * groups4 + k0 / G4;
+                            uint16_t *to = (uint16_t *)y + ((int64_t)(m0 + r0) * n + u * NR);
+#if INT8_ROWS
+                            if (kind == INT8) {
+                                tile8(chunk, order, q, depth, unit, sum, (int)groups4, kc, mr, partial + r0 * NR, &rows,
+                                      to, n);
+                                r0 += mr;
+                                continue;
+                            }
+#endif
+                            tile4((const uint8_t *)chunk, (const uint16_t *)scales + (p * groups4 + k0 / G4) * 2 * NR,
+                                  q, np, depth, unit, sum, (int)groups4, kc, mr, partial + r0 * NR, &rows, to, n);
                             r0 += mr;
                         }
                         continue;
@@ -1157,7 +1309,7 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                                    dtype == BF16 ? (kc + 3) / 4 * 4 : kc, dtype, widened);
                         chunk = widened, next = NULL;
                     }
-                    if (kind == INT8 && mb <= MR_INT8) {
+                    if (kind == INT8 && mb <= MR_INT8 && kernel != GEMM_WIDEN) {
                         Chunk rows = c;
                         if (mb == 1) tile_int8(dtype, chunk, (const int8_t *)next,
                                                (const char *)x + (int64_t)m0 * ldx * size + k0 * size, ldx, kc, 1,

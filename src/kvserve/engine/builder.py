@@ -235,7 +235,8 @@ class EngineBuilder:
                  "by the C step on every rank (native_tp)" if native else "op by op (eager_tp)")
         args = WorkerArgs(self.model_path, self.model_config, self.dtype, self.device.type, self.max_model_len,
                           config.attention_backend, config.cpu_allocator_tuning, self.gemm.weight_format,
-                          self.gemm.amx_from, native, config.quantization)
+                          self.gemm.amx_from, native, config.quantization, widen_from=self.gemm.widen_from,
+                          vnni_from=self.gemm.vnni_from)
         return Workers(size, args, self.device, config.step_timeout)
 
     def _load(self, config: EngineConfig) -> None:

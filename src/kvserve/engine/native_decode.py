@@ -54,11 +54,11 @@ def _address(t: torch.Tensor | None) -> int | None:
 def _proj(linear: Linear) -> dict[str, object]:
     """A linear layer as the C step takes it (Proj): the weight (where not packed for csrc/gemm.c), bias, the packed
     copy (where packed for csrc/gemm.c) with its numbers' kind and an int8 weight's scales, and the rows from which
-    it runs AMX's kernel."""
+    it runs each of csrc/gemm.c's kernels (Linear.kernel_plan)."""
     packed = _address(linear.packed) if linear.own_gemm else None
     return {"w": None if packed else _address(linear.weight), "b": _address(linear.bias), "packed": packed,
             "scales": _address(linear.scales),
-            "kind": WEIGHT_KINDS[linear.packed.dtype if packed else linear.weight.dtype], "amx_from": linear.amx_from}
+            "kind": WEIGHT_KINDS[linear.packed.dtype if packed else linear.weight.dtype], **linear.kernel_plan()}
 
 
 def _cache(kv_cache: LayerPages) -> dict[str, object]:

@@ -10,12 +10,16 @@ for each token; a prefill, many rows at once, runs on whichever packs the weight
 it loses there). oneDNN must win by ONEDNN_MARGIN: the native decode step multiplies only csrc/gemm.c's
 panels. Within
 csrc/gemm.c, a layer runs AMX's kernel from the smallest row count at which AMX is faster there and at
-every larger count measured (Linear.amx_from).
+every larger count measured (Linear.amx_from). Quantized weights have two more candidates (bfloat16 products):
+"widen", each chunk of the weight dequantized to bfloat16 once for all rows, and "vnni", x rounded to int8 and
+multiplied by the weight's bytes (csrc/gemm.c). Below amx_from, a layer runs widen from the smallest row count
+from which it is faster than avx512 and vnni at every count measured (Linear.widen_from), and below that vnni from
+the smallest from which it is faster than avx512 at every count measured (Linear.vnni_from).
 
 The timings are cached per CPU and build of the kernels, torch version and thread count, under
 ~/.cache/kvserve/gemm (or $KVSERVE_CACHE): a second start measures nothing. KVSERVE_GEMM forces a choice:
-avx512, avx2, neon or amx (csrc/gemm.c, that kernel at every row count: one the build has) or onednn; `measure`, the
-default, measures.
+avx512, avx2, neon, amx, vnni or widen (csrc/gemm.c, that kernel at every row count: one the build has; vnni and
+widen multiply quantized weights, others by the vector kernel) or onednn; `measure`, the default, measures.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.kernels import COMPUTE_DTYPES, build_key, cache_dirs
-from kvserve.model.layers import NEVER, GateUpLinear, Linear, gemm_kernels, gemm_packs, vector_kernel
+from kvserve.model.layers import (NEVER, QUANTIZED_KERNELS, GateUpLinear, Linear, gemm_kernel, gemm_kernels,
+                                  gemm_packs, vector_kernel)
 
 log = logging.getLogger(__name__)
 GEMM_ENV = "KVSERVE_GEMM"
@@ -38,7 +43,7 @@ GEMM_ENV = "KVSERVE_GEMM"
 # packed for oneDNN, the model loses the native decode step, whose saving (the steps' dispatch, the ops between
 # the products) these timings do not see
 ONEDNN_MARGIN = 1.25
-CHOICES = ("measure", "avx512", "amx", "onednn", "avx2", "neon")
+CHOICES = ("measure", "avx512", "amx", "onednn", "avx2", "neon", "vnni", "widen")
 DECODE_ROWS = (1, 4, 8, 16, 64)
 PREFILL_ROWS = 512
 ROWS = (*DECODE_ROWS, PREFILL_ROWS)
@@ -75,27 +80,37 @@ def model_shapes(cfg: ModelConfig) -> list[Shape]:
             Shape("down_proj", h, cfg.intermediate_size, False, n), Shape("lm_head", cfg.vocab_size, h, False, 1)]
 
 
-# seconds of one product: layer name -> rows -> candidate ("avx512", "avx2" or "neon", "amx", "onednn") -> seconds
+# seconds of one product: layer name -> rows -> candidate ("avx512", "avx2" or "neon", "amx", "vnni", "widen",
+# "onednn") -> seconds
 Timings = dict[str, dict[int, dict[str, float]]]
 
 
 @dataclass
 class GemmChoice:
     """How the CPU's linear layers multiply: the weights' format (Linear.load), the rows from which each layer
-    (by name) runs csrc/gemm.c's AMX kernel, and what decided it: `source` (measured, cached, or why nothing
-    was) and the timings behind it."""
+    (by name) runs csrc/gemm.c's AMX kernel (and, quantized, its widen and vnni kernels), and what decided it:
+    `source` (measured, cached, or why nothing was) and the timings behind it."""
 
     weight_format: str
     source: str
     amx_from: dict[str, int] = field(default_factory=dict)
     seconds: Timings = field(default_factory=dict)
     shapes: list[Shape] = field(default_factory=list)
+    widen_from: dict[str, int] = field(default_factory=dict)
+    vnni_from: dict[str, int] = field(default_factory=dict)
 
     def apply(self, model: torch.nn.Module) -> None:
-        """Set amx_from of each of the model's layers packed for csrc/gemm.c, by its name."""
+        """Set amx_from, widen_from and vnni_from of each of the model's layers packed for csrc/gemm.c, by its
+        name."""
         for name, m in model.named_modules():
             if isinstance(m, Linear) and m.own_gemm:
-                m.amx_from = self.amx_from.get(name.rsplit(".", 1)[-1], NEVER)
+                for key, rows in self.plan(name.rsplit(".", 1)[-1]).items():
+                    setattr(m, key, rows)
+
+    def plan(self, name: str) -> dict[str, int]:
+        """The rows from which the layer `name` runs each kernel (Linear.kernel_plan's keys)."""
+        return {"amx_from": self.amx_from.get(name, NEVER), "widen_from": self.widen_from.get(name, NEVER),
+                "vnni_from": self.vnni_from.get(name, NEVER)}
 
     def per_row(self, rows: tuple[int, ...]) -> dict[str, float]:
         """Seconds per row of the model's products at each of `rows`, summed, by csrc/gemm.c (its kernel at
@@ -106,14 +121,17 @@ class GemmChoice:
         for s in self.shapes:
             for m in rows:
                 t = self.seconds[s.name][m]
-                totals["gemm"] += s.count * t[_gemm_kernel(m, self.amx_from[s.name], t)] / m
+                totals["gemm"] += s.count * t[gemm_kernel(m, vector_kernel(tuple(t)), **self.plan(s.name))] / m
                 totals["onednn"] += s.count * t.get("onednn", float("inf")) / m
         return totals
 
     def report(self) -> dict:
         """The choice as LLMEngine.stats()["gemm"] gives it (seconds: per layer, rows, candidate)."""
-        return {"weight_format": self.weight_format, "source": self.source,
-                "amx_from": {k: (None if v == NEVER else v) for k, v in self.amx_from.items()},
+        def rows(starts: dict[str, int]) -> dict[str, int | None]:
+            return {k: (None if v == NEVER else v) for k, v in starts.items()}
+
+        return {"weight_format": self.weight_format, "source": self.source, "amx_from": rows(self.amx_from),
+                "widen_from": rows(self.widen_from), "vnni_from": rows(self.vnni_from),
                 "decode_s_per_row": self.per_row(DECODE_ROWS), "prefill_s_per_row": self.per_row((PREFILL_ROWS,)),
                 "seconds": {name: {str(m): t for m, t in by_rows.items()} for name, by_rows in self.seconds.items()}}
 
@@ -126,31 +144,47 @@ class GemmChoice:
             text += (f"; oneDNN's products take {decode['onednn'] / decode['gemm']:.2f}x csrc/gemm.c's time at "
                      f"{'/'.join(map(str, DECODE_ROWS))} rows, {prefill['onednn'] / prefill['gemm']:.2f}x at "
                      f"{PREFILL_ROWS}")
-        if self.weight_format == "gemm" and self.amx_from:
-            text += "; AMX from " + ", ".join(f"{'never' if v == NEVER else f'{v} rows'} ({k})"
-                                             for k, v in self.amx_from.items())
+        for kernel, starts in (("AMX", self.amx_from), ("widen", self.widen_from), ("vnni", self.vnni_from)):
+            shown = starts if kernel == "AMX" else {k: v for k, v in starts.items() if v != NEVER}
+            if self.weight_format == "gemm" and shown:
+                text += f"; {kernel} from " + ", ".join(f"{'never' if v == NEVER else f'{v} rows'} ({k})"
+                                                        for k, v in shown.items())
         return text
 
 
-def _gemm_kernel(rows: int, amx_from: int, timed: dict[str, float]) -> str:
-    return "amx" if rows >= amx_from else vector_kernel(tuple(timed))
-
-
-def amx_threshold(by_rows: dict[int, dict[str, float]]) -> int:
-    """The smallest row count measured from which AMX's kernel is faster at every count measured; NEVER if at
-    none (or it was not measured)."""
+def kernel_threshold(by_rows: dict[int, dict[str, float]], kernel: str, rivals: tuple[str, ...],
+                     below: int = NEVER) -> int:
+    """The smallest row count measured (under `below`) from which `kernel` is faster than each of `rivals` that
+    was measured, at every count measured from there up to `below`; NEVER if at none (or it was not measured)."""
     start = NEVER
-    for m in sorted(by_rows, reverse=True):
+    for m in sorted((m for m in by_rows if m < below), reverse=True):
         t = by_rows[m]
-        if "amx" not in t or t["amx"] >= t[vector_kernel(tuple(t))]:
+        if kernel not in t or any(t[kernel] >= t[r] for r in rivals if r in t):
             break
         start = m
     return start
 
 
+def amx_threshold(by_rows: dict[int, dict[str, float]]) -> int:
+    """The smallest row count measured from which AMX's kernel is faster than each of csrc/gemm.c's others at
+    every count measured; NEVER if at none (or it was not measured)."""
+    others = ("avx512", "avx2", *QUANTIZED_KERNELS)
+    return kernel_threshold(by_rows, "amx", others)
+
+
+def quantized_thresholds(by_rows: dict[int, dict[str, float]], amx_from: int) -> tuple[int, int]:
+    """widen_from and vnni_from (see the module's docstring) below amx_from."""
+    vector = vector_kernel(tuple(next(iter(by_rows.values()), ())))
+    widen_from = kernel_threshold(by_rows, "widen", (vector, "vnni"), amx_from)
+    return widen_from, kernel_threshold(by_rows, "vnni", (vector,), min(widen_from, amx_from))
+
+
 def decide(shapes: list[Shape], seconds: Timings, source: str) -> GemmChoice:
     """The choice the timings make (see the module's docstring)."""
     choice = GemmChoice("gemm", source, {s.name: amx_threshold(seconds[s.name]) for s in shapes}, seconds, shapes)
+    for s in shapes:
+        choice.widen_from[s.name], choice.vnni_from[s.name] = quantized_thresholds(seconds[s.name],
+                                                                                   choice.amx_from[s.name])
     per_row = choice.per_row(DECODE_ROWS)
     if per_row["onednn"] * ONEDNN_MARGIN < per_row["gemm"]:
         choice.weight_format = "onednn"
@@ -188,7 +222,9 @@ def _choose(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, native: 
         if forced not in kernels:
             raise ValueError(f"{GEMM_ENV}={forced}: csrc/gemm.c has no {forced} kernel for {dtype} on this CPU "
                              f"(it has {', '.join(kernels)})")
-        return GemmChoice("gemm", f"{GEMM_ENV}={forced}", {s.name: 1 if forced == "amx" else NEVER for s in shapes})
+        return GemmChoice("gemm", f"{GEMM_ENV}={forced}", {s.name: 1 if forced == "amx" else NEVER for s in shapes},
+                          widen_from={s.name: 1 if forced == "widen" else NEVER for s in shapes},
+                          vnni_from={s.name: 1 if forced == "vnni" else NEVER for s in shapes})
     cache = TimingCache(dtype)
     seconds, measured = {}, False
     for s in shapes:
@@ -234,23 +270,25 @@ def time_shape(shape: Shape, dtype: torch.dtype, kernels: tuple[str, ...],
         if layer.load(w.clone(), fmt, quantization) == fmt:
             packed[fmt] = layer
     del w
-    # candidate -> (layer, its amx_from): csrc/gemm.c's kernels share one packed weight
-    candidates = {kernel: (packed["gemm"], 1 if kernel == "amx" else NEVER) for kernel in kernels}
+    # candidate -> (layer, its kernel plan): csrc/gemm.c's kernels share one packed weight; those of quantized
+    # weights alone are measured on quantized weights
+    candidates = {kernel: (packed["gemm"], _forcing(kernel)) for kernel in kernels
+                  if quantization or kernel not in QUANTIZED_KERNELS}
     if "onednn" in packed:
-        candidates["onednn"] = (packed["onednn"], NEVER)
+        candidates["onednn"] = (packed["onednn"], _forcing("onednn"))
     out: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for m in ROWS:
             x = torch.randn(m, k, generator=g, dtype=dtype)
             best = dict.fromkeys(candidates, float("inf"))
             runs, spent = dict.fromkeys(candidates, 0), dict.fromkeys(candidates, 0.0)
-            for kernel, (layer, amx_from) in candidates.items():      # warm-up: first touch, caches
-                layer.amx_from = amx_from
+            for kernel, (layer, plan) in candidates.items():      # warm-up: first touch, caches
+                layer.amx_from, layer.widen_from, layer.vnni_from = plan
                 layer(x)
             while pending := [k for k in candidates if _more(runs[k], spent[k], best[k])]:
                 for kernel in pending:
-                    layer, amx_from = candidates[kernel]
-                    layer.amx_from = amx_from
+                    layer, plan = candidates[kernel]
+                    layer.amx_from, layer.widen_from, layer.vnni_from = plan
                     start = time.perf_counter()
                     layer(x)
                     seconds = time.perf_counter() - start
@@ -258,6 +296,12 @@ def time_shape(shape: Shape, dtype: torch.dtype, kernels: tuple[str, ...],
                     runs[kernel], spent[kernel] = runs[kernel] + 1, spent[kernel] + seconds
             out[m] = {kernel: s * n / timed_n for kernel, s in best.items()}
     return out
+
+
+def _forcing(kernel: str) -> tuple[int, int, int]:
+    """amx_from, widen_from and vnni_from of a layer that runs `kernel` at every row count (the vector kernel's,
+    or oneDNN's: none)."""
+    return tuple(1 if kernel == k else NEVER for k in ("amx", "widen", "vnni"))
 
 
 def _more(runs: int, spent: float, best: float) -> bool:

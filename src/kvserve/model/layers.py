@@ -18,8 +18,10 @@ from kvserve.kernels import COMPUTE_DTYPES, DTYPE_KINDS, fallback, function, lib
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _PACK_BATCH_HINT = 64
-GEMM_KERNELS = ("avx512", "amx", "avx2", "neon")     # csrc/gemm.c's kernels, as it numbers them
-NEVER = 2**31 - 1                    # the amx_from of a layer that never runs AMX's kernel
+GEMM_KERNELS = ("avx512", "amx", "avx2", "neon", "vnni", "widen")     # csrc/gemm.c's kernels, as it numbers them
+# csrc/gemm.c's kernels of quantized weights alone (bfloat16 products): elsewhere they run as its vector kernel
+QUANTIZED_KERNELS = ("vnni", "widen")
+NEVER = 2**31 - 1                    # the amx_from (vnni_from, widen_from) of a layer that never runs that kernel
 WEIGHT_FORMATS = ("gemm", "onednn", "plain")
 # the numbers of a packed weight, as csrc/common.h numbers their kinds
 # (uint8: int4 numbers 0..15, one a byte unpacked, two a byte packed)
@@ -38,6 +40,10 @@ class Linear(nn.Linear):
     weight_format = "plain"
     gated = False              # GateUpLinear: csrc/gemm.c packs it as a gated weight
     amx_from = NEVER           # csrc/gemm.c: the rows from which AMX's kernel multiplies, not the vector kernel
+    # quantized weights, below amx_from: the rows from which csrc/gemm.c's kernel of the weight widened to the dtype
+    # multiplies, and below those the rows from which its kernel of x rounded to int8 does (gemm_kernel)
+    widen_from = NEVER
+    vnni_from = NEVER
     # int8: the largest magnitude of each output column over all its inputs, where the layer holds a part of them
     # (RowParallelLinear), taken for the column's scale; None: the weight's own
     column_absmax: torch.Tensor | None = None
@@ -96,8 +102,12 @@ class Linear(nn.Linear):
         if self.weight_format == "plain":
             return F.linear(x, self.weight, self.bias)
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, self.out_features, amx_from=self.amx_from, scales=self.scales)
+            return gemm(x, self.packed, self.bias, self.out_features, scales=self.scales, **self.kernel_plan())
         return onednn_linear(x, self.packed, self.bias)
+
+    def kernel_plan(self) -> dict[str, int]:
+        """The rows from which csrc/gemm.c runs each of its kernels on this layer (gemm's keywords)."""
+        return {"amx_from": self.amx_from, "widen_from": self.widen_from, "vnni_from": self.vnni_from}
 
 
 class GeluGateUpLinear(Linear):
@@ -120,7 +130,7 @@ class GateUpLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         half = self.out_features // 2
         if self.own_gemm:
-            return gemm(x, self.packed, self.bias, half, gated=True, amx_from=self.amx_from, scales=self.scales)
+            return gemm(x, self.packed, self.bias, half, gated=True, scales=self.scales, **self.kernel_plan())
         gate, up = super().forward(x).split(half, dim=-1)
         return F.silu(gate).mul_(up)
 
@@ -268,7 +278,8 @@ def gemm_kernels(dtype: torch.dtype) -> tuple[str, ...]:
     if fn is None:
         return ()
     bits = fn()
-    return tuple(k for i, k in enumerate(GEMM_KERNELS) if bits >> i & 1 and (k != "amx" or dtype == torch.bfloat16))
+    return tuple(k for i, k in enumerate(GEMM_KERNELS)
+                 if bits >> i & 1 and (k not in ("amx", *QUANTIZED_KERNELS) or dtype == torch.bfloat16))
 
 
 def vector_kernel(kernels: tuple[str, ...]) -> str:
@@ -277,11 +288,22 @@ def vector_kernel(kernels: tuple[str, ...]) -> str:
     return next((k for k in kernels if k in ("avx512", "avx2", "neon")), "avx512")
 
 
+def gemm_kernel(rows: int, vector: str, amx_from: int = NEVER, widen_from: int = NEVER, vnni_from: int = NEVER) -> str:
+    """The kernel of GEMM_KERNELS that multiplies `rows` rows: amx from amx_from rows, below that widen from
+    widen_from, below that vnni from vnni_from, below that the vector kernel (avx512, avx2 or neon)."""
+    for kernel, start in (("amx", amx_from), ("widen", widen_from), ("vnni", vnni_from)):
+        if rows >= start:
+            return kernel
+    return vector
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-         gated: bool = False, amx_from: int = NEVER, scales: torch.Tensor | None = None) -> torch.Tensor:
+         gated: bool = False, amx_from: int = NEVER, scales: torch.Tensor | None = None, widen_from: int = NEVER,
+         vnni_from: int = NEVER) -> torch.Tensor:
     """F.linear(x, w, bias) by csrc/gemm.c, w packed by gemm_pack (quantized: with its scales, int8's or int4's
     gemm_pack_groups, and w its dequantized weight); gated: silu(gate) * up of out_features each, w packed gated.
-    Products of amx_from rows or more run AMX's kernel (where gemm_kernels has it), others the vector kernel's."""
+    The kernel at x's row count is gemm_kernel's (where gemm_kernels has it; else csrc/gemm.c runs its vector
+    kernel, as it does for weights that are not quantized where the kernel is one of QUANTIZED_KERNELS)."""
     quantized = packed.dtype in (torch.int8, torch.uint8)
     if quantized != (scales is not None) or (not quantized and x.dtype != packed.dtype) or \
             (bias is not None and bias.dtype != x.dtype):
@@ -292,7 +314,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
         y = y if bias is None else y.add_(bias)
         return F.silu(y[..., :out_features]) * y[..., out_features:] if gated else y
     fn = _gemm_function("gemm", x.dtype)
-    kernel = "amx" if x.numel() // x.shape[-1] >= amx_from else _vector_kernel(library(), x.dtype)
+    kernel = gemm_kernel(x.numel() // x.shape[-1], _vector_kernel(library(), x.dtype), amx_from, widen_from,
+                         vnni_from)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

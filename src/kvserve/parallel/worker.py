@@ -39,6 +39,9 @@ class WorkerArgs:
     amx_from: dict[str, int] = field(default_factory=dict)
     native: bool = False                # the C decode step runs the steps rank 0 marks native (native_tp)
     quantization: str | None = None     # of the linear layers' weights, as rank 0's (EngineConfig.quantization)
+    # rank 0's layers' rows from which csrc/gemm.c runs its kernels of quantized weights (GemmChoice's)
+    widen_from: dict[str, int] = field(default_factory=dict)
+    vnni_from: dict[str, int] = field(default_factory=dict)
 
 
 # a change rank 0 made that a worker makes too, in order: (target, its method, the arguments), the target
@@ -112,7 +115,8 @@ def _serve(rank: int, size: int, address: tuple[str, int] | dist.Store, args: Wo
                        args.quantization, tp=tp)
     if args.weight_format == "gemm":
         gemm_kernels(args.dtype)        # the OS grants AMX's tile state to each process that asks (as rank 0 did)
-    GemmChoice(args.weight_format, "rank 0's", args.amx_from).apply(model)
+    GemmChoice(args.weight_format, "rank 0's", args.amx_from, widen_from=args.widen_from,
+               vnni_from=args.vnni_from).apply(model)
     backend = get_backend(args.attention_backend, device)
     _, spec, num_blocks, layer_groups, ops = loads(conn.recv_bytes(), device)
     storage = NoKVStorage(spec.num_layers) if num_blocks is None else KVStorage(spec, num_blocks, device, layer_groups)
