@@ -83,9 +83,9 @@ def _watch(engine) -> Seen:
         seen.rolled_back -= {s.seq_id for s in out.seqs}     # their rollback is no longer their last step
         return out
 
-    def watched_verify(seqs, out):
+    def watched_verify(seqs, out, masks):
         drafts = {s.seq_id: len(s.spec_token_ids) for s in seqs}
-        verified, rest, logits = verify(seqs, out)
+        verified, rest, logits = verify(seqs, out, masks)
         for v in verified:
             seen.forked_verifications += len(engine.requests[v.seq.request_id]) > 1
             if v.result.num_accepted < drafts[v.seq.seq_id]:
