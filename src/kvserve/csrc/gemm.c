@@ -552,6 +552,16 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *pane
 #define PREFETCH_AHEAD 1024  /* bytes of a panel read ahead (tile_int4): batch-1 decode streams it from memory */
 #define PREFETCH_FAR 4096    /* and further ahead into L2: batch-1 decode measured faster with both */
 
+/* The group of G4 bfloat16 numbers at x, of which the first `have` are there (none past k: zeros), as two
+ * halves of float32; returns their largest |x|. */
+static inline float load_group(const uint16_t *x, int have, __m512 half[2]) {
+    have = have < 0 ? 0 : have < G4 ? have : G4;
+    const __m512i v = _mm512_maskz_loadu_epi16(have == G4 ? ~0u : (1u << have) - 1, x);
+    half[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    half[1] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]), _mm512_abs_ps(half[1])));
+}
+
 /* Rows 0 .. m of x (ldx apart), bfloat16, in fixed point for the int4 tiles: each group of G4 numbers (past k:
  * zeros, up to `depth`) as v = x / unit rounded to an integer, unit the power of two that puts the group's
  * largest |x| just under 2^22, and v as three signed bytes, v = hi 2^16 + mid 2^8 + lo: pieces[(r PIECES + i)
@@ -563,12 +573,8 @@ static void split_rows(const uint16_t *x, int64_t ldx, int m, int k, int depth, 
     const int groups = depth / G4;
     for (int r = 0; r < m; r++)
         for (int g = 0; g < groups; g++) {
-            const int have = k - g * G4 < 0 ? 0 : k - g * G4 < G4 ? k - g * G4 : G4;
-            const __m512i v = _mm512_maskz_loadu_epi16(have == G4 ? ~0u : (1u << have) - 1, x + r * ldx + g * G4);
-            const __m512 half[2] = {
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)),
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16))};
-            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]), _mm512_abs_ps(half[1])));
+            __m512 half[2];
+            const float largest = load_group(x + r * ldx + g * G4, k - g * G4, half);
             int e = 0;
             if (largest > 0) frexpf(largest, &e);            /* largest < 2^e */
             units[r * groups + g] = ldexpf(1.0f, e - 22);
@@ -600,12 +606,8 @@ static void quantize_rows(const uint16_t *x, int64_t ldx, int m, int k, int dept
     const int groups = depth / G4;
     for (int r = 0; r < m; r++)
         for (int g = 0; g < groups; g++) {
-            const int have = k - g * G4 < 0 ? 0 : k - g * G4 < G4 ? k - g * G4 : G4;
-            const __m512i v = _mm512_maskz_loadu_epi16(have == G4 ? ~0u : (1u << have) - 1, x + r * ldx + g * G4);
-            const __m512 half[2] = {
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)),
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16))};
-            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]), _mm512_abs_ps(half[1])));
+            __m512 half[2];
+            const float largest = load_group(x + r * ldx + g * G4, k - g * G4, half);
             const __m512 to_q = _mm512_set1_ps(largest > 0 ? 127.0f / largest : 0.0f);
             __m512i total = _mm512_setzero_si512();
             for (int h = 0; h < 2; h++) {       /* |x| 127 / largest <= 127 (to within float32's rounding) */
