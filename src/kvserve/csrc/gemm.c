@@ -1008,6 +1008,16 @@ static void emit_row(const float *sums, int r, const Chunk *c, int dtype, void *
     }
 }
 
+/* a[r]: row r of x (dtype F32 or BF16, ldx apart, mr rows) as kc floats: x's own, or bfloat16 widened into
+ * rows[r]. */
+static inline void float_rows(const void *x, int64_t ldx, int dtype, int kc, int mr, float rows[MR][KC],
+                              const float *a[MR]) {
+    for (int r = 0; r < mr; r++) {
+        if (dtype == BF16) load_row(rows[r], (const uint16_t *)x + r * ldx, BF16, kc);
+        a[r] = dtype == BF16 ? rows[r] : (const float *)x + r * ldx;
+    }
+}
+
 #if AVX2_FMA
 /* Numbers i .. i + 7 of a panel as floats, of each kind. */
 static inline __m256 widen8_bf16(const uint16_t *from) {
@@ -1077,10 +1087,7 @@ static inline __attribute__((always_inline)) void tile_rows(const void *w, int k
                                                            void *y, int ldy) {
     float rows[MR][KC] __attribute__((aligned(32)));      /* bfloat16 rows widened */
     const float *a[MR];
-    for (int r = 0; r < mr; r++) {
-        if (dtype == BF16) load_row(rows[r], (const uint16_t *)x + r * ldx, BF16, kc);
-        a[r] = dtype == BF16 ? rows[r] : (const float *)x + r * ldx;
-    }
+    float_rows(x, ldx, dtype, kc, mr, rows, a);
     __m256 acc[MR][NV8];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NV8; j++) acc[r][j] = _mm256_setzero_ps();
@@ -1167,10 +1174,7 @@ static inline __attribute__((always_inline)) void tile_rows(const void *w, int k
                                                            void *y, int ldy) {
     float rows[MR][KC] __attribute__((aligned(16)));      /* bfloat16 rows widened */
     const float *a[MR];
-    for (int r = 0; r < mr; r++) {
-        if (dtype == BF16) load_row(rows[r], (const uint16_t *)x + r * ldx, BF16, kc);
-        a[r] = dtype == BF16 ? rows[r] : (const float *)x + r * ldx;
-    }
+    float_rows(x, ldx, dtype, kc, mr, rows, a);
     float32x4_t acc[MR][NV4];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NV4; j++) acc[r][j] = vdupq_n_f32(0.0f);
