@@ -34,8 +34,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.kernels import COMPUTE_DTYPES, build_key, cache_dirs
-from kvserve.model.layers import (NEVER, QUANTIZED_KERNELS, GateUpLinear, Linear, gemm_kernel, gemm_kernels,
-                                  gemm_packs, vector_kernel)
+from kvserve.model.layers import (GEMM_KERNELS, NEVER, QUANTIZED_KERNELS, GateUpLinear, Linear, gemm_kernel,
+                                  gemm_kernels, gemm_packs, vector_kernel)
 
 log = logging.getLogger(__name__)
 GEMM_ENV = "KVSERVE_GEMM"
@@ -104,8 +104,7 @@ class GemmChoice:
         name."""
         for name, m in model.named_modules():
             if isinstance(m, Linear) and m.own_gemm:
-                for key, rows in self.plan(name.rsplit(".", 1)[-1]).items():
-                    setattr(m, key, rows)
+                m.set_kernel_plan(self.plan(name.rsplit(".", 1)[-1]))
 
     def plan(self, name: str) -> dict[str, int]:
         """The rows from which the layer `name` runs each kernel (Linear.kernel_plan's keys)."""
@@ -168,8 +167,7 @@ def kernel_threshold(by_rows: dict[int, dict[str, float]], kernel: str, rivals: 
 def amx_threshold(by_rows: dict[int, dict[str, float]]) -> int:
     """The smallest row count measured from which AMX's kernel is faster than each of csrc/gemm.c's others at
     every count measured; NEVER if at none (or it was not measured)."""
-    others = ("avx512", "avx2", *QUANTIZED_KERNELS)
-    return kernel_threshold(by_rows, "amx", others)
+    return kernel_threshold(by_rows, "amx", tuple(k for k in GEMM_KERNELS if k != "amx"))
 
 
 def quantized_thresholds(by_rows: dict[int, dict[str, float]], amx_from: int) -> tuple[int, int]:
@@ -222,9 +220,8 @@ def _choose(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, native: 
         if forced not in kernels:
             raise ValueError(f"{GEMM_ENV}={forced}: csrc/gemm.c has no {forced} kernel for {dtype} on this CPU "
                              f"(it has {', '.join(kernels)})")
-        return GemmChoice("gemm", f"{GEMM_ENV}={forced}", {s.name: 1 if forced == "amx" else NEVER for s in shapes},
-                          widen_from={s.name: 1 if forced == "widen" else NEVER for s in shapes},
-                          vnni_from={s.name: 1 if forced == "vnni" else NEVER for s in shapes})
+        starts = {key: {s.name: rows for s in shapes} for key, rows in _forcing(forced).items()}
+        return GemmChoice("gemm", f"{GEMM_ENV}={forced}", **starts)
     cache = TimingCache(dtype)
     seconds, measured = {}, False
     for s in shapes:
@@ -283,12 +280,12 @@ def time_shape(shape: Shape, dtype: torch.dtype, kernels: tuple[str, ...],
             best = dict.fromkeys(candidates, float("inf"))
             runs, spent = dict.fromkeys(candidates, 0), dict.fromkeys(candidates, 0.0)
             for kernel, (layer, plan) in candidates.items():      # warm-up: first touch, caches
-                layer.amx_from, layer.widen_from, layer.vnni_from = plan
+                layer.set_kernel_plan(plan)
                 layer(x)
             while pending := [k for k in candidates if _more(runs[k], spent[k], best[k])]:
                 for kernel in pending:
                     layer, plan = candidates[kernel]
-                    layer.amx_from, layer.widen_from, layer.vnni_from = plan
+                    layer.set_kernel_plan(plan)
                     start = time.perf_counter()
                     layer(x)
                     seconds = time.perf_counter() - start
@@ -298,10 +295,10 @@ def time_shape(shape: Shape, dtype: torch.dtype, kernels: tuple[str, ...],
     return out
 
 
-def _forcing(kernel: str) -> tuple[int, int, int]:
-    """amx_from, widen_from and vnni_from of a layer that runs `kernel` at every row count (the vector kernel's,
+def _forcing(kernel: str) -> dict[str, int]:
+    """The kernel plan (Linear.kernel_plan) of a layer that runs `kernel` at every row count (the vector kernel's,
     or oneDNN's: none)."""
-    return tuple(1 if kernel == k else NEVER for k in ("amx", "widen", "vnni"))
+    return {f"{k}_from": 1 if kernel == k else NEVER for k in ("amx", "widen", "vnni")}
 
 
 def _more(runs: int, spent: float, best: float) -> bool:

@@ -109,6 +109,10 @@ class Linear(nn.Linear):
         """The rows from which csrc/gemm.c runs each of its kernels on this layer (gemm's keywords)."""
         return {"amx_from": self.amx_from, "widen_from": self.widen_from, "vnni_from": self.vnni_from}
 
+    def set_kernel_plan(self, plan: dict[str, int]) -> None:
+        """Run csrc/gemm.c's kernels from the rows `plan` gives (kernel_plan's keys)."""
+        self.amx_from, self.widen_from, self.vnni_from = plan["amx_from"], plan["widen_from"], plan["vnni_from"]
+
 
 class GeluGateUpLinear(Linear):
     """gate_proj and up_proj as one Linear [2 x intermediate, hidden] whose forward is the activation
