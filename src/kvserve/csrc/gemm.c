@@ -385,6 +385,9 @@ typedef struct {
 #if INT4_BY_VNNI
 static __thread Scratch fixed_rows;     /* an int4 weight's: x's rows in fixed point (split_rows) */
 #endif
+#if AVX512_BW_VL
+static __thread Scratch spread;         /* a pass's rows of x, SPREAD bytes further apart than k numbers */
+#endif
 
 /* Whether ok holds on every thread of the team: one answer, the same on every thread, so that where one thread's
  * memory ran out its whole team takes the same other way (a thread that went into other worksharing loops than its
@@ -406,8 +409,7 @@ static __attribute__((unused)) int team_all(int ok) {
     return !any;
 }
 
-/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. (Unused where the build has neither
- * AMX nor VNNI.) */
+/* At least `bytes` of s, from a 64-byte boundary; NULL where memory ran out. (Unused in NEON and AVX2 builds.) */
 static __attribute__((unused)) void *scratch(Scratch *s, size_t bytes) {
     if (bytes > s->bytes) {
         free(s->data);
@@ -418,6 +420,22 @@ static __attribute__((unused)) void *scratch(Scratch *s, size_t bytes) {
     return s->data;
 }
 
+
+#if AVX512_BW_VL
+#define SPREAD 64            /* bytes between the end of a row's numbers and the next row in spread_rows' copy */
+/* The mb rows of a pass (*rows, *ld numbers apart, k numbers of `size` bytes each) copied into the thread's own
+ * memory with rows SPREAD bytes further apart, and *rows, *ld pointed at the copy: where a row takes a whole number
+ * of 4 KiB, a tile's rows at one k would share one set of L1 (8 or 12 ways for its 14 rows) and evict each other
+ * at every step. Kept as they are where memory runs out (the products are the same). */
+static void spread_rows(const char **rows, int64_t *ld, int mb, int k, size_t size) {
+    const int64_t stride = ((int64_t)k * size + 63) / 64 * 64 + SPREAD;
+    char *copy = scratch(&spread, (size_t)mb * stride);
+    if (!copy) return;
+    for (int r = 0; r < mb; r++) memcpy(copy + r * stride, *rows + r * *ld * size, (size_t)k * size);
+    *rows = copy;
+    *ld = stride / size;
+}
+#endif
 
 /* What a panel's last k-chunk writes: y; or (a gated weight's) its gate sums, or silu(gate) * up. */
 enum { PLAIN, GATE, SWIGLU };
@@ -640,10 +658,10 @@ static inline __m512i vnni_order(void) {
  * its unit into float32, and once a chunk 128 times the sum of the rows' rounded x is taken off. The column's
  * scale is applied as the sums are written: the products are those of the dequantized weight by x rounded to
  * int8, up to the order of the sums. */
-static inline __attribute__((always_inline)) void tile_vnni8(const int8_t *panel, __m512i order, const int8_t *q,
-                                                            int depth, const float *units, const float *sums, int ldg,
-                                                            int kc, int mr, float *partial, const Chunk *c, void *y,
-                                                            int ldy) {
+static inline __attribute__((always_inline)) void tile_vnni8(const int8_t *panel, const int8_t *next, __m512i order,
+                                                            const int8_t *q, int depth, const float *units,
+                                                            const float *sums, int ldg, int kc, int mr, float *partial,
+                                                            const Chunk *c, void *y, int ldy) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[MR][NV];
     float shift[MRV] = {0};
@@ -657,6 +675,10 @@ static inline __attribute__((always_inline)) void tile_vnni8(const int8_t *panel
             const int8_t *b = panel + (int64_t)kk * NR;
             _mm_prefetch((const char *)(b + 2 * PREFETCH_AHEAD), _MM_HINT_T0);
             _mm_prefetch((const char *)(b + 2 * PREFETCH_FAR), _MM_HINT_T1);
+            if (next) {
+                _mm_prefetch((const char *)(next + (int64_t)kk * NR), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + (int64_t)kk * NR + 2 * NR), _MM_HINT_T1);
+            }
             const __m512i lo = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(b));
             const __m512i hi = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(b + 2 * NR));
             const __m512i w[NV] = {_mm512_xor_si512(_mm512_unpacklo_epi16(lo, hi), flip),
@@ -680,9 +702,10 @@ static inline __attribute__((always_inline)) void tile_vnni8(const int8_t *panel
 }
 
 /* tile_vnni8 with its row count a constant in each case. */
-static void tile8(const int8_t *panel, __m512i order, const int8_t *q, int depth, const float *units,
-                  const float *sums, int ldg, int kc, int mr, float *partial, const Chunk *c, void *y, int ldy) {
-#define ROWS(R) case R: tile_vnni8(panel, order, q, depth, units, sums, ldg, kc, R, partial, c, y, ldy); break;
+static void tile8(const int8_t *panel, const int8_t *next, __m512i order, const int8_t *q, int depth,
+                  const float *units, const float *sums, int ldg, int kc, int mr, float *partial, const Chunk *c,
+                  void *y, int ldy) {
+#define ROWS(R) case R: tile_vnni8(panel, next, order, q, depth, units, sums, ldg, kc, R, partial, c, y, ldy); break;
     switch (mr) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 #undef ROWS
 }
@@ -1267,6 +1290,11 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
         if (pieces && np == 1) quantize_rows((const uint16_t *)x + m0 * ldx, ldx, mb, k, depth, pieces, units, xsums);
 #endif
 #endif
+        const char *xr = (const char *)x + m0 * ldx * size;      /* the pass's rows, ld numbers apart */
+        int64_t ld = ldx;
+#if AVX512_BW_VL
+        if (mb > MR_INT8) spread_rows(&xr, &ld, mb, k, size);
+#endif
         /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
         for (int u = 0; u < panels / per_unit; u++)
@@ -1295,8 +1323,10 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                             uint16_t *to = (uint16_t *)y + ((int64_t)(m0 + r0) * n + u * NR);
 #if INT8_ROWS
                             if (kind == INT8) {
-                                tile8(chunk, order, q, depth, unit, sum, (int)groups4, kc, mr, partial + r0 * NR, &rows,
-                                      to, n);
+                                /* the first tile brings the thread's next chunk into L2 as it goes: the others
+                                 * read this one from cache, and memory would wait for them */
+                                tile8(chunk, g == 0 && tiles > 1 ? (const int8_t *)next : NULL, order, q, depth, unit,
+                                      sum, (int)groups4, kc, mr, partial + r0 * NR, &rows, to, n);
                                 r0 += mr;
                                 continue;
                             }
@@ -1341,9 +1371,8 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                         const int mr = mb / groups + (g < mb % groups);
                         Chunk rows = c;
                         rows.gate = gate + r0 * NR;
-                        tile(dtype, held, chunk, g == 0 ? next : NULL, (const char *)x + ((m0 + r0) * ldx + k0) * size,
-                             ldx, kc, mr, partial + r0 * NR, &rows, (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size,
-                             n);
+                        tile(dtype, held, chunk, g == 0 ? next : NULL, xr + (r0 * ld + k0) * size, ld, kc, mr,
+                             partial + r0 * NR, &rows, (char *)y + ((int64_t)(m0 + r0) * n + u * NR) * size, n);
                         r0 += mr;
                     }
                 }
