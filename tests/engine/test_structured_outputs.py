@@ -321,7 +321,8 @@ def test_speculation_within_a_grammar_gives_plain_decoding_s_tokens(ckpt, kind):
     params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     expected = LLM(str(ckpt), **kw).generate(prompts, params, use_tqdm=False)
     k = 4
-    llm = LLM(str(ckpt), speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
+    llm = LLM(str(ckpt), speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                             "disable_by_batch_size": len(prompts)}, **kw)
     references = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in expected}
     walk = GrammarWalk(references, miss=0.5)
     spec = llm.engine.speculator
@@ -362,7 +363,7 @@ class CombinedProposer(Proposer):
 def test_sampled_speculation_within_a_grammar_follows_it(ckpt, mode):
     """Sampled outputs verified under their grammar's masks follow it, n > 1 forks included."""
     llm = LLM(str(ckpt), block_size=4, num_kv_blocks=512, max_model_len=512,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 4})
     outs = llm.generate(PROMPTS[:2], SamplingParams(n=2, max_tokens=160, structured_outputs=json_params(),
                                                     **MODES[mode]), use_tqdm=False)
     walk = GrammarWalk({}, miss=1.0)

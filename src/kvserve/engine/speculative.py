@@ -31,9 +31,10 @@ from kvserve.sampling import DraftResult, RejectionSampler, Sampler, TokenMask
 METHODS = ("ngram", "draft_model")
 # the token masks of the verification rows of some sequences (structured outputs'), or None: what verify samples in
 DraftMasks = Callable[[list[Sequence]], TokenMask | None]
-# At larger batches a step of this CPU computes more than it reads, and a verification's extra rows cost their
-# share: measured by `kvserve bench spec` (docs/performance.md's spec section)
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# From a few sequences on, a CPU's step of 1 + k tokens a sequence computes more than it reads, and its extra rows
+# cost their share: past 4 sequences, 4 drafts a step need more tokens a step than lookup usually gains to pay
+# (measured by `kvserve bench spec`: docs/performance.md's spec section)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
