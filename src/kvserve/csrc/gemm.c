@@ -69,7 +69,7 @@
 #define MR 3                 /* rows per tile: 24 sums + 3 broadcasts + 2 weight vectors in 32 registers */
 #define KC 128               /* k per chunk, widened to float32: NR x KC floats fill half of a 32 KiB L1 */
 #endif
-#define MC (252 / MR * MR)   /* rows that share a pass over the panels: their k-chunk stays in L2 */
+#define MC (126 / MR * MR)   /* rows that share a pass over the panels: read by every panel, they stay in L2 */
 #define KT 32                /* k of an AMX tile (bfloat16): a panel's k is padded to a multiple of it */
 /* bfloat16 panels hold pairs of k rows interleaved, as AVX-512's VDPBF16PS and AMX's tiles read them; AVX2 and NEON
  * builds widen every chunk to float32, and every dtype's panels hold their numbers k row by k row, as float32's */
@@ -1293,7 +1293,11 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
         const char *xr = (const char *)x + m0 * ldx * size;      /* the pass's rows, ld numbers apart */
         int64_t ld = ldx;
 #if AVX512_BW_VL
-        if (mb > MR_INT8) spread_rows(&xr, &ld, mb, k, size);
+        int spread_out = mb > MR_INT8;      /* (at most MR_INT8 rows: int8's in-register tiles, or too few to clash) */
+#if INT4_BY_VNNI
+        spread_out = spread_out && !pieces; /* (the tiles read the rows' fixed point or int8 instead) */
+#endif
+        if (spread_out) spread_rows(&xr, &ld, mb, k, size);
 #endif
         /* units of work: a panel, or a gated weight's pair, whose NR columns of y it writes */
         #pragma omp for schedule(static) nowait
