@@ -1284,14 +1284,14 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
 #endif
     for (int m0 = 0; m0 < m; m0 += MC) {
         const int mb = m - m0 < MC ? m - m0 : MC, groups = (mb + MR - 1) / MR;
-#if INT4_BY_VNNI
-        if (pieces && np == PIECES) split_rows((const uint16_t *)x + m0 * ldx, ldx, mb, k, depth, pieces, units, xsums);
-#if INT8_ROWS
-        if (pieces && np == 1) quantize_rows((const uint16_t *)x + m0 * ldx, ldx, mb, k, depth, pieces, units, xsums);
-#endif
-#endif
         const char *xr = (const char *)x + m0 * ldx * size;      /* the pass's rows, ld numbers apart */
         int64_t ld = ldx;
+#if INT4_BY_VNNI
+        if (pieces && np == PIECES) split_rows((const uint16_t *)xr, ld, mb, k, depth, pieces, units, xsums);
+#if INT8_ROWS
+        if (pieces && np == 1) quantize_rows((const uint16_t *)xr, ld, mb, k, depth, pieces, units, xsums);
+#endif
+#endif
 #if AVX512_BW_VL
         int spread_out = mb > MR_INT8;      /* (at most MR_INT8 rows: int8's in-register tiles, or too few to clash) */
 #if INT4_BY_VNNI
@@ -1351,11 +1351,9 @@ void gemm_team(const void *packed, const void *scales, int kind, const void *bia
                     }
                     if (kind == INT8 && mb <= MR_INT8 && kernel != GEMM_WIDEN) {
                         Chunk rows = c;
-                        if (mb == 1) tile_int8(dtype, chunk, (const int8_t *)next,
-                                               (const char *)x + (int64_t)m0 * ldx * size + k0 * size, ldx, kc, 1,
+                        if (mb == 1) tile_int8(dtype, chunk, (const int8_t *)next, xr + k0 * size, ld, kc, 1,
                                                partial, &rows, (char *)y + ((int64_t)m0 * n + u * NR) * size, n);
-                        else tile_int8(dtype, chunk, (const int8_t *)next,
-                                       (const char *)x + (int64_t)m0 * ldx * size + k0 * size, ldx, kc, 2,
+                        else tile_int8(dtype, chunk, (const int8_t *)next, xr + k0 * size, ld, kc, 2,
                                        partial, &rows, (char *)y + ((int64_t)m0 * n + u * NR) * size, n);
                         continue;
                     }

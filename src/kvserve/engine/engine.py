@@ -81,6 +81,7 @@ class LLMEngine:
             self.scheduler.forget_uncomputed(sched)   # no later request may share blocks never written
             raise
         self.scheduler.commit(sched)
+        self.structured.wait(masks)     # (what follows reads and advances the grammars that the masks read)
         if out.tokens is not None:
             outputs = self.outputs.append_steps(sched, out.tokens)
             self.speculator.propose(sched.seqs, self.scheduler.running)

@@ -81,7 +81,7 @@ class StructuredOutputManager:
         rows = [i for i, s in enumerate(seqs) if s.grammar.constrains]
         if not rows:
             return None
-        parts = [self._wait(job)] if job.future is not None else []
+        parts = [self.wait(job)] if job.future is not None else []
         index = dict(job.index)
         late = [seqs[i] for i in rows if seqs[i].seq_id not in index]
         if late:
@@ -104,11 +104,12 @@ class StructuredOutputManager:
                 rows += range(at, at + n)
                 picks += range(job.index[seq.seq_id], job.index[seq.seq_id] + n)
             at += n
-        return TokenMask(rows, self._wait(job)[picks]) if rows else None
+        return TokenMask(rows, self.wait(job)[picks]) if rows else None
 
-    def _wait(self, job: MaskJob) -> torch.Tensor:
-        """The job's masks, waited for (once)."""
-        if job.bias is None:
+    def wait(self, job: MaskJob) -> torch.Tensor | None:
+        """The job's masks, waited for (once); None for a job of no sequence. Until the job is done its grammars are
+        the mask thread's: nothing else may read or advance them (verify, fork samples, sample, propose)."""
+        if job.future is not None and job.bias is None:
             start = time.perf_counter()
             job.bias = job.future.result()
             self.wait_seconds += time.perf_counter() - start
